@@ -1,0 +1,504 @@
+"""Client library: `Client` (asyncio) and `SyncClient` (blocking), speaking docs/protocol.md.
+
+    c = await priod.connect(socket_path)        # or: async with priod.connect(path) as c:
+    h = await c.alloc_host(nbytes)              # h.array: numpy view of the shared memory
+    d = await c.alloc_device(nbytes)            # under sim, d.array too
+    r = await c.copy(d, h, nbytes, priority="urgent")
+    await c.close()
+
+Copies never carry data: they name regions both sides can reach. Replies may come back out of
+order (urgent copies overtake bulk ones); each request waits on its own future. If the
+connection breaks, every waiting request fails with `ConnectionClosed` (its ``__cause__`` says
+why), and no copy is ever reported done that the daemon did not report done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import mmap
+import os
+import socket
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .config import default_socket_path
+from .errors import ConnectionClosed, InvalidRequest, PriodError, ProtocolError, error_for_code
+from .protocol import PROTOCOL_VERSION, Message
+from .transport import BlockingFramedSocket, FramedSocket
+
+__all__ = ["Client", "SyncClient", "connect", "Region", "CopyResult", "CopyHandle"]
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """What the daemon measured for one finished copy (microseconds, daemon clock)."""
+
+    nbytes: int
+    queued_us: float
+    """Arrival to first chunk submitted."""
+    transfer_us: float
+    """First chunk submitted to last chunk complete."""
+    total_us: float
+    path: str
+    """``dma`` or ``express``."""
+    missed_deadline: bool = False
+
+
+class Region:
+    """A host or device region this connection made. ``array`` maps it where that is possible."""
+
+    def __init__(self, reply: Message, fds: list[int], generation: int) -> None:
+        self.id: int = reply["region"]
+        self.nbytes: int = reply["nbytes"]
+        self.kind: str = reply["kind"]
+        self.device: int | None = reply.get("device")
+        self.export: Message = reply.get("export") or {}
+        self.generation = generation
+        self._mapping: mmap.mmap | None = None
+        self.array: npt.NDArray[np.uint8] | None = None
+        if fds:
+            try:
+                self._mapping = mmap.mmap(fds[0], self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self.array = np.frombuffer(self._mapping, dtype=np.uint8)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def cuda(self) -> Any:
+        """Open a daemon-allocated device region in this process (cuda engine only).
+
+        Returns an object with ``__cuda_array_interface__`` (uint8, ``nbytes``): pass it to
+        ``cupy.asarray`` or ``torch.as_tensor(..., device="cuda")``. Call its ``close()`` when done.
+        """
+        if self.export.get("kind") != "cuda_ipc":
+            raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
+        from .engines.cuda import open_device_export
+
+        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, self.device or 0)
+
+    def unmap(self) -> None:
+        self.array = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when that view goes
+            self._mapping = None
+
+    def __repr__(self) -> str:
+        return f"<priod.Region {self.id} {self.kind} {self.nbytes} bytes>"
+
+
+def _copy_request(
+    dst: Region, src: Region, nbytes: int | None, dst_offset: int, src_offset: int, priority: str, deadline_ms: float | None
+) -> Message:
+    if nbytes is None:
+        nbytes = min(dst.nbytes - dst_offset, src.nbytes - src_offset)
+    msg: Message = {
+        "op": "copy",
+        "dst": dst.id,
+        "src": src.id,
+        "nbytes": nbytes,
+        "dst_offset": dst_offset,
+        "src_offset": src_offset,
+        "priority": priority,
+    }
+    if deadline_ms is not None:
+        msg["deadline_ms"] = deadline_ms
+    return msg
+
+
+def _raise_for(reply: Message) -> None:
+    if not reply.get("ok"):
+        err = reply.get("error") or {}
+        raise error_for_code(str(err.get("code", "internal")), str(err.get("message", "request failed")), int(err.get("bytes_done", 0)))
+
+
+def _result(reply: Message) -> CopyResult:
+    return CopyResult(
+        reply["nbytes"], reply["queued_us"], reply["transfer_us"], reply["total_us"], reply["path"], reply.get("missed_deadline", False)
+    )
+
+
+def _cuda_register_request(obj: Any) -> Message:
+    from .engines.cuda import export_cuda_array
+
+    handle, offset, nbytes, device = export_cuda_array(obj)
+    return {"op": "register_device", "handle": handle, "offset": offset, "nbytes": nbytes, "device": device}
+
+
+def _sealed_memfd_request(fd: int, nbytes: int) -> Message:
+    return {"op": "register_host", "nbytes": nbytes}
+
+
+class CopyHandle:
+    """A copy in progress: await it for the `CopyResult`, or `cancel()` it."""
+
+    def __init__(self, client: Client, req_id: int, future: asyncio.Future[Message]) -> None:
+        self.client, self.id, self._future = client, req_id, future
+
+    def __await__(self) -> Generator[Any, None, CopyResult]:
+        reply = yield from self._future.__await__()
+        _raise_for(reply)
+        return _result(reply)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    async def cancel(self) -> int:
+        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had finished)."""
+        from .errors import Cancelled
+
+        if not self._future.done():
+            try:
+                await self.client._request({"op": "cancel", "target": self.id})
+            except PriodError:
+                pass  # finished meanwhile: its own reply says how
+        try:
+            return (await self).nbytes
+        except Cancelled as exc:
+            return exc.bytes_done
+
+
+class Client:
+    """An asyncio connection to the daemon. Many requests may be in flight at once."""
+
+    def __init__(self, path: str, name: str = "") -> None:
+        self.path = path
+        self.name = name
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._sock: FramedSocket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._closed_exc: PriodError | None = None
+        self.generation = 0
+        self.server: Message = {}
+        self._regions: list[Region] = []
+
+    @classmethod
+    async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0) -> Client:
+        """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up."""
+        client = cls(path or default_socket_path(), name)
+        await client._open(wait_s)
+        return client
+
+    async def _open(self, wait_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + wait_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, self.path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise ConnectionClosed(f"no priod daemon at {self.path} ({exc.strerror}); start one with 'priod serve' or pass its socket path") from exc
+                await asyncio.sleep(0.05)
+        self.generation += 1
+        self._closed_exc = None
+        self._sock = FramedSocket(sock, max_output=1 << 30)
+        self._reader = asyncio.ensure_future(self._read_replies(self._sock))
+        self.server = await self._request({"op": "hello", "v": PROTOCOL_VERSION, "client": self.name or f"pid{os.getpid()}"})
+
+    async def reconnect(self, wait_s: float = 10.0) -> None:
+        """Open a fresh connection (after a daemon restart). Regions of the old one are gone:
+        allocate them again. Pending requests of the old connection have already failed."""
+        await self.close()
+        await self._open(wait_s)
+
+    async def _read_replies(self, sock: FramedSocket) -> None:
+        cause: BaseException
+        try:
+            while True:
+                msg, fds = await sock.receive()
+                fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
+                if fut is None:
+                    for fd in fds:
+                        os.close(fd)
+                    if not msg.get("ok", True):
+                        # id 0: the daemon refused the connection or closed it for a protocol error
+                        err = msg.get("error") or {}
+                        raise error_for_code(str(err.get("code")), str(err.get("message")))
+                    continue
+                if not fut.done():
+                    fut.set_result({**msg, "_fds": fds})
+                else:
+                    for fd in fds:
+                        os.close(fd)
+        except asyncio.CancelledError:
+            cause = ConnectionClosed("connection closed by this client")
+        except PriodError as exc:
+            cause = exc
+        except Exception as exc:  # noqa: BLE001 - anything else also ends the connection
+            cause = ProtocolError(f"unexpected error reading replies: {exc!r}")
+        closed = ConnectionClosed(f"connection to priod at {self.path} lost: {cause}")
+        closed.__cause__ = cause
+        if isinstance(cause, PriodError) and cause.code not in ("closed",):
+            self._closed_exc = cause  # a refusal (permission, limit...) is more useful than "closed"
+        else:
+            self._closed_exc = closed
+        sock.close()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._closed_exc)
+        self._pending.clear()
+
+    def _send(self, msg: Message, fds: tuple[int, ...] = ()) -> tuple[int, asyncio.Future[Message]]:
+        if self._closed_exc is not None:
+            raise self._closed_exc
+        if self._sock is None or self._sock.closed:
+            raise ConnectionClosed("not connected; use priod.connect() or reconnect()")
+        req_id = next(self._ids)
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        self._sock.send({**msg, "id": req_id}, fds)
+        return req_id, fut
+
+    async def _request(self, msg: Message, fds: tuple[int, ...] = ()) -> Message:
+        _, fut = self._send(msg, fds)
+        reply = await fut
+        if not reply.get("ok"):
+            for fd in reply.pop("_fds", []):
+                os.close(fd)
+            _raise_for(reply)
+        return reply
+
+    def _region(self, reply: Message) -> Region:
+        region = Region(reply, reply.pop("_fds", []), self.generation)
+        self._regions.append(region)
+        return region
+
+    def _check_region(self, *regions: Region) -> None:
+        for r in regions:
+            if r.generation != self.generation:
+                raise InvalidRequest(f"{r!r} belongs to an earlier connection; allocate it again after reconnect()")
+
+    # -- regions -----------------------------------------------------------------------------
+    async def alloc_host(self, nbytes: int) -> Region:
+        """A host region: a memfd the daemon maps and pins once; ``.array`` is your view of it."""
+        return self._region(await self._request({"op": "alloc_host", "nbytes": nbytes}))
+
+    async def register_host(self, fd: int, nbytes: int) -> Region:
+        """Share your own memfd (sealed with F_SEAL_SHRINK) as a host region. ``fd`` stays yours."""
+        reply = await self._request(_sealed_memfd_request(fd, nbytes), (os.dup(fd),))
+        return self._region(reply)
+
+    async def alloc_device(self, nbytes: int, device: int = 0) -> Region:
+        """Device memory the daemon allocates; sim: ``.array`` maps it; cuda: ``.cuda()`` opens it."""
+        reply = await self._request({"op": "alloc_device", "nbytes": nbytes, "device": device})
+        return self._region(reply)
+
+    async def register_device(self, obj: Any) -> Region:
+        """Share your own GPU buffer (anything with ``__cuda_array_interface__``); keep it alive
+        until you free the region."""
+        return self._region(await self._request(_cuda_register_request(obj)))
+
+    async def free(self, region: Region) -> None:
+        self._check_region(region)
+        await self._request({"op": "free", "region": region.id})
+        region.unmap()
+
+    async def share(self, region: Region, uid: int) -> None:
+        """Let connections of ``uid`` name this region in their copies (not free or share it)."""
+        self._check_region(region)
+        await self._request({"op": "share", "region": region.id, "uid": uid})
+
+    # -- copies ------------------------------------------------------------------------------
+    def start_copy(
+        self,
+        dst: Region,
+        src: Region,
+        nbytes: int | None = None,
+        dst_offset: int = 0,
+        src_offset: int = 0,
+        priority: str = "normal",
+        deadline_ms: float | None = None,
+    ) -> CopyHandle:
+        """Send a copy and return at once; await the handle for its result."""
+        self._check_region(dst, src)
+        req_id, fut = self._send(_copy_request(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms))
+        return CopyHandle(self, req_id, fut)
+
+    async def copy(
+        self,
+        dst: Region,
+        src: Region,
+        nbytes: int | None = None,
+        dst_offset: int = 0,
+        src_offset: int = 0,
+        priority: str = "normal",
+        deadline_ms: float | None = None,
+    ) -> CopyResult:
+        """Copy ``nbytes`` from ``src`` to ``dst``; the direction comes from the regions' kinds.
+
+        If the awaiting task is cancelled, the copy is cancelled in the daemon too.
+        """
+        handle = self.start_copy(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms)
+        try:
+            return await handle
+        except asyncio.CancelledError:
+            if self._sock is not None and not self._sock.closed and self._closed_exc is None:
+                try:
+                    self._send({"op": "cancel", "target": handle.id})
+                except PriodError:
+                    pass
+            raise
+
+    async def status(self) -> dict[str, Any]:
+        reply = await self._request({"op": "status"})
+        status: dict[str, Any] = reply["status"]
+        return status
+
+    async def ping(self) -> None:
+        await self._request({"op": "ping"})
+
+    async def close(self) -> None:
+        """Close the connection; the daemon releases this connection's regions."""
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close()
+        for region in self._regions:
+            region.unmap()
+        self._regions.clear()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+
+class _Connecting:
+    """What `connect` returns: await it for a `Client`, or use it with ``async with``."""
+
+    def __init__(self, path: str | None, name: str, wait_s: float) -> None:
+        self._args = (path, name, wait_s)
+        self._client: Client | None = None
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        path, name, wait_s = self._args
+        return Client.connect(path, name=name, wait_s=wait_s).__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self
+        return self._client
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0) -> _Connecting:
+    """Connect to the daemon at ``path`` (default: $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock)."""
+    return _Connecting(path, name, wait_s)
+
+
+class SyncClient:
+    """The same API, blocking, for code without an event loop. One request at a time."""
+
+    def __init__(self, path: str | None = None, *, name: str = "", timeout: float | None = None) -> None:
+        self.path = path or default_socket_path()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise ConnectionClosed(f"no priod daemon at {self.path} ({exc.strerror}); start one with 'priod serve' or pass its socket path") from exc
+        sock.settimeout(timeout)
+        self._sock = BlockingFramedSocket(sock)
+        self._ids = itertools.count(1)
+        self._regions: list[Region] = []
+        self.server = self._request({"op": "hello", "v": PROTOCOL_VERSION, "client": name or f"pid{os.getpid()}"})
+
+    def _request(self, msg: Message, fds: tuple[int, ...] = ()) -> Message:
+        req_id = next(self._ids)
+        self._sock.send({**msg, "id": req_id}, fds)
+        while True:
+            reply, got = self._sock.receive()
+            if reply.get("id") == req_id:
+                if not reply.get("ok"):
+                    for fd in got:
+                        os.close(fd)
+                    _raise_for(reply)
+                reply["_fds"] = got
+                return reply
+            for fd in got:
+                os.close(fd)
+            if not reply.get("ok", True) and not reply.get("id"):
+                _raise_for(reply)
+
+    def _region(self, reply: Message) -> Region:
+        region = Region(reply, reply.pop("_fds", []), 1)
+        self._regions.append(region)
+        return region
+
+    def alloc_host(self, nbytes: int) -> Region:
+        return self._region(self._request({"op": "alloc_host", "nbytes": nbytes}))
+
+    def register_host(self, fd: int, nbytes: int) -> Region:
+        dup = os.dup(fd)
+        try:
+            return self._region(self._request(_sealed_memfd_request(fd, nbytes), (dup,)))
+        finally:
+            os.close(dup)
+
+    def alloc_device(self, nbytes: int, device: int = 0) -> Region:
+        return self._region(self._request({"op": "alloc_device", "nbytes": nbytes, "device": device}))
+
+    def register_device(self, obj: Any) -> Region:
+        return self._region(self._request(_cuda_register_request(obj)))
+
+    def free(self, region: Region) -> None:
+        self._request({"op": "free", "region": region.id})
+        region.unmap()
+
+    def share(self, region: Region, uid: int) -> None:
+        self._request({"op": "share", "region": region.id, "uid": uid})
+
+    def copy(
+        self,
+        dst: Region,
+        src: Region,
+        nbytes: int | None = None,
+        dst_offset: int = 0,
+        src_offset: int = 0,
+        priority: str = "normal",
+        deadline_ms: float | None = None,
+    ) -> CopyResult:
+        return _result(self._request(_copy_request(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms)))
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self._request({"op": "status"})["status"]
+        return status
+
+    def ping(self) -> None:
+        self._request({"op": "ping"})
+
+    def close(self) -> None:
+        self._sock.close()
+        for region in self._regions:
+            region.unmap()
+        self._regions.clear()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+

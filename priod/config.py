@@ -1,0 +1,300 @@
+"""Configuration: defaults < TOML file < ``PRIOD_<SECTION>__<KEY>`` environment < command line.
+
+Everything is validated at start into frozen dataclasses; a bad value fails fast with an error
+that names the setting and the fix. config/priod.toml documents every setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_type_hints
+
+from .errors import ConfigError
+from .scheduler import DEFAULT_CLASSES, ClassSpec, Policy
+
+__all__ = ["Config", "load_config", "default_socket_path"]
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> str:
+    """``$PRIOD_SOCKET``, else ``$XDG_RUNTIME_DIR/priod.sock``, else ``/run/priod/priod.sock``."""
+    env = os.environ if environ is None else environ
+    if env.get("PRIOD_SOCKET"):
+        return env["PRIOD_SOCKET"]
+    if env.get("XDG_RUNTIME_DIR"):
+        return os.path.join(env["XDG_RUNTIME_DIR"], "priod.sock")
+    return "/run/priod/priod.sock"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket: str = ""
+    """Empty: the default path (see `default_socket_path`)."""
+    backend: Literal["auto", "sim", "cuda"] = "auto"
+    socket_mode: int = 0o660
+    max_frame_bytes: int = 1 << 20
+    max_output_bytes: int = 4 << 20
+    max_clients: int = 256
+    allow_uids: tuple[int, ...] = ()
+    allow_gids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    mode: Literal["priod", "fifo"] = "priod"
+    max_block_us: float = 1000.0
+    depth: int = 2
+    min_chunk_bytes: int = 256 * 1024
+    aging_ms: float = 200.0
+    express: bool = True
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_pinned_bytes: int = 16 << 30
+    max_device_bytes: int = 64 << 30
+    max_regions: int = 1024
+    max_queued_requests: int = 4096
+    max_queued_bytes: int = 64 << 30
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    devices: int = 1
+    h2d_gbps: float = 2.0
+    d2h_gbps: float = 2.0
+    d2d_gbps: float = 8.0
+    express_share: float = 0.33
+    """Share of the link an express copy gets while DMA runs beside it (findings: about a third)."""
+    express_max_bytes: int = 64 << 20
+    express_min_bytes: int = 4096
+    fault_on_nbytes: int = 0
+    """Fault injection for tests: a chunk of exactly this many bytes fails. 0: never."""
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    devices: tuple[int, ...] = ()
+    """Empty: every visible GPU."""
+    calibrate_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    address: str = "127.0.0.1"
+    port: int = 0
+    """0: no metrics endpoint."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    shutdown: Literal["finish", "cancel"] = "finish"
+    shutdown_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    classes: tuple[ClassSpec, ...] = DEFAULT_CLASSES
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    source: str = "defaults"
+
+    @property
+    def socket_path(self) -> str:
+        return self.server.socket or default_socket_path()
+
+    def policy(self) -> Policy:
+        s = self.scheduler
+        return Policy(
+            mode=s.mode,
+            classes=self.classes,
+            max_block_us=s.max_block_us,
+            depth=s.depth,
+            min_chunk_bytes=s.min_chunk_bytes,
+            aging_ms=s.aging_ms,
+            express=s.express,
+        )
+
+    def replace(self, **sections: Any) -> Config:
+        """A copy with some settings changed: ``cfg.replace(scheduler={"mode": "fifo"})``."""
+        raw = _as_raw(self)
+        for name, values in sections.items():
+            if name == "classes" or not isinstance(values, Mapping):
+                raw[name] = values
+            else:
+                raw.setdefault(name, {}).update(values)
+        return _build(raw, self.source)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(Config) if f.name not in ("classes", "source")}
+
+
+def load_config(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read ``path`` (if given), apply ``PRIOD_<SECTION>__<KEY>`` overrides, validate."""
+    env = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        try:
+            with p.open("rb") as fp:
+                data = fp.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc.strerror}; pass an existing file with --config") from exc
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {p} is over {MAX_CONFIG_BYTES} bytes; is it the right file?")
+        try:
+            raw = tomllib.loads(data.decode())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+        source = str(p)
+    for key, value in env.items():
+        if key.startswith("PRIOD_") and "__" in key:
+            parts = [s.lower() for s in key[len("PRIOD_") :].split("__")]
+            node = raw
+            for part in parts[:-1]:
+                nxt = node.setdefault(part, {})
+                if not isinstance(nxt, dict):
+                    raise ConfigError(f"environment {key} names a setting inside [{part}], which is not a table")
+                node = nxt
+            node[parts[-1]] = _parse_env_value(value)
+    return _build(raw, source)
+
+
+def _parse_env_value(text: str) -> Any:
+    """Environment values are TOML values (``500``, ``true``, ``[1000, 1001]``), else plain strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build(raw: Mapping[str, Any], source: str) -> Config:
+    unknown = set(raw) - set(_SECTIONS) - {"classes"}
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {sorted(unknown)}; known: {sorted([*_SECTIONS, 'classes'])}")
+    sections: dict[str, Any] = {}
+    for name, f in _SECTIONS.items():
+        section_raw = raw.get(name, {})
+        if not isinstance(section_raw, Mapping):
+            raise ConfigError(f"[{name}] must be a table")
+        assert callable(f.default_factory)
+        sections[name] = _section(name, f.default_factory(), section_raw)
+    classes = _classes(raw.get("classes")) if "classes" in raw else DEFAULT_CLASSES
+    cfg = Config(**sections, classes=classes, source=source)
+    _validate(cfg)
+    return cfg
+
+
+def _section(name: str, default: Any, values: Mapping[str, Any]) -> Any:
+    hints = get_type_hints(type(default))
+    known = {f.name for f in dataclasses.fields(default)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {sorted(unknown)} in [{name}]; known: {sorted(known)}")
+    out = {}
+    for key, value in values.items():
+        out[key] = _coerce(f"[{name}] {key}", hints[key], value)
+    return dataclasses.replace(default, **out)
+
+
+def _coerce(where: str, hint: Any, value: Any) -> Any:
+    choices = get_args(hint) if getattr(hint, "__origin__", None) is Literal else ()
+    if choices:
+        if value not in choices:
+            raise ConfigError(f"{where} = {value!r} is invalid; set it to one of {', '.join(repr(c) for c in choices)}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} = {value!r} must be a whole number")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} = {value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} = {value!r} must be a string")
+        return value
+    if getattr(hint, "__origin__", None) is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{where} = {value!r} must be a list of whole numbers, like [1000, 1001]")
+        return tuple(value)
+    raise ConfigError(f"{where}: unsupported setting type {hint}")  # pragma: no cover - a bug here
+
+
+def _classes(raw: Any) -> tuple[ClassSpec, ...]:
+    if not isinstance(raw, Mapping) or not raw:
+        raise ConfigError("[classes] must be a table of classes, like [classes.urgent] strict = true")
+    out = []
+    for name, spec in raw.items():
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"[classes.{name}] must be a table with 'weight' and optionally 'strict'")
+        unknown = set(spec) - {"weight", "strict"}
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {sorted(unknown)} in [classes.{name}]; known: ['strict', 'weight']")
+        weight = _coerce(f"[classes.{name}] weight", int, spec.get("weight", 1))
+        strict = _coerce(f"[classes.{name}] strict", bool, spec.get("strict", False))
+        if weight < 1:
+            raise ConfigError(f"[classes.{name}] weight = {weight} is invalid; set weight >= 1")
+        out.append(ClassSpec(name, weight, strict))
+    if all(c.strict for c in out):
+        raise ConfigError("[classes] needs at least one class without strict = true, for bulk work")
+    return tuple(out)
+
+
+def _validate(cfg: Config) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    s = cfg.scheduler
+    need(s.max_block_us > 0, f"[scheduler] max_block_us = {s.max_block_us} is invalid; set it > 0 (microseconds)")
+    need(1 <= s.depth <= 64, f"[scheduler] depth = {s.depth} is invalid; set 1 <= depth <= 64")
+    need(s.min_chunk_bytes >= 4096, f"[scheduler] min_chunk_bytes = {s.min_chunk_bytes} is invalid; set min_chunk_bytes >= 4096")
+    need(s.aging_ms > 0, f"[scheduler] aging_ms = {s.aging_ms} is invalid; set it > 0")
+    sv = cfg.server
+    need(1024 <= sv.max_frame_bytes <= 64 << 20, f"[server] max_frame_bytes = {sv.max_frame_bytes} is invalid; set 1024 <= max_frame_bytes <= 67108864")
+    need(sv.max_output_bytes >= sv.max_frame_bytes, "[server] max_output_bytes must be >= max_frame_bytes")
+    need(0 <= sv.socket_mode <= 0o777, f"[server] socket_mode = {sv.socket_mode:o} is invalid; use an octal mode like 0o660")
+    need(sv.max_clients >= 1, "[server] max_clients must be >= 1")
+    lim = cfg.limits
+    for name in ("max_pinned_bytes", "max_device_bytes", "max_regions", "max_queued_requests", "max_queued_bytes"):
+        need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
+    sim = cfg.sim
+    need(sim.devices >= 1, f"[sim] devices = {sim.devices} is invalid; set devices >= 1")
+    for name in ("h2d_gbps", "d2h_gbps", "d2d_gbps"):
+        need(getattr(sim, name) > 0, f"[sim] {name} must be > 0 (GB/s)")
+    need(0 < sim.express_share <= 1, f"[sim] express_share = {sim.express_share} is invalid; set 0 < express_share <= 1")
+    need(0 <= cfg.metrics.port <= 65535, f"[metrics] port = {cfg.metrics.port} is invalid; 0 turns metrics off")
+    need(cfg.service.shutdown_timeout_s > 0, "[service] shutdown_timeout_s must be > 0")
+
+
+def _as_raw(cfg: Config) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    for name in _SECTIONS:
+        raw[name] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
+    raw["classes"] = {c.name: {"weight": c.weight, "strict": c.strict} for c in cfg.classes}
+    return raw

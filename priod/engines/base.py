@@ -1,0 +1,231 @@
+"""The engine interface: what the daemon needs from a copy backend, and nothing more.
+
+An engine owns memory (host regions it maps and pins, device regions it allocates or imports)
+and runs copies between them. The scheduler decides *what* to submit and *when*; the engine
+only executes, in FIFO order per lane, like the hardware's copy engines. Completion is found by
+polling `Completion.done()` from the event loop, so nothing here may block for long.
+
+Two paths per lane:
+- ``dma``: the copy engine. FIFO and non-preemptive per submitted chunk: a chunk submitted
+  behind 64 MiB of other chunks waits for all of them.
+- ``express``: a path that does not queue behind the copy engine (on CUDA, a copy kernel on the
+  highest-priority stream over mapped host memory). Optional: `Engine.express_range` says for
+  which sizes a lane has it.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Direction",
+    "Path",
+    "LaneKey",
+    "Memory",
+    "HostMemory",
+    "DeviceMemory",
+    "DeviceExport",
+    "Completion",
+    "Engine",
+    "LaneInfo",
+    "map_fd",
+    "release_mapping",
+]
+
+
+class Direction(str, enum.Enum):
+    """Which way a copy goes; each direction is its own copy engine, hence its own lane."""
+
+    H2D = "h2d"
+    D2H = "d2h"
+    D2D = "d2d"
+
+
+class Path(str, enum.Enum):
+    """How a chunk travels: through the copy engine's FIFO, or the express lane beside it."""
+
+    DMA = "dma"
+    EXPRESS = "express"
+
+
+@dataclass(frozen=True, order=True)
+class LaneKey:
+    """One lane: a device and a direction. Lanes never wait on each other."""
+
+    device: int
+    direction: Direction
+
+    def __str__(self) -> str:
+        return f"gpu{self.device}/{self.direction.value}"
+
+
+@dataclass(frozen=True)
+class LaneInfo:
+    """What an engine knows about a lane after calibration."""
+
+    key: LaneKey
+    bandwidth: float
+    """Bytes per second of the DMA path, measured (cuda) or configured (sim)."""
+    express_min: int
+    """Smallest copy the express lane takes; smaller copies are faster by DMA."""
+    express_max: int
+    """Largest copy the express lane takes; 0 means the lane has no express path."""
+
+
+class Memory:
+    """A buffer an engine can copy to or from. Subclasses carry the engine's own handle."""
+
+    nbytes: int
+    device: int | None
+    """The GPU index for device memory, None for host memory."""
+
+    @property
+    def is_host(self) -> bool:
+        return self.device is None
+
+
+class HostMemory(Memory):
+    """Host memory shared with a client through a memfd, mapped (and on CUDA pinned) once."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.device = None
+        self.mapping, self.array = map_fd(fd, nbytes)
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def unmap(self) -> None:
+        release_mapping(self)
+
+
+@dataclass(frozen=True)
+class DeviceExport:
+    """How a client reaches a device region the daemon allocated.
+
+    Exactly one of ``fd`` (sim: a memfd the client maps) and ``ipc_handle`` (cuda: a
+    ``cudaIpcMemHandle_t`` the client opens) is set.
+    """
+
+    fd: int | None = None
+    ipc_handle: bytes | None = None
+    offset: int = 0
+
+
+class DeviceMemory(Memory):
+    """Device memory; ``export`` says how a client reaches it (None if the client owns it)."""
+
+    export: DeviceExport | None = None
+
+
+class Completion(ABC):
+    """The token for one submitted chunk."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the chunk's bytes have landed; raises `EngineError` if the chunk failed.
+
+        Cheap (a flag read or one ``cudaEventQuery``) and never blocks: the poller calls it
+        for every chunk in flight.
+        """
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Give back resources (an event to its pool). Called once, after `done()` is final."""
+
+
+class Engine(ABC):
+    """A copy backend. All methods are called from the daemon's event-loop thread."""
+
+    name: str
+    wakes_on_completion: bool = False
+    """True if the engine calls the wakeup hook on every completion (the poller may then sleep)."""
+    idle_poll_s: float = 0.0
+    """Poll interval while only non-strict chunks are in flight; 0 polls every loop turn."""
+
+    @abstractmethod
+    def lanes(self) -> list[LaneInfo]:
+        """Every lane this engine serves, with its bandwidth and express range."""
+
+    @abstractmethod
+    def map_host(self, fd: int, nbytes: int) -> HostMemory:
+        """Map ``fd`` (a memfd of at least ``nbytes``) and make it copyable (pin it on CUDA).
+
+        The engine keeps its own mapping; the caller may close ``fd`` afterwards.
+        """
+
+    @abstractmethod
+    def release_host(self, mem: HostMemory) -> None:
+        """Unpin and unmap. Only called once no chunk touching ``mem`` is in flight."""
+
+    @abstractmethod
+    def alloc_device(self, nbytes: int, device: int) -> DeviceMemory:
+        """Allocate device memory that a client can reach through ``mem.export``."""
+
+    @abstractmethod
+    def import_device(self, ipc_handle: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        """Open client-owned device memory from its IPC handle (cuda only)."""
+
+    @abstractmethod
+    def release_device(self, mem: DeviceMemory) -> None:
+        """Free (or close the imported handle of) device memory. Nothing is in flight on it."""
+
+    @abstractmethod
+    def submit(
+        self,
+        lane: LaneKey,
+        path: Path,
+        dst: Memory,
+        dst_offset: int,
+        src: Memory,
+        src_offset: int,
+        nbytes: int,
+    ) -> Completion:
+        """Start one chunk and return at once. DMA chunks of one lane run in submission order."""
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:  # noqa: B027 - optional hook
+        """Register a thread-safe callable the engine may call when some chunk completes.
+
+        Polling stays the source of truth; a wakeup only lets the poller sleep longer. The
+        CUDA engine never calls it (it is polled), the sim engine calls it from its threads.
+        """
+
+    def statistics(self) -> dict[str, object]:
+        """Engine-specific figures for `priod status` (calibration, registration times...)."""
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the engine's threads and free what it holds. Idempotent."""
+
+
+def release_mapping(mem: HostMemory | DeviceMemory) -> None:
+    """Drop ``mem``'s view and close its mapping; if some slice of it is still referenced
+    (a finished job not yet collected), the mapping closes when that slice goes."""
+    mapping = mem.mapping  # type: ignore[union-attr]
+    del mem.array  # type: ignore[union-attr]
+    try:
+        mapping.close()
+    except BufferError:
+        pass
+
+
+def map_fd(fd: int, nbytes: int) -> tuple[mmap.mmap, npt.NDArray[np.uint8]]:
+    """Map ``nbytes`` of ``fd`` shared and read-write, and view it as uint8.
+
+    Raises ValueError if the file is shorter than ``nbytes`` (a client passing a short memfd
+    must get an error, not a SIGBUS on the first copy).
+    """
+    size = os.fstat(fd).st_size
+    if size < nbytes:
+        raise ValueError(f"the passed file holds {size} bytes but the region asks for {nbytes}; ftruncate it first")
+    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return mapping, np.frombuffer(mapping, dtype=np.uint8)

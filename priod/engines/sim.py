@@ -1,0 +1,249 @@
+"""The simulated engine: real bytes, real FIFO copy engines, modelled bandwidth. Not a mock.
+
+Each lane (device x direction) has a copy-engine thread that takes chunks in submission order
+and moves each one whole before the next (non-preemptive, like the hardware), paced to the
+configured bandwidth; and an express thread beside it that does not wait for that queue but
+shares the link: while both run, the express copy gets ``express_share`` of the bandwidth and
+the copy engine the rest (findings.md section 4: a copy kernel got about a third of the link).
+"Device memory" is a sealed memfd the client can map too, so tests read what landed.
+
+The bytes are moved by numpy in slices, and the thread sleeps between slices to keep to the
+modelled rate: what the scheduler sees (FIFO order, time per byte, contention) is what it would
+see on a copy engine, only slower.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import SimConfig
+from ..errors import EngineError, InvalidRequest
+from .base import (
+    Completion,
+    DeviceExport,
+    DeviceMemory,
+    Direction,
+    Engine,
+    HostMemory,
+    LaneInfo,
+    LaneKey,
+    Memory,
+    Path,
+    map_fd,
+    release_mapping,
+)
+
+__all__ = ["SimEngine", "sealed_memfd"]
+
+SLICE_BYTES = 1 << 20
+"""Granularity of pacing; the chunk as a whole is still never preempted."""
+
+
+def sealed_memfd(name: str, nbytes: int) -> int:
+    """A memfd of ``nbytes`` that nobody can shrink (a shrunk mapping would SIGBUS the daemon)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class SimDeviceMemory(DeviceMemory):
+    def __init__(self, fd: int, nbytes: int, device: int) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.fd = fd
+        self.mapping, self.array = map_fd(fd, nbytes)
+        self.export = DeviceExport(fd=fd)
+
+
+class SimCompletion(Completion):
+    __slots__ = ("_finished", "_error")
+
+    def __init__(self) -> None:
+        self._finished = False
+        self._error: EngineError | None = None
+
+    def done(self) -> bool:
+        if self._error is not None:
+            raise self._error
+        return self._finished
+
+
+class _Job:
+    __slots__ = ("dst", "src", "nbytes", "completion", "fail")
+
+    def __init__(self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool) -> None:
+        self.dst, self.src, self.nbytes, self.completion, self.fail = dst, src, nbytes, completion, fail
+
+
+class _Link:
+    """One lane's bandwidth, shared by its copy engine and its express path."""
+
+    def __init__(self, bandwidth: float, express_share: float) -> None:
+        self.bandwidth = bandwidth
+        self.express_share = express_share
+        self.dma_busy = False
+        self.express_busy = 0
+        self.busy_seconds = 0.0
+
+    def rate(self, path: Path) -> float:
+        if path is Path.DMA:
+            return self.bandwidth * (1 - self.express_share) if self.express_busy else self.bandwidth
+        return self.bandwidth * self.express_share if self.dma_busy else self.bandwidth
+
+
+class _Worker(threading.Thread):
+    """A copy engine (or the express path) of one lane: FIFO, one chunk at a time."""
+
+    def __init__(self, name: str, link: _Link, path: Path, wakeup: Callable[[], Callable[[], None]]) -> None:
+        super().__init__(name=name, daemon=True)
+        self.link, self.path, self._wakeup = link, path, wakeup
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            started = time.perf_counter()
+            if self.path is Path.DMA:
+                self.link.dma_busy = True
+            else:
+                self.link.express_busy += 1
+            try:
+                self._move(job)
+            finally:
+                if self.path is Path.DMA:
+                    self.link.dma_busy = False
+                else:
+                    self.link.express_busy -= 1
+                self.link.busy_seconds += time.perf_counter() - started
+            job = None  # drop the views now, so a freed region's mapping can close
+            self._wakeup()()
+
+    def _move(self, job: _Job) -> None:
+        due = time.perf_counter()
+        done = 0
+        while done < job.nbytes:
+            k = min(SLICE_BYTES, job.nbytes - done)
+            job.dst[done : done + k] = job.src[done : done + k]
+            done += k
+            due += k / self.link.rate(self.path)
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        if job.fail:
+            job.completion._error = EngineError(
+                f"injected engine fault on a chunk of {job.nbytes} bytes ([sim] fault_on_nbytes); the copy did not complete"
+            )
+        else:
+            job.completion._finished = True
+
+
+class SimEngine(Engine):
+    """Copy engines simulated with threads; see the module docstring."""
+
+    name = "sim"
+    wakes_on_completion = True
+
+    def __init__(self, cfg: SimConfig | None = None) -> None:
+        self.cfg = cfg or SimConfig()
+        self._wake: Callable[[], None] = lambda: None
+        rates = {Direction.H2D: self.cfg.h2d_gbps, Direction.D2H: self.cfg.d2h_gbps, Direction.D2D: self.cfg.d2d_gbps}
+        self._links: dict[LaneKey, _Link] = {}
+        self._workers: dict[tuple[LaneKey, Path], _Worker] = {}
+        for device in range(self.cfg.devices):
+            for direction, gbps in rates.items():
+                key = LaneKey(device, direction)
+                link = self._links[key] = _Link(gbps * 1e9, self.cfg.express_share)
+                for path in Path:
+                    w = _Worker(f"priod-sim-{key}-{path.value}", link, path, lambda: self._wake)
+                    w.start()
+                    self._workers[(key, path)] = w
+        self._started = time.perf_counter()
+        self._closed = False
+
+    def lanes(self) -> list[LaneInfo]:
+        return [
+            LaneInfo(key, link.bandwidth, self.cfg.express_min_bytes, self.cfg.express_max_bytes)
+            for key, link in sorted(self._links.items())
+        ]
+
+    def map_host(self, fd: int, nbytes: int) -> HostMemory:
+        return HostMemory(fd, nbytes)
+
+    def release_host(self, mem: HostMemory) -> None:
+        mem.unmap()
+
+    def alloc_device(self, nbytes: int, device: int) -> DeviceMemory:
+        if not 0 <= device < self.cfg.devices:
+            raise InvalidRequest(f"device {device} does not exist; the sim engine has devices 0..{self.cfg.devices - 1} ([sim] devices)")
+        fd = sealed_memfd(f"priod-sim-gpu{device}", nbytes)
+        return SimDeviceMemory(fd, nbytes, device)
+
+    def import_device(self, ipc_handle: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        raise InvalidRequest("register_device needs the cuda engine; under sim, use alloc_device (its memory is a memfd you can map)")
+
+    def release_device(self, mem: DeviceMemory) -> None:
+        assert isinstance(mem, SimDeviceMemory)
+        release_mapping(mem)
+        os.close(mem.fd)
+
+    def submit(
+        self,
+        lane: LaneKey,
+        path: Path,
+        dst: Memory,
+        dst_offset: int,
+        src: Memory,
+        src_offset: int,
+        nbytes: int,
+    ) -> Completion:
+        completion = SimCompletion()
+        job = _Job(
+            _view(dst)[dst_offset : dst_offset + nbytes],
+            _view(src)[src_offset : src_offset + nbytes],
+            nbytes,
+            completion,
+            fail=nbytes == self.cfg.fault_on_nbytes,
+        )
+        self._workers[(lane, path)].jobs.put(job)
+        return completion
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        self._wake = wakeup
+
+    def statistics(self) -> dict[str, object]:
+        elapsed = max(time.perf_counter() - self._started, 1e-9)
+        return {
+            "engine": "sim",
+            "busy_fraction": {str(k): round(link.busy_seconds / elapsed, 4) for k, link in sorted(self._links.items())},
+        }
+
+    def busy_seconds(self) -> dict[str, float]:
+        return {str(k): link.busy_seconds for k, link in sorted(self._links.items())}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers.values():
+            w.jobs.put(None)
+        for w in self._workers.values():
+            w.join(timeout=30)
+
+
+def _view(mem: Memory) -> npt.NDArray[np.uint8]:
+    # numpy (unlike memoryview) lets go of the GIL while it copies, so the event loop runs on.
+    if isinstance(mem, (HostMemory, SimDeviceMemory)):
+        return mem.array
+    raise TypeError(f"the sim engine cannot copy {type(mem).__name__}")  # pragma: no cover - a bug

@@ -1,0 +1,745 @@
+"""The scheduler: priority classes, chunking and the in-flight bound, per lane. Pure logic.
+
+No sockets, no CUDA, no clocks: the caller passes ``now`` (seconds, any monotonic origin) and
+submits the chunks this module hands out. That keeps the promise below testable on its own.
+
+The promise (docs/architecture.md, findings.md section 3), per lane (device x direction):
+- At most ``inflight_bytes`` of non-strict DMA chunks are submitted to the engine at once; the
+  rest waits here, where priority decides.
+- A strict-class (``urgent``) request is handed out before any queued chunk of a lower class:
+  on the express path when the lane has one for its size, else as DMA chunks with a budget of
+  its own, so it waits for at most the non-strict bytes already in flight.
+- Non-strict classes share the lane by weight: deficit round robin, measured in bytes.
+- ``mode = "fifo"`` switches all of it off: whole copies, in arrival order, no bound. It is what
+  a plain CUDA stream does, and the baseline the benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .engines.base import LaneInfo, LaneKey, Path
+from .errors import ConfigError, InvalidRequest, NotFound
+
+__all__ = [
+    "ClassSpec",
+    "Policy",
+    "LaneParams",
+    "lane_params",
+    "RequestState",
+    "Request",
+    "Chunk",
+    "Finished",
+    "LaneStats",
+    "SchedulerStats",
+    "Scheduler",
+    "DEFAULT_CLASSES",
+]
+
+ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """A priority class. ``strict`` classes are served before anything else (``urgent``)."""
+
+    name: str
+    weight: int = 1
+    strict: bool = False
+
+
+DEFAULT_CLASSES: tuple[ClassSpec, ...] = (
+    ClassSpec("urgent", weight=1, strict=True),
+    ClassSpec("high", weight=8),
+    ClassSpec("normal", weight=4),
+    ClassSpec("bulk", weight=1),
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything the scheduler is told by config; replaced whole on reload."""
+
+    mode: Literal["priod", "fifo"] = "priod"
+    classes: tuple[ClassSpec, ...] = DEFAULT_CLASSES
+    max_block_us: float = 1000.0
+    """How long an urgent DMA copy may wait behind non-strict chunks already in flight."""
+    depth: int = 2
+    """Non-strict chunks in flight per lane: chunk size = inflight bytes / depth."""
+    min_chunk_bytes: int = 256 * 1024
+    aging_ms: float = 200.0
+    """A non-strict request queued this long gets chunks through even while strict work waits."""
+    express: bool = True
+
+
+@dataclass(frozen=True)
+class LaneParams:
+    """Chunking figures for one lane, derived from its bandwidth and the policy."""
+
+    chunk_bytes: int
+    inflight_bytes: int
+    express_min: int
+    express_max: int
+    """0: no express path on this lane (or express turned off)."""
+
+
+def lane_params(info: LaneInfo, policy: Policy) -> LaneParams:
+    """Derive chunk size and in-flight bound from ``max_block_us`` and the lane's bandwidth.
+
+    ``inflight = bandwidth * max_block_us`` (at least ``depth`` minimum chunks), split into
+    ``depth`` chunks, each a multiple of 4 KiB.
+    """
+    inflight = int(info.bandwidth * policy.max_block_us / 1e6)
+    chunk = max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN
+    chunk = max(chunk, ALIGN)
+    express_max = info.express_max if policy.express else 0
+    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max)
+
+
+class RequestState(str, enum.Enum):
+    QUEUED = "queued"
+    ACTIVE = "active"
+    """Some chunk submitted, not all completed."""
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Request:
+    """One copy request as the scheduler tracks it. ``payload`` is the caller's, untouched."""
+
+    id: int
+    owner: Hashable
+    lane: LaneKey
+    cls: str
+    nbytes: int
+    arrival: float
+    deadline: float | None = None
+    payload: object = None
+    # Bookkeeping, owned by the scheduler:
+    state: RequestState = RequestState.QUEUED
+    submitted_bytes: int = 0
+    done_bytes: int = 0
+    inflight_chunks: int = 0
+    first_submit: float | None = None
+    last_done: float | None = None
+    path: Path | None = None
+    error: Exception | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """A piece of a request for the caller to submit: bytes [offset, offset+nbytes)."""
+
+    request: Request
+    offset: int
+    nbytes: int
+    path: Path
+    strict: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request that reached its end; the caller replies to the client with it."""
+
+    request: Request
+    outcome: Literal["done", "cancelled", "failed"]
+    bytes_done: int
+    missed_deadline: bool = False
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class LaneStats:
+    lane: str
+    bandwidth: float
+    chunk_bytes: int
+    inflight_bound: int
+    express_min: int
+    express_max: int
+    queued_requests: dict[str, int]
+    queued_bytes: dict[str, int]
+    inflight_bytes: int
+    """Non-strict DMA bytes in flight (the figure the bound applies to)."""
+    strict_inflight_bytes: int
+    express_inflight_bytes: int
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    mode: str
+    classes: tuple[ClassSpec, ...]
+    lanes: tuple[LaneStats, ...]
+    deadline_misses: int
+    finished: dict[str, int]
+    """Finished requests by outcome."""
+
+
+_OUTCOMES: tuple[str, ...] = ("done", "cancelled", "failed")
+
+
+class _Track:
+    """The scheduler's private record of one request, beside the caller-visible `Request`."""
+
+    __slots__ = ("req", "lane", "cq", "seq", "since", "queued")
+
+    def __init__(self, req: Request, lane: _Lane, cq: _ClassQueue, seq: int) -> None:
+        self.req = req
+        self.lane = lane
+        self.cq = cq
+        self.seq = seq
+        self.since = req.arrival
+        """When it last got a chunk (its arrival before the first): what aging measures."""
+        self.queued = False
+        """Still has bytes to hand out and is neither cancelled nor failed."""
+
+
+class _ClassQueue:
+    """One class's waiting requests on one lane, with its deficit-round-robin state.
+
+    Requests with a deadline wait in a heap (earliest first), the rest in a FIFO. Entries are
+    removed lazily: a cancelled or fully handed-out request stays until it reaches the head,
+    so cancel is O(1) and the counters (`live`, `queued_bytes`) are the truth.
+    """
+
+    __slots__ = ("spec", "quantum", "deficit", "in_turn", "active", "live", "queued_bytes", "_edf", "_fifo")
+
+    def __init__(self, spec: ClassSpec, chunk_bytes: int) -> None:
+        self.spec = spec
+        self.quantum = spec.weight * chunk_bytes
+        self.deficit = 0
+        self.in_turn = False
+        """Its quantum for the current round-robin turn was already added."""
+        self.active = False
+        """It sits in its lane's round-robin list."""
+        self.live = 0
+        self.queued_bytes = 0
+        self._edf: list[tuple[float, int, _Track]] = []
+        self._fifo: deque[_Track] = deque()
+
+    def push(self, t: _Track) -> None:
+        if t.req.deadline is None:
+            self._fifo.append(t)
+        else:
+            # seq breaks ties, so tracks themselves are never compared.
+            heapq.heappush(self._edf, (t.req.deadline, t.seq, t))
+
+    def head(self) -> _Track:
+        """The request to serve next. Only called while ``live > 0``."""
+        edf = self._edf
+        while edf:
+            t = edf[0][2]
+            if t.queued:
+                return t
+            heapq.heappop(edf)
+        fifo = self._fifo
+        while True:
+            t = fifo[0]
+            if t.queued:
+                return t
+            fifo.popleft()
+
+    def clear(self) -> None:
+        """Drop stale entries at once when nothing live is left (keeps memory bounded)."""
+        self._edf.clear()
+        self._fifo.clear()
+
+
+class _Lane:
+    """Per-lane state: parameters, class queues, and bytes in flight by kind."""
+
+    __slots__ = (
+        "key",
+        "info",
+        "params",
+        "classes",
+        "strict",
+        "nonstrict",
+        "rr",
+        "express",
+        "fifo",
+        "queued",
+        "inflight",
+        "strict_inflight",
+        "express_inflight",
+    )
+
+    def __init__(self, info: LaneInfo) -> None:
+        self.key = info.key
+        self.info = info
+        self.params = LaneParams(ALIGN, ALIGN, 0, 0)
+        self.classes: dict[str, _ClassQueue] = {}
+        self.strict: list[_ClassQueue] = []
+        self.nonstrict: list[_ClassQueue] = []
+        self.rr: deque[_ClassQueue] = deque()
+        """Non-strict classes with queued work, in round-robin order; the head has the turn."""
+        self.express: deque[_Track] = deque()
+        """Strict requests bound for the express path, handed out on the next call."""
+        self.fifo: deque[_Track] = deque()
+        """mode "fifo": every request, in arrival order."""
+        self.queued = 0
+        """Requests with bytes still to hand out."""
+        self.inflight = 0
+        """Non-strict DMA bytes in flight: the figure ``inflight_bytes`` bounds."""
+        self.strict_inflight = 0
+        self.express_inflight = 0
+
+    def configure(self, policy: Policy) -> None:
+        """Fresh class queues and parameters for ``policy`` (requests are re-placed by the caller)."""
+        self.params = lane_params(self.info, policy)
+        self.classes = {c.name: _ClassQueue(c, self.params.chunk_bytes) for c in policy.classes}
+        self.strict = [cq for cq in self.classes.values() if cq.spec.strict]
+        self.nonstrict = [cq for cq in self.classes.values() if not cq.spec.strict]
+        self.rr = deque()
+        self.express = deque()
+        self.fifo = deque()
+        self.queued = 0
+
+
+def _check_policy(policy: Policy) -> None:
+    if policy.mode not in ("priod", "fifo"):
+        raise ConfigError(f'mode = "{policy.mode}" is invalid; set [scheduler] mode to "priod" or "fifo"')
+    if not policy.classes:
+        raise ConfigError("no priority classes are configured; define at least one [[scheduler.classes]]")
+    names = [c.name for c in policy.classes]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"class names must be unique, got {', '.join(names)}; rename or remove the duplicate")
+    for c in policy.classes:
+        if c.weight < 1:
+            raise ConfigError(f"class {c.name!r} has weight {c.weight}; set a weight >= 1")
+    if policy.depth < 1:
+        raise ConfigError(f"depth = {policy.depth} is invalid; set [scheduler] depth >= 1")
+    if policy.max_block_us <= 0:
+        raise ConfigError(f"max_block_us = {policy.max_block_us} is invalid; set [scheduler] max_block_us > 0")
+
+
+class Scheduler:
+    """Queues copy requests per lane and hands out the chunks to submit, keeping the promise.
+
+    The caller (the daemon's loop) drives it: `enqueue` requests, call `next_chunks` and submit
+    every chunk it returns in that order, report each completion with `chunk_done`, and reply to
+    clients with the `Finished` records these calls return. Nothing here reads a clock or
+    blocks; every figure is per lane and lanes never wait on each other.
+
+    Liveness: after `next_chunks`, any lane with queued work has a chunk in flight, so calling
+    `next_chunks` after every `enqueue`, `chunk_done`, `cancel`, `drop_owner` and `set_policy`
+    is enough; no timer is needed (aging is checked whenever completions come in).
+    """
+
+    def __init__(self, policy: Policy, lanes: Iterable[LaneInfo]) -> None:
+        _check_policy(policy)
+        self._policy = policy
+        self._lanes: dict[LaneKey, _Lane] = {}
+        for info in sorted(lanes, key=lambda i: i.key):
+            if info.key in self._lanes:
+                raise ConfigError(f"lane {info.key} is listed twice; an engine must report each lane once")
+            lane = _Lane(info)
+            lane.configure(policy)
+            self._lanes[info.key] = lane
+        self._lane_list = list(self._lanes.values())
+        self._tracks: dict[int, _Track] = {}
+        self._by_owner: dict[Hashable, set[int]] = {}
+        self._seq = 0
+        self._queued = 0
+        self._inflight_chunks = 0
+        self._strict_chunks = 0
+        self._misses = 0
+        self._finished = dict.fromkeys(_OUTCOMES, 0)
+
+    # --- configuration -------------------------------------------------------------------
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    def set_policy(self, policy: Policy) -> None:
+        """Apply a reloaded policy: classes, weights, mode, ``max_block_us`` and the rest.
+
+        Lane parameters are derived anew and deficits restart at 0. Queued requests keep their
+        arrival order and deadlines; requests of a class that no longer exists move to the
+        lowest-weight remaining non-strict class (the first such in the policy on a tie; any
+        class if none is non-strict), and their ``cls`` is renamed accordingly. Chunks in
+        flight are unaffected; a request already split into chunks continues with the new
+        chunk size from where it got to. A strict request not yet started may now go express.
+        """
+        _check_policy(policy)
+        names = {c.name for c in policy.classes}
+        nonstrict = [c for c in policy.classes if not c.strict] or list(policy.classes)
+        fallback = min(nonstrict, key=lambda c: c.weight).name
+        self._policy = policy
+        for lane in self._lane_list:
+            lane.configure(policy)
+        self._queued = 0
+        # Re-place in arrival order so FIFO order within each class survives the reload.
+        for t in sorted(self._tracks.values(), key=lambda t: t.seq):
+            if t.req.cls not in names:
+                t.req.cls = fallback
+            t.cq = t.lane.classes[t.req.cls]
+            if t.queued:
+                self._place(t)
+
+    def lane_params(self, lane: LaneKey) -> LaneParams:
+        """Chunk size, in-flight bound and express range of ``lane`` under the current policy."""
+        return self._lane(lane).params
+
+    # --- requests ------------------------------------------------------------------------
+
+    def enqueue(self, req: Request, now: float) -> None:
+        """Queue ``req`` (state QUEUED, nothing submitted). Its chunks come from `next_chunks`.
+
+        Waiting for aging is measured from ``req.arrival``; ``now`` is not used today.
+
+        Raises:
+            InvalidRequest: unknown class or lane, ``nbytes <= 0``, or an id already queued or
+                in flight.
+        """
+        lane = self._lane(req.lane)
+        cq = lane.classes.get(req.cls)
+        if cq is None:
+            allowed = ", ".join(lane.classes)
+            raise InvalidRequest(f"unknown class {req.cls!r}; the classes are {allowed}")
+        if req.nbytes <= 0:
+            raise InvalidRequest(f"a copy of {req.nbytes} bytes is invalid; nbytes must be > 0")
+        if req.id in self._tracks:
+            raise InvalidRequest(f"copy id {req.id} is already queued or in flight; use a fresh id")
+        self._seq += 1
+        t = _Track(req, lane, cq, self._seq)
+        self._tracks[req.id] = t
+        self._by_owner.setdefault(req.owner, set()).add(req.id)
+        self._place(t)
+
+    def get(self, request_id: int) -> Request | None:
+        """The request while queued or in flight; None once finished (or never seen)."""
+        t = self._tracks.get(request_id)
+        return None if t is None else t.req
+
+    def cancel(self, request_id: int, now: float) -> Finished | None:
+        """Stop handing out chunks of a request; it stops at the next chunk boundary.
+
+        Returns the ``cancelled`` Finished at once if no chunk of it is in flight. Otherwise
+        returns None and the Finished (with the bytes that landed) comes out of `chunk_done`
+        when its last chunk in flight completes.
+
+        Raises:
+            NotFound: no such request, or it is already cancelled or failed.
+        """
+        t = self._tracks.get(request_id)
+        if t is None:
+            raise NotFound(
+                f"no copy with id {request_id} is queued or in flight; it may have finished already"
+            )
+        req = t.req
+        if req.state is RequestState.CANCELLED or req.state is RequestState.FAILED:
+            raise NotFound(
+                f"copy {request_id} is already {req.state.value}; its reply comes when its last chunk in flight lands"
+            )
+        req.state = RequestState.CANCELLED
+        self._stop(t)
+        if req.inflight_chunks:
+            return None
+        return self._finish(t, "cancelled")
+
+    def drop_owner(self, owner: Hashable, now: float) -> list[Finished]:
+        """Cancel every request of ``owner`` (a client that went away), as `cancel` does.
+
+        Returns the Finished records available at once; the others come out of `chunk_done`.
+        Requests already being cancelled or failing are left to finish on their own.
+        """
+        out: list[Finished] = []
+        for rid in list(self._by_owner.get(owner, ())):
+            state = self._tracks[rid].req.state
+            if state is RequestState.CANCELLED or state is RequestState.FAILED:
+                continue
+            fin = self.cancel(rid, now)
+            if fin is not None:
+                out.append(fin)
+        return out
+
+    # --- the per-chunk path --------------------------------------------------------------
+
+    def next_chunks(self, now: float) -> list[Chunk]:
+        """Every chunk to submit now, in submission order (per lane: express, strict DMA, rest).
+
+        The caller must submit all of them, in this order, before the next call: the bounds
+        count them as in flight from here on.
+        """
+        out: list[Chunk] = []
+        fifo = self._policy.mode == "fifo"
+        for lane in self._lane_list:
+            if not lane.queued:
+                continue
+            if fifo:
+                self._serve_fifo(lane, now, out)
+            else:
+                self._serve(lane, now, out)
+        return out
+
+    def chunk_done(self, chunk: Chunk, now: float, error: Exception | None = None) -> list[Finished]:
+        """Record that ``chunk`` completed (or failed with ``error``).
+
+        A failure fails the request: no more of its chunks are handed out, and its ``failed``
+        Finished comes once its last chunk in flight completes; bytes landing after the failure
+        are not counted. Returns the requests this completion finished (zero or one).
+        """
+        req = chunk.request
+        t = self._tracks.get(req.id)
+        if t is None or t.req is not req or req.inflight_chunks <= 0:
+            raise ValueError(f"chunk_done for copy {req.id} at offset {chunk.offset}, which is not in flight")
+        lane = t.lane
+        size = chunk.nbytes
+        if chunk.path is Path.EXPRESS:
+            lane.express_inflight -= size
+        elif chunk.strict:
+            lane.strict_inflight -= size
+        else:
+            lane.inflight -= size
+        if chunk.strict:
+            self._strict_chunks -= 1
+        self._inflight_chunks -= 1
+        req.inflight_chunks -= 1
+
+        state = req.state
+        if error is None:
+            if state is not RequestState.FAILED:
+                req.done_bytes += size
+                req.last_done = now
+        elif state is RequestState.ACTIVE:
+            # The first failure decides; a cancel already asked for keeps its outcome.
+            req.state = state = RequestState.FAILED
+            req.error = error
+            self._stop(t)
+        if req.inflight_chunks:
+            return []
+        if state is RequestState.ACTIVE:
+            if req.done_bytes < req.nbytes:
+                return []
+            req.state = RequestState.DONE
+            return [self._finish(t, "done")]
+        return [self._finish(t, "cancelled" if state is RequestState.CANCELLED else "failed")]
+
+    # --- state ---------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing in flight."""
+        return not self._queued and not self._inflight_chunks
+
+    @property
+    def strict_in_flight(self) -> bool:
+        """Some strict-class chunk (express or DMA) is in flight: worth polling tightly."""
+        return self._strict_chunks > 0
+
+    @property
+    def has_queued(self) -> bool:
+        """Some request still has bytes to hand out."""
+        return self._queued > 0
+
+    def statistics(self) -> SchedulerStats:
+        """A snapshot for `priod status` and metrics. Queued figures count bytes not yet handed out."""
+        lanes = tuple(
+            LaneStats(
+                lane=str(lane.key),
+                bandwidth=lane.info.bandwidth,
+                chunk_bytes=lane.params.chunk_bytes,
+                inflight_bound=lane.params.inflight_bytes,
+                express_min=lane.params.express_min,
+                express_max=lane.params.express_max,
+                queued_requests={name: cq.live for name, cq in lane.classes.items()},
+                queued_bytes={name: cq.queued_bytes for name, cq in lane.classes.items()},
+                inflight_bytes=lane.inflight,
+                strict_inflight_bytes=lane.strict_inflight,
+                express_inflight_bytes=lane.express_inflight,
+            )
+            for lane in self._lane_list
+        )
+        return SchedulerStats(
+            mode=self._policy.mode,
+            classes=self._policy.classes,
+            lanes=lanes,
+            deadline_misses=self._misses,
+            finished=dict(self._finished),
+        )
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _lane(self, key: LaneKey) -> _Lane:
+        lane = self._lanes.get(key)
+        if lane is None:
+            known = ", ".join(str(k) for k in self._lanes) or "none"
+            raise InvalidRequest(f"no lane {key}; the lanes are {known}")
+        return lane
+
+    def _place(self, t: _Track) -> None:
+        """Put a request with bytes to hand out into the queue its mode and class say."""
+        req, lane, cq = t.req, t.lane, t.cq
+        t.queued = True
+        cq.live += 1
+        cq.queued_bytes += req.nbytes - req.submitted_bytes
+        lane.queued += 1
+        self._queued += 1
+        if self._policy.mode == "fifo":
+            lane.fifo.append(t)
+        elif cq.spec.strict:
+            p = lane.params
+            if p.express_max and req.submitted_bytes == 0 and p.express_min <= req.nbytes <= p.express_max:
+                lane.express.append(t)
+            else:
+                cq.push(t)
+        else:
+            cq.push(t)
+            if not cq.active:
+                cq.active = True
+                lane.rr.append(cq)
+
+    def _stop(self, t: _Track) -> None:
+        """Take a cancelled or failed request's unsent bytes out of the queue counters."""
+        if t.queued:
+            t.cq.queued_bytes -= t.req.nbytes - t.req.submitted_bytes
+            self._unqueue(t)
+
+    def _unqueue(self, t: _Track) -> None:
+        t.queued = False
+        cq = t.cq
+        cq.live -= 1
+        t.lane.queued -= 1
+        self._queued -= 1
+        if not cq.live:
+            cq.clear()
+            cq.deficit = 0  # DRR: an empty class carries no credit into its next backlog
+
+    def _finish(self, t: _Track, outcome: Literal["done", "cancelled", "failed"]) -> Finished:
+        req = t.req
+        missed = (
+            outcome == "done" and req.deadline is not None and req.last_done is not None and req.last_done > req.deadline
+        )
+        del self._tracks[req.id]
+        ids = self._by_owner[req.owner]
+        ids.discard(req.id)
+        if not ids:
+            del self._by_owner[req.owner]
+        self._finished[outcome] += 1
+        if missed:
+            self._misses += 1
+        return Finished(req, outcome, req.done_bytes, missed, req.error if outcome == "failed" else None)
+
+    def _hand_out(self, t: _Track, size: int, path: Path, now: float) -> Chunk:
+        """Cut the next ``size`` bytes of ``t`` and account for them as in flight."""
+        req, lane, cq = t.req, t.lane, t.cq
+        offset = req.submitted_bytes
+        if req.state is RequestState.QUEUED:
+            req.state = RequestState.ACTIVE
+            req.first_submit = now
+            req.path = path
+        req.submitted_bytes = offset + size
+        req.inflight_chunks += 1
+        t.since = now
+        strict = cq.spec.strict
+        if path is Path.EXPRESS:
+            lane.express_inflight += size
+        elif strict:
+            lane.strict_inflight += size
+        else:
+            lane.inflight += size
+        if strict:
+            self._strict_chunks += 1
+        self._inflight_chunks += 1
+        cq.queued_bytes -= size
+        if req.submitted_bytes == req.nbytes:
+            self._unqueue(t)
+        return Chunk(req, offset, size, path, strict)
+
+    def _serve_fifo(self, lane: _Lane, now: float, out: list[Chunk]) -> None:
+        """mode "fifo": every request whole, in arrival order, no bound (a plain CUDA stream)."""
+        q = lane.fifo
+        while q:
+            t = q.popleft()
+            if t.queued:
+                out.append(self._hand_out(t, t.req.nbytes - t.req.submitted_bytes, Path.DMA, now))
+
+    def _serve(self, lane: _Lane, now: float, out: list[Chunk]) -> None:
+        """mode "priod" for one lane: express, then strict DMA, then non-strict by weight."""
+        chunk = lane.params.chunk_bytes
+        bound = lane.params.inflight_bytes
+
+        # Express copies do not queue behind the copy engine, so nothing bounds them.
+        ex = lane.express
+        while ex:
+            t = ex.popleft()
+            if t.queued:
+                out.append(self._hand_out(t, t.req.nbytes, Path.EXPRESS, now))
+
+        # Strict DMA: its own budget, so an urgent copy waits for at most the non-strict
+        # bytes already in flight, never for a growing pile of its own kind plus bulk.
+        strict_waiting = False
+        for cq in lane.strict:
+            while cq.live:
+                t = cq.head()
+                size = min(chunk, t.req.nbytes - t.req.submitted_bytes)
+                if lane.strict_inflight and lane.strict_inflight + size > bound:
+                    break
+                out.append(self._hand_out(t, size, Path.DMA, now))
+            if cq.live:
+                strict_waiting = True
+                break
+
+        if not lane.rr:
+            return
+        if strict_waiting:
+            self._serve_aged(lane, now, out)
+            return
+
+        # Deficit round robin by bytes. The head of ``rr`` holds the turn; a turn can span
+        # several calls when the in-flight bound fills up, hence ``in_turn``.
+        rr = lane.rr
+        while rr:
+            cq = rr[0]
+            if not cq.live:
+                rr.popleft()
+                cq.active = cq.in_turn = False
+                continue
+            t = cq.head()
+            size = min(chunk, t.req.nbytes - t.req.submitted_bytes)
+            if lane.inflight and lane.inflight + size > bound:
+                return
+            if not cq.in_turn:
+                # quantum >= chunk_bytes >= size, so every turn hands out at least one chunk.
+                cq.deficit += cq.quantum
+                cq.in_turn = True
+            if cq.deficit < size:
+                cq.in_turn = False
+                rr.rotate(-1)
+                continue
+            cq.deficit -= size
+            out.append(self._hand_out(t, size, Path.DMA, now))
+
+    def _serve_aged(self, lane: _Lane, now: float, out: list[Chunk]) -> None:
+        """While strict work waits, let through one chunk per non-strict head waiting too long.
+
+        Each class's head is the request its class would serve next; the longest-waiting one
+        goes first. Handing it a chunk restarts its wait, so a strict flood still leaves each
+        class a chunk per ``aging_ms``. These chunks still respect the in-flight bound and
+        are not charged to the round-robin deficits.
+        """
+        chunk = lane.params.chunk_bytes
+        bound = lane.params.inflight_bytes
+        limit = now - self._policy.aging_ms / 1000.0
+        while True:
+            best: _Track | None = None
+            best_since = limit
+            for cq in lane.nonstrict:
+                if cq.live:
+                    t = cq.head()
+                    if t.since < best_since:
+                        best, best_since = t, t.since
+            if best is None:
+                return
+            size = min(chunk, best.req.nbytes - best.req.submitted_bytes)
+            if lane.inflight and lane.inflight + size > bound:
+                return
+            out.append(self._hand_out(best, size, Path.DMA, now))

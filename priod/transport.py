@@ -1,0 +1,306 @@
+"""Unix stream sockets carrying frames plus file descriptors (SCM_RIGHTS), for asyncio and blocking code.
+
+asyncio's streams and transports expose no ancillary data, so fds cannot ride on them
+(ecosystem.md section 3). `FramedSocket` therefore drives a raw non-blocking socket with
+``loop.add_reader`` / ``add_writer``, the pattern AnyIO uses. A sender attaches fds to the first
+byte of a frame; Linux never merges the bytes that carry fds with bytes sent before them in one
+``recvmsg``, so fds always arrive with the start of the frame they belong to.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import ConnectionClosed, ProtocolError
+from .protocol import DEFAULT_MAX_FRAME, FrameDecoder, Message, encode
+
+__all__ = ["Peer", "peer_credentials", "FramedSocket", "BlockingFramedSocket", "MAX_FDS_PER_FRAME"]
+
+MAX_FDS_PER_FRAME = 4
+RECV_BYTES = 256 * 1024
+_ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is on the other end, as the kernel recorded it at connect()."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> Peer:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return Peer(*_PEERCRED.unpack(raw))
+
+
+def _fds_from_ancdata(ancdata: list[tuple[int, int, bytes]], flags: int) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - (len(data) % arr.itemsize)])
+            fds.extend(arr)
+    if flags & socket.MSG_CTRUNC:
+        _close_all(fds)
+        raise ProtocolError(f"more than {MAX_FDS_PER_FRAME} file descriptors sent with one frame; send at most {MAX_FDS_PER_FRAME}")
+    return fds
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class _Inbox:
+    """Frames decoded from a byte stream, each paired with the fds that arrived with its first byte."""
+
+    def __init__(self, max_frame: int) -> None:
+        self.decoder = FrameDecoder(max_frame)
+        self._fds_for_next: list[int] = []
+
+    def feed(self, data: bytes, fds: list[int]) -> list[tuple[Message, list[int]]]:
+        if fds:
+            if self.decoder.buffered or self._fds_for_next:
+                _close_all(fds)
+                raise ProtocolError("file descriptors arrived in the middle of a frame; send them with a frame's first byte")
+            self._fds_for_next = fds
+        out: list[tuple[Message, list[int]]] = []
+        for msg in self.decoder.feed(data):
+            out.append((msg, self._fds_for_next))
+            self._fds_for_next = []
+        return out
+
+    def close(self) -> None:
+        _close_all(self._fds_for_next)
+        self._fds_for_next = []
+
+
+class FramedSocket:
+    """Frames and fds over a non-blocking Unix socket on an asyncio loop.
+
+    Output is buffered without blocking the caller; while more than ``max_output`` bytes wait
+    for a peer that does not read, this side stops reading that peer's requests, so a client
+    that never reads its replies cannot grow the daemon's memory.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        max_output: int = 4 << 20,
+        max_inbox: int = 1024,
+    ) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+        self._inbox = _Inbox(max_frame)
+        self._messages: collections.deque[tuple[Message, list[int]]] = collections.deque()
+        self._max_inbox = max_inbox
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._out: collections.deque[tuple[memoryview, list[int]]] = collections.deque()
+        self.output_buffered = 0
+        self._max_output = max_output
+        self._drained: asyncio.Future[None] | None = None
+        self._reading = False
+        self._writing = False
+        self.closed = False
+        self._resume_reading()
+
+    # -- reading -------------------------------------------------------------------------
+    def _resume_reading(self) -> None:
+        if not self._reading and not self.closed and self._error is None:
+            self._loop.add_reader(self.fd, self._on_readable)
+            self._reading = True
+
+    def _pause_reading(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self.fd)
+            self._reading = False
+
+    def _on_readable(self) -> None:
+        try:
+            data, ancdata, flags, _ = self.sock.recvmsg(RECV_BYTES, _ANC_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail(ConnectionClosed(f"connection lost: {exc}"), exc)
+            return
+        try:
+            fds = _fds_from_ancdata(ancdata, flags)
+            if not data:
+                _close_all(fds)
+                self._fail(ConnectionClosed("peer closed the connection"))
+                return
+            self._messages.extend(self._inbox.feed(data, fds))
+        except ProtocolError as exc:
+            self._fail(exc)
+            return
+        if len(self._messages) >= self._max_inbox or self.output_buffered > self._max_output:
+            self._pause_reading()
+        self._wake()
+
+    def _fail(self, exc: BaseException, cause: BaseException | None = None) -> None:
+        if cause is not None:
+            exc.__cause__ = cause
+        if self._error is None:
+            self._error = exc
+        self._pause_reading()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def receive(self) -> tuple[Message, list[int]]:
+        """The next message and the fds sent with it (the caller owns them).
+
+        Raises `ConnectionClosed` at end of stream, `ProtocolError` for a bad frame; messages
+        decoded before the error are delivered first.
+        """
+        while not self._messages:
+            if self._error is not None:
+                raise self._error
+            if self.closed:
+                raise ConnectionClosed("connection closed")
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._messages.popleft()
+        if self.output_buffered <= self._max_output and len(self._messages) < self._max_inbox:
+            self._resume_reading()
+        return item
+
+    # -- writing -------------------------------------------------------------------------
+    def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+        """Queue one frame; ``fds`` ride with its first byte and are closed here once sent."""
+        if self.closed:
+            _close_all(fds)
+            raise ConnectionClosed("cannot send: connection closed")
+        frame = encode(msg)
+        self._out.append((memoryview(frame), list(fds)))
+        self.output_buffered += len(frame)
+        if not self._writing:
+            self._flush()
+        if self.output_buffered > self._max_output:
+            self._pause_reading()
+
+    async def drain(self) -> None:
+        """Wait until the output buffer is empty (or the connection fails)."""
+        while self._out and not self.closed:
+            if self._drained is None:
+                self._drained = self._loop.create_future()
+            await self._drained
+
+    def _flush(self) -> None:
+        try:
+            while self._out:
+                view, fds = self._out[0]
+                if fds:
+                    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+                    sent = self.sock.sendmsg([view], rights)
+                    _close_all(fds)
+                    self._out[0] = (view, [])
+                else:
+                    sent = self.sock.send(view)
+                self.output_buffered -= sent
+                if sent < len(view):
+                    self._out[0] = (view[sent:], [])
+                    break
+                self._out.popleft()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            # The peer is gone: drop what we could not send; the reader will see EOF.
+            for _, fds in self._out:
+                _close_all(fds)
+            self._out.clear()
+            self.output_buffered = 0
+            self._fail(ConnectionClosed(f"connection lost while sending: {exc}"), exc)
+        if self._out and not self._writing and not self.closed:
+            self._loop.add_writer(self.fd, self._flush)
+            self._writing = True
+        elif not self._out:
+            if self._writing:
+                self._loop.remove_writer(self.fd)
+                self._writing = False
+            if self._drained is not None and not self._drained.done():
+                self._drained.set_result(None)
+            self._drained = None
+            if len(self._messages) < self._max_inbox:
+                self._resume_reading()
+
+    def close(self) -> None:
+        """Close at once; unsent output and unclaimed fds are dropped."""
+        if self.closed:
+            return
+        self.closed = True
+        self._pause_reading()
+        if self._writing:
+            self._loop.remove_writer(self.fd)
+            self._writing = False
+        for _, fds in self._out:
+            _close_all(fds)
+        self._out.clear()
+        for _, fds in self._messages:
+            _close_all(fds)
+        self._messages.clear()
+        self._inbox.close()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._wake()
+        self.sock.close()
+
+
+class BlockingFramedSocket:
+    """The same framing over a blocking socket, for `priod.SyncClient` and scripts."""
+
+    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+        self._inbox = _Inbox(max_frame)
+        self._messages: collections.deque[tuple[Message, list[int]]] = collections.deque()
+
+    def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+        frame = encode(msg)
+        if fds:
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+            sent = self.sock.sendmsg([frame], rights)
+            if sent < len(frame):
+                self.sock.sendall(frame[sent:])
+        else:
+            self.sock.sendall(frame)
+
+    def receive(self) -> tuple[Message, list[int]]:
+        while not self._messages:
+            data, ancdata, flags, _ = self.sock.recvmsg(RECV_BYTES, _ANC_SPACE)
+            fds = _fds_from_ancdata(ancdata, flags)
+            if not data:
+                _close_all(fds)
+                raise ConnectionClosed("the daemon closed the connection")
+            self._messages.extend(self._inbox.feed(data, fds))
+        return self._messages.popleft()
+
+    def close(self) -> None:
+        for _, fds in self._messages:
+            _close_all(fds)
+        self._messages.clear()
+        self._inbox.close()
+        self.sock.close()
