@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # before the imports: modules below read it
+
+from .client import Client, CopyHandle, CopyResult, Region, SyncClient, connect
 from .errors import (
     Cancelled,
     ConfigError,
@@ -18,10 +21,15 @@ from .errors import (
     ShuttingDown,
 )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "connect",
+    "Client",
+    "SyncClient",
+    "Region",
+    "CopyResult",
+    "CopyHandle",
     "PriodError",
     "ConfigError",
     "ProtocolError",

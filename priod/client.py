@@ -290,6 +290,7 @@ class Client:
     async def register_host(self, fd: int, nbytes: int) -> Region:
         """Share your own memfd (sealed with F_SEAL_SHRINK) as a host region. ``fd`` stays yours."""
         reply = await self._request(_sealed_memfd_request(fd, nbytes), (os.dup(fd),))
+        reply["_fds"] = [os.dup(fd)]  # map our own copy, so .array works as for alloc_host
         return self._region(reply)
 
     async def alloc_device(self, nbytes: int, device: int = 0) -> Region:
@@ -453,9 +454,11 @@ class SyncClient:
     def register_host(self, fd: int, nbytes: int) -> Region:
         dup = os.dup(fd)
         try:
-            return self._region(self._request(_sealed_memfd_request(fd, nbytes), (dup,)))
+            reply = self._request(_sealed_memfd_request(fd, nbytes), (dup,))
         finally:
             os.close(dup)
+        reply["_fds"] = [os.dup(fd)]
+        return self._region(reply)
 
     def alloc_device(self, nbytes: int, device: int = 0) -> Region:
         return self._region(self._request({"op": "alloc_device", "nbytes": nbytes, "device": device}))

@@ -1,0 +1,69 @@
+// The express lane's copy kernel: SM-driven loads and stores that do not queue behind the copy
+// engine (docs: shared/design/findings.md section 4). Shipped as PTX text (express.ptx, made by
+// scripts/build_ptx.sh) and loaded with cuModuleLoadData, so no NVRTC is needed at run time.
+//
+// One entry point, priod_copy(src, dst, n), correct for any size and any pair of addresses:
+//   - the widest word w in {16, 8, 4, 2, 1} bytes for which src and dst share alignment is used;
+//   - a head of < w bytes brings dst (and therefore src) to that alignment, a tail of < w bytes
+//     follows the body; both are copied byte by byte by the first threads of the grid;
+//   - the body is a grid-stride loop with UNROLL loads in flight per thread before the stores,
+//     which is what hides the PCIe round trip when one side is mapped host memory.
+// __launch_bounds__(1024, 2) keeps registers at 32 so two 1024-thread blocks fit on one SM.
+// Loads and stores use the streaming cache hints (.cs): every byte is touched once, and the
+// copy should not evict the L2 working set of whatever else runs on the GPU.
+// A misaligned pair (src and dst differ mod 16) falls back to a narrower word; pairs that
+// differ mod 2 copy byte by byte, correct but slower (the DMA path has no such penalty).
+
+#define UNROLL 4
+
+typedef unsigned long long u64;
+
+template <typename T>
+__device__ __forceinline__ T load_cs(const T* p) { return __ldcs(p); }
+template <typename T>
+__device__ __forceinline__ void store_cs(T* p, T v) { __stcs(p, v); }
+
+// __ldcs/__stcs have no 8- or 16-bit overloads for every CUDA version: plain accesses there.
+template <>
+__device__ __forceinline__ unsigned char load_cs(const unsigned char* p) { return *p; }
+template <>
+__device__ __forceinline__ void store_cs(unsigned char* p, unsigned char v) { *p = v; }
+template <>
+__device__ __forceinline__ unsigned short load_cs(const unsigned short* p) { return *p; }
+template <>
+__device__ __forceinline__ void store_cs(unsigned short* p, unsigned short v) { *p = v; }
+
+template <typename T>
+__device__ __forceinline__ void copy_words(const T* __restrict__ s, T* __restrict__ d, u64 n, u64 i, u64 stride) {
+  for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
+    T r[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) r[u] = load_cs(s + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) store_cs(d + i + u * stride, r[u]);
+  }
+  for (; i < n; i += stride) store_cs(d + i, load_cs(s + i));
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 2)
+priod_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, u64 n) {
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u64 mis = (u64)src ^ (u64)dst;
+  const u64 w = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
+  u64 head = (w - ((u64)dst & (w - 1))) & (w - 1);
+  if (head > n) head = n;
+  const u64 words = (n - head) / w;
+  const u64 tail_at = head + words * w;
+  if (tid < head) dst[tid] = src[tid];
+  if (tid < n - tail_at) dst[tail_at + tid] = src[tail_at + tid];
+  const unsigned char* s = src + head;
+  unsigned char* d = dst + head;
+  switch (w) {
+    case 16: copy_words((const int4*)s, (int4*)d, words, tid, stride); break;
+    case 8: copy_words((const int2*)s, (int2*)d, words, tid, stride); break;
+    case 4: copy_words((const unsigned int*)s, (unsigned int*)d, words, tid, stride); break;
+    case 2: copy_words((const unsigned short*)s, (unsigned short*)d, words, tid, stride); break;
+    default: copy_words(s, d, words, tid, stride); break;
+  }
+}

@@ -1,0 +1,165 @@
+"""End to end: the daemon in its own process, real sockets, real fd passing, several client processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import priod
+from priod.testing import DaemonProcess
+
+CLIENT = str(Path(__file__).with_name("clientproc.py"))
+
+
+def _client(daemon: DaemonProcess, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, CLIENT, daemon.socket_path, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+async def _wait_for(predicate: object, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def test_two_client_processes_every_byte_checked(daemon: DaemonProcess) -> None:
+    """Two client processes copy random bytes at random sizes and offsets at once; every byte lands."""
+    procs = [_client(daemon, "verify", str(seed), "12") for seed in (1, 2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["copies"] == 24
+
+
+async def test_async_api_round_trip(daemon: DaemonProcess) -> None:
+    """The documented async API: alloc, copy both ways with offsets, results carry times."""
+    async with priod.connect(daemon.socket_path) as c:
+        h = await c.alloc_host(1 << 20)
+        d = await c.alloc_device(1 << 20)
+        assert h.array is not None and d.array is not None
+        h.array[:] = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20]
+        r = await c.copy(d, h, 4097, dst_offset=3, src_offset=11, priority="urgent")
+        assert r.nbytes == 4097 and r.total_us >= r.transfer_us >= 0 and r.queued_us >= 0
+        assert np.array_equal(d.array[3:4100], h.array[11:4108])
+        back = await c.alloc_host(8192)
+        await c.copy(back, d, 4097, src_offset=3)
+        assert back.array is not None and np.array_equal(back.array[:4097], h.array[11:4108])
+
+
+async def test_replies_come_back_out_of_order(daemon: DaemonProcess) -> None:
+    """An urgent copy sent after a large bulk copy on the same connection finishes first."""
+    async with priod.connect(daemon.socket_path) as c:
+        big_h, big_d = await c.alloc_host(64 << 20), await c.alloc_device(64 << 20)
+        small_h, small_d = await c.alloc_host(64 << 10), await c.alloc_device(64 << 10)
+        bulk = c.start_copy(big_d, big_h, priority="bulk")
+        urgent = c.start_copy(small_d, small_h, priority="urgent")
+        await urgent
+        assert not bulk.done()
+        await bulk
+
+
+async def test_cancel_reports_bytes_done(daemon: DaemonProcess) -> None:
+    """Cancel stops a large copy at a chunk boundary and reports how many bytes were copied."""
+    async with priod.connect(daemon.socket_path) as c:
+        n = 128 << 20
+        h, d = await c.alloc_host(n), await c.alloc_device(n)
+        handle = c.start_copy(d, h, n, priority="bulk")
+        await asyncio.sleep(0.02)
+        done = await handle.cancel()
+        st = await c.status()
+        chunk = next(ln["chunk_bytes"] for ln in st["lanes"] if ln["lane"].endswith("h2d"))
+        assert 0 <= done < n
+        assert done % chunk == 0  # stopped at a chunk boundary
+        with pytest.raises(priod.NotFound, match=r"^no copy with id 1 is pending on this connection"):
+            await c._request({"op": "cancel", "target": 1})
+
+
+async def test_errors_are_clear_and_connection_survives(daemon: DaemonProcess) -> None:
+    """Bad requests get errors that say what to do; the same connection then copies fine."""
+    async with priod.connect(daemon.socket_path) as c:
+        h, d = await c.alloc_host(4096), await c.alloc_device(4096)
+        with pytest.raises(priod.InvalidRequest, match=r"^dst_offset 1 \+ nbytes 4096 is outside region \d+ of 4096 bytes"):
+            await c.copy(d, h, 4096, dst_offset=1)
+        with pytest.raises(priod.InvalidRequest, match=r"^nbytes = 0 is invalid; copy at least 1 byte$"):
+            await c.copy(d, h, 0)
+        with pytest.raises(priod.InvalidRequest, match=r"^unknown priority class 'vip'|^unknown class 'vip'|.*'vip'"):
+            await c.copy(d, h, 16, priority="vip")
+        with pytest.raises(priod.InvalidRequest, match=r"^both regions are host memory; copy between them with memcpy"):
+            await c.copy(h, h, 16)
+        with pytest.raises(priod.NotFound, match=r"^no region 999999; use an id returned by"):
+            await c._request({"op": "free", "region": 999999})
+        with pytest.raises(priod.InvalidRequest, match=r"^unknown op 'explode'; known ops: "):
+            await c._request({"op": "explode"})
+        with pytest.raises(priod.InvalidRequest, match=r"^field 'nbytes' must be int, got str$"):
+            await c._request({"op": "copy", "dst": d.id, "src": h.id, "nbytes": "lots"})
+        r = await c.copy(d, h, 4096)
+        assert r.nbytes == 4096
+
+
+def test_sync_client_same_api(daemon: DaemonProcess) -> None:
+    """SyncClient offers the same calls, blocking."""
+    with priod.SyncClient(daemon.socket_path) as c:
+        h, d = c.alloc_host(1000), c.alloc_device(1000)
+        assert h.array is not None and d.array is not None
+        h.array[:] = 7
+        assert c.copy(d, h, 1000, priority="high").nbytes == 1000
+        assert int(d.array.sum()) == 7000
+        c.free(h)
+        assert c.status()["backend"] == "sim"
+
+
+async def test_register_host_memfd(daemon: DaemonProcess) -> None:
+    """A client's own sealed memfd becomes a host region; an unsealed one is refused with the fix."""
+    import fcntl
+
+    async with priod.connect(daemon.socket_path) as c:
+        fd = os.memfd_create("mine", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 8192)
+        with pytest.raises(priod.InvalidRequest, match=r"^seal the memfd against shrinking first"):
+            await c.register_host(fd, 8192)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        h = await c.register_host(fd, 8192)
+        d = await c.alloc_device(8192)
+        assert h.array is not None and d.array is not None
+        os.pwrite(fd, b"hello priod", 100)
+        await c.copy(d, h, 8192)
+        assert bytes(d.array[100:111]) == b"hello priod"
+        os.close(fd)
+
+
+async def test_dead_client_regions_released(daemon: DaemonProcess) -> None:
+    """A client killed mid-transfer: its regions and queued copies go, others are untouched."""
+    async with priod.connect(daemon.socket_path) as watcher:
+        mine_h, mine_d = await watcher.alloc_host(1 << 20), await watcher.alloc_device(1 << 20)
+        before = await watcher.status()
+        victim = _client(daemon, "hold", str(64 << 20))
+        assert victim.stdout is not None
+        assert victim.stdout.readline().strip() == "ready"
+
+        async def victim_listed() -> bool:
+            return any(cl["regions"] == 2 and cl["pending"] > 0 for cl in (await watcher.status())["clients"])
+
+        await _wait_for(victim_listed)
+        victim.send_signal(signal.SIGKILL)
+        victim.communicate()
+
+        async def victim_gone() -> bool:
+            st = await watcher.status()
+            return len(st["clients"]) == len(before["clients"]) and st["inflight_chunks"] == 0
+
+        await _wait_for(victim_gone)
+        assert mine_h.array is not None
+        mine_h.array[:] = 3
+        await watcher.copy(mine_d, mine_h)
+        assert mine_d.array is not None and int(mine_d.array.min()) == 3

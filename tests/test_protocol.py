@@ -1,0 +1,85 @@
+"""Framing and message decoding, with bytes only: no sockets, no daemon."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+
+from priod.errors import InvalidRequest, ProtocolError
+from priod.protocol import HEADER, FrameDecoder, encode, require
+
+
+def test_round_trip_one_frame() -> None:
+    """A message encoded into a frame decodes back to the same message."""
+    msg = {"id": 7, "op": "copy", "dst": 1, "src": 2, "nbytes": 4096, "handle": b"\x00\x01"}
+    assert FrameDecoder().feed(encode(msg)) == [msg]
+
+
+def test_round_trip_byte_by_byte() -> None:
+    """Frames split at every byte boundary still decode, in order, each exactly once."""
+    msgs = [{"id": i, "op": "ping", "pad": "x" * i} for i in range(1, 6)]
+    stream = b"".join(encode(m) for m in msgs)
+    dec = FrameDecoder()
+    out = []
+    for i in range(len(stream)):
+        out += dec.feed(stream[i : i + 1])
+    assert out == msgs
+    assert dec.buffered == 0
+
+
+def test_many_frames_in_one_feed() -> None:
+    """Several frames arriving in one read all come out of one feed."""
+    msgs = [{"id": i, "op": "ping"} for i in range(1, 100)]
+    assert FrameDecoder().feed(b"".join(encode(m) for m in msgs)) == msgs
+
+
+def test_truncated_frame_waits_for_the_rest() -> None:
+    """A frame cut short yields nothing (and no error) until its remaining bytes arrive."""
+    frame = encode({"id": 1, "op": "ping"})
+    dec = FrameDecoder()
+    assert dec.feed(frame[:-3]) == []
+    assert dec.feed(frame[-3:]) == [{"id": 1, "op": "ping"}]
+
+
+def test_oversize_frame_rejected_from_its_header() -> None:
+    """A header announcing more than max_frame is refused before any body byte is buffered."""
+    dec = FrameDecoder(max_frame=1024)
+    with pytest.raises(ProtocolError, match=r"^frame of 1025 bytes exceeds max_frame_bytes=1024; "):
+        dec.feed(HEADER.pack(1025))
+    assert dec.buffered <= HEADER.size  # the header only: no body byte was kept
+
+
+def test_not_msgpack_is_a_protocol_error() -> None:
+    """A body that is not msgpack raises ProtocolError naming the fix."""
+    body = b"\xc1\xc1\xc1"  # 0xc1 is never used by msgpack
+    with pytest.raises(ProtocolError, match=r"^frame body is not valid msgpack"):
+        FrameDecoder().feed(struct.pack(">I", len(body)) + body)
+
+
+def test_body_must_be_a_map() -> None:
+    """A valid msgpack value that is not a map is refused."""
+    body = msgpack.packb([1, 2, 3])
+    with pytest.raises(ProtocolError, match=r"^frame body is a msgpack list, expected a map"):
+        FrameDecoder().feed(struct.pack(">I", len(body)) + body)
+
+
+def test_map_keys_must_be_strings() -> None:
+    """Integer map keys (which a hostile client could use to confuse lookups) are refused."""
+    body = msgpack.packb({1: 2})
+    with pytest.raises(ProtocolError, match=r"^frame body is not valid msgpack"):
+        FrameDecoder().feed(struct.pack(">I", len(body)) + body)
+
+
+def test_require_checks_types() -> None:
+    """require() returns a field of the asked type and refuses others, bool included for int."""
+    msg = {"op": "copy", "nbytes": 5, "flag": True, "name": "x"}
+    assert require(msg, "nbytes", int) == 5
+    assert require(msg, "missing", int, default=3) == 3
+    with pytest.raises(InvalidRequest, match=r"^field 'flag' must be int, got bool$"):
+        require(msg, "flag", int)
+    with pytest.raises(InvalidRequest, match=r"^field 'name' must be int, got str$"):
+        require(msg, "name", int)
+    with pytest.raises(InvalidRequest, match=r"^field 'missing' is missing from 'copy'; see docs/protocol.md$"):
+        require(msg, "missing", int)
