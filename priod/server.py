@@ -54,6 +54,24 @@ log = structlog.get_logger("priod.server")
 _US = 1e6
 
 
+def _causes(exc: BaseException) -> list[str]:
+    """What led to ``exc`` (``raise ... from`` or raised while handling), outermost first, so
+    a log line names the root cause (an OSError, a msgpack error) and not only our wrapper."""
+    out: list[str] = []
+    seen = {id(exc)}
+    cur = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    while cur is not None and id(cur) not in seen and len(out) < 8:
+        seen.add(id(cur))
+        out.append(f"{type(cur).__name__}: {cur}")
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return out
+
+
+def _error_fields(exc: BaseException) -> dict[str, Any]:
+    causes = _causes(exc)
+    return {"error": str(exc), "causes": causes} if causes else {"error": str(exc)}
+
+
 @dataclass(eq=False)
 class Region:
     """Memory registered once and named by copies. Belongs to the connection that made it."""
@@ -150,7 +168,9 @@ class Daemon:
         self._request_ids = itertools.count(1)
         self.connections: dict[int, Connection] = {}
         self.regions: dict[int, Region] = {}
-        self._inflight: list[tuple[Chunk, Completion]] = []
+        self._inflight: list[tuple[Chunk, Completion, float]] = []  # chunk, token, expected done
+        self._bandwidth = {info.key: info.bandwidth for info in engine.lanes()}
+        self._lane_busy_until: dict[LaneKey, float] = {}
         self._inflight_bytes: dict[tuple[LaneKey, Path], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake: asyncio.Future[None] | None = None
@@ -298,7 +318,7 @@ class Daemon:
             pass
         except ProtocolError as exc:
             self.totals["protocol_errors"] += 1
-            log.warning("protocol_error", error=str(exc))
+            log.warning("protocol_error", **_error_fields(exc))
             if not fs.closed:
                 fs.send(error_reply(0, exc.code, f"{exc}; the connection is closed"))
         except asyncio.CancelledError:
@@ -664,16 +684,32 @@ class Daemon:
                     p.src.mem,
                     p.src_offset + chunk.offset,
                     chunk.nbytes,
+                    strict=chunk.strict,
                 )
             except PriodError as exc:
-                log.error("submit_failed", error=str(exc))
+                log.error("submit_failed", **_error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):
                     self._on_finished(f)
                 continue
-            self._inflight.append((chunk, completion))
+            self._inflight.append((chunk, completion, self._expected_done(chunk)))
             key = (chunk.request.lane, chunk.path)
             self._inflight_bytes[key] = self._inflight_bytes.get(key, 0) + chunk.nbytes
         self._wakeup()
+
+    def _expected_done(self, chunk: Chunk) -> float:
+        """When the chunk should complete if the lane runs at its calibrated bandwidth.
+
+        DMA chunks of a lane run one after another, so each is due after those before it. The
+        poller sleeps until the earliest due time instead of spinning (a hint, not a promise).
+        """
+        lane = chunk.request.lane
+        now = time.perf_counter()
+        seconds = chunk.nbytes / self._bandwidth.get(lane, 1e9)
+        if chunk.path is Path.EXPRESS:
+            return now + seconds
+        due = max(now, self._lane_busy_until.get(lane, 0.0)) + seconds
+        self._lane_busy_until[lane] = due
+        return due
 
     def _wakeup(self) -> None:
         if self._wake is not None and not self._wake.done():
@@ -681,13 +717,14 @@ class Daemon:
 
     def _poll(self) -> bool:
         """Query every chunk in flight once; True if any completed."""
-        still: list[tuple[Chunk, Completion]] = []
+        still: list[tuple[Chunk, Completion, float]] = []
         completed = False
-        for chunk, completion in self._inflight:
+        for entry in self._inflight:
+            chunk, completion, _ = entry
             error: Exception | None = None
             try:
                 if not completion.done():
-                    still.append((chunk, completion))
+                    still.append(entry)
                     continue
             except PriodError as exc:
                 error = exc
@@ -701,10 +738,13 @@ class Daemon:
         return completed
 
     async def _poll_loop(self) -> None:
-        """Find completions by polling; sleep when nothing is in flight.
+        """Find completions by polling; never block the loop, and sleep when polling is useless.
 
-        Tight (one loop turn between polls) while a strict-class chunk is in flight, or when the
-        engine cannot wake us; otherwise sleep until the engine's wakeup or a short interval.
+        - Nothing in flight: sleep until a submission wakes us (no CPU when idle).
+        - The engine wakes us on completions (sim): sleep until then, polling as a safety net.
+        - A strict-class chunk in flight: poll every loop turn (an urgent copy is waiting).
+        - Otherwise poll every loop turn only when some chunk is due within 2 ms; else sleep
+          until 1 ms before the earliest is due (timers are about 1 ms coarse on uvloop).
         """
         loop = asyncio.get_running_loop()
         engine_wakes = self.engine.wakes_on_completion
@@ -717,11 +757,12 @@ class Daemon:
                 timeout = None  # idle: no CPU at all until a submission wakes us
             elif engine_wakes:
                 timeout = 0.05  # the wakeup is a hint; polling stays the source of truth
-            elif self.scheduler.strict_in_flight or self.engine.idle_poll_s <= 0:
-                await asyncio.sleep(0)  # one loop turn: other connections are served between polls
-                continue
             else:
-                timeout = self.engine.idle_poll_s
+                wait = min(due for _, _, due in self._inflight) - time.perf_counter()
+                if self.scheduler.strict_in_flight or wait < 0.002:
+                    await asyncio.sleep(0)  # one loop turn: other connections are served between polls
+                    continue
+                timeout = wait - 0.001
             self._wake = loop.create_future()
             handle = loop.call_later(timeout, self._wakeup) if timeout is not None else None
             try:
@@ -766,6 +807,7 @@ class Daemon:
             id=p.client_id,
             conn=conn.id,
             client_pid=conn.peer.pid,
+            uid=conn.peer.uid,
             priority=req.cls,
             lane=str(req.lane),
             path=req.path.value if req.path else None,
@@ -774,7 +816,7 @@ class Daemon:
             outcome=outcome,
             queued_us=round(queued_s * _US, 1),
             total_us=round(total_s * _US, 1),
-            **({"error": str(f.error)} if f.error else {}),
+            **(_error_fields(f.error) if f.error else {}),
         )
         if conn.closed:
             return

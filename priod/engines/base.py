@@ -148,8 +148,6 @@ class Engine(ABC):
     name: str
     wakes_on_completion: bool = False
     """True if the engine calls the wakeup hook on every completion (the poller may then sleep)."""
-    idle_poll_s: float = 0.0
-    """Poll interval while only non-strict chunks are in flight; 0 polls every loop turn."""
 
     @abstractmethod
     def lanes(self) -> list[LaneInfo]:
@@ -188,8 +186,14 @@ class Engine(ABC):
         src: Memory,
         src_offset: int,
         nbytes: int,
+        *,
+        strict: bool = False,
     ) -> Completion:
-        """Start one chunk and return at once. DMA chunks of one lane run in submission order."""
+        """Start one chunk and return at once. DMA chunks of one lane run in submission order.
+
+        ``strict`` marks an urgent DMA chunk: an engine with a separate queue for those (CUDA:
+        a second stream, which small copies can use to pass the bulk stream) may use it.
+        """
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:  # noqa: B027 - optional hook
         """Register a thread-safe callable the engine may call when some chunk completes.

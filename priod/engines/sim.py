@@ -207,7 +207,11 @@ class SimEngine(Engine):
         src: Memory,
         src_offset: int,
         nbytes: int,
+        *,
+        strict: bool = False,
     ) -> Completion:
+        # One copy engine per lane: strict DMA chunks queue with the rest (the scheduler
+        # already put them first), as they would on a single hardware queue.
         completion = SimCompletion()
         job = _Job(
             _view(dst)[dst_offset : dst_offset + nbytes],

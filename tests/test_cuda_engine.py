@@ -1,0 +1,334 @@
+"""The CUDA engine, driven directly (no daemon).
+
+Tests in `TestOnGpu` need an NVIDIA GPU with cuda-bindings and CuPy (marker ``gpu``; skipped
+elsewhere). The tests outside it run on any machine.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+
+from priod.engines.base import Completion, DeviceMemory, Direction, HostMemory, LaneKey, Path
+from priod.engines.cuda import (
+    EXPRESS_MAX,
+    EXPRESS_MIN_H2D,
+    CudaEngine,
+    export_cuda_array,
+    gpu_available,
+    open_device_export,
+)
+from priod.errors import CudaError, EngineError, InvalidRequest
+
+HAVE_GPU = gpu_available()
+
+REGION = 4 << 20
+SIZES = [1, 3, 4095, 4097, (1 << 20) + 7]
+# (src_offset, dst_offset): aligned; same residue mod 16 (head, int4 body, tail); a pair that
+# differs mod 16 but not mod 8; and one that differs mod 2 (the byte path).
+OFFSETS = [(0, 0), (19, 35), (8, 24), (5, 2)]
+GUARD = 64
+
+
+class HostRegion:
+    """A memfd as a client makes it, with the client's own mapping to read and write through."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.fd = os.memfd_create("priod-test")
+        os.ftruncate(self.fd, nbytes)
+        self.mapping = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view = np.frombuffer(self.mapping, dtype=np.uint8)
+
+    def close(self) -> None:
+        del self.view
+        self.mapping.close()
+        os.close(self.fd)
+
+
+def wait(completion: Completion, timeout: float = 20.0) -> None:
+    """Poll a completion to the end, as the daemon's poller does, then release it."""
+    deadline = time.monotonic() + timeout
+    while not completion.done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("a chunk did not complete in time")
+    completion.release()
+
+
+def device_view(mem: DeviceMemory) -> Any:
+    """A CuPy uint8 array over device memory the engine allocated (same process, no IPC)."""
+    import cupy as cp
+
+    ptr = mem.pointer  # type: ignore[attr-defined]
+    memory = cp.cuda.UnownedMemory(ptr, mem.nbytes, mem, device_id=mem.device)
+    return cp.ndarray((mem.nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(memory, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Any machine
+
+
+def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without cuda-bindings, constructing the engine says how to install it and names --backend sim."""
+    import priod.engines.cuda as cuda_engine
+
+    monkeypatch.setattr(cuda_engine, "_rt", None)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(EngineError, match=r"pip install 'priod\[cuda\]'.*--backend sim"):
+        CudaEngine()
+    assert cuda_engine.gpu_available() is False
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="a GPU is present: this tests the machine without one")
+def test_no_gpu_raises_engine_error() -> None:
+    """On a machine without a GPU (or driver), CudaEngine() raises EngineError naming --backend sim."""
+    assert gpu_available() is False
+    with pytest.raises(EngineError, match="--backend sim"):
+        CudaEngine()
+
+
+def test_check_turns_results_into_values_or_cuda_errors() -> None:
+    """check() unwraps (err, value...) tuples and raises CudaError named after the CUDA error."""
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    from priod.engines.cuda import check
+
+    ok = runtime.cudaError_t.cudaSuccess
+    assert check((ok,)) is None
+    assert check((ok, 5)) == 5
+    assert check((ok, 1, 2)) == (1, 2)
+    with pytest.raises(CudaError) as info:
+        check((runtime.cudaError_t.cudaErrorInvalidValue, None))
+    assert info.value.name == "cudaErrorInvalidValue"
+    assert "invalid argument" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[CudaEngine]:
+    """One engine for the GPU tests (calibrated on 64 MiB to keep start-up short)."""
+    pytest.importorskip("cupy")
+    eng = CudaEngine(devices=[0], calibrate_bytes=64 << 20)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def regions(engine: CudaEngine) -> Iterator[dict[str, Any]]:
+    """A mapped memfd and two device allocations of REGION bytes, shared by the GPU tests."""
+    client = HostRegion(REGION)
+    host = engine.map_host(client.fd, REGION)
+    dev_a = engine.alloc_device(REGION, 0)
+    dev_b = engine.alloc_device(REGION, 0)
+    yield {"client": client, "host": host, "a": dev_a, "b": dev_b}
+    for mem in (dev_a, dev_b):
+        engine.release_device(mem)
+    engine.release_host(host)
+    client.close()
+
+
+def _ipc_child(conn: Connection) -> None:
+    """The other process: a client that shares CuPy arrays and opens the daemon's allocation."""
+    import cupy as cp
+
+    try:
+        pool = cp.zeros((1 << 20) + 4096, dtype=cp.uint8)
+        first = pool[13 : 13 + 300_001]  # two arrays in one allocation: one handle, two offsets
+        second = pool[400_003 : 400_003 + 5000]
+        conn.send([export_cuda_array(first), export_cuda_array(second)])
+        expected_first, expected_second = conn.recv()
+        cp.cuda.runtime.deviceSynchronize()
+        conn.send([bool((first.get() == expected_first).all()), bool((second.get() == expected_second).all())])
+
+        handle, offset, nbytes, device = conn.recv()
+        expected = conn.recv()
+        with open_device_export(handle, offset, nbytes, device) as buf:
+            view = cp.asarray(buf)
+            seen = bool((view.get() == expected).all()) and view.shape == (nbytes,)
+            view[:] = cp.arange(nbytes, dtype=cp.uint32).astype(cp.uint8)[::-1]
+            cp.cuda.runtime.deviceSynchronize()
+            del view
+        conn.send(seen)
+        conn.recv()  # hold the CuPy pool until the parent is done
+        conn.send("bye")
+    except BaseException as exc:  # report, rather than leave the parent waiting
+        conn.send(f"child failed: {exc!r}")
+        raise
+
+
+class TestOnGpu:
+    """The engine on a real GPU."""
+
+    pytestmark = [
+        pytest.mark.gpu,
+        pytest.mark.skipif(not HAVE_GPU, reason="needs an NVIDIA GPU with cuda-bindings"),
+    ]
+
+    @pytest.mark.parametrize("path", [Path.DMA, Path.EXPRESS])
+    @pytest.mark.parametrize("direction", list(Direction))
+    def test_copy_is_exact(self, engine: CudaEngine, regions: dict[str, Any], direction: Direction, path: Path) -> None:
+        """Every direction and path copies exactly the asked bytes, for odd sizes and offsets, and
+        touches nothing around them."""
+        rng = np.random.default_rng(7)
+        client: HostRegion = regions["client"]
+        host, dev_a, dev_b = regions["host"], regions["a"], regions["b"]
+        src, dst = {Direction.H2D: (host, dev_a), Direction.D2H: (dev_a, host), Direction.D2D: (dev_a, dev_b)}[direction]
+        lane = LaneKey(0, direction)
+        for size in SIZES:
+            for src_off, dst_off in OFFSETS:
+                pattern = rng.integers(0, 256, size + 2 * GUARD, dtype=np.uint8)
+                canary = np.full(size + 2 * GUARD, 0xA5, dtype=np.uint8)
+                self._fill(client, src, src_off, pattern)
+                self._fill(client, dst, dst_off, canary)
+                wait(engine.submit(lane, path, dst, dst_off + GUARD, src, src_off + GUARD, size))
+                got = self._read(client, dst, dst_off, size + 2 * GUARD)
+                where = f"{direction.value} {path.value} size {size} src+{src_off} dst+{dst_off}"
+                assert np.array_equal(got[GUARD:-GUARD], pattern[GUARD:-GUARD]), where
+                assert (got[:GUARD] == 0xA5).all() and (got[-GUARD:] == 0xA5).all(), f"{where}: wrote outside"
+
+    @staticmethod
+    def _fill(client: HostRegion, mem: HostMemory | DeviceMemory, offset: int, data: np.ndarray[Any, Any]) -> None:
+        import cupy as cp
+
+        if mem.is_host:
+            client.view[offset : offset + data.size] = data
+        else:
+            assert isinstance(mem, DeviceMemory)
+            device_view(mem)[offset : offset + data.size] = cp.asarray(data)
+            cp.cuda.runtime.deviceSynchronize()
+
+    @staticmethod
+    def _read(client: HostRegion, mem: HostMemory | DeviceMemory, offset: int, n: int) -> np.ndarray[Any, Any]:
+        if mem.is_host:
+            return client.view[offset : offset + n].copy()
+        assert isinstance(mem, DeviceMemory)
+        out: np.ndarray[Any, Any] = device_view(mem)[offset : offset + n].get()
+        return out
+
+    def test_many_chunks_and_strict_stream(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
+        """A region copied as 256 DMA chunks arrives whole; strict chunks (high-priority DMA
+        stream) and events reused from the pool work too."""
+        client: HostRegion = regions["client"]
+        host, dev = regions["host"], regions["a"]
+        client.view[:] = np.random.default_rng(1).integers(0, 256, REGION, dtype=np.uint8)
+        chunk = REGION // 256
+        lane = LaneKey(0, Direction.H2D)
+        done = [engine.submit(lane, Path.DMA, dev, i * chunk, host, i * chunk, chunk, strict=i % 7 == 0) for i in range(256)]
+        for completion in done:
+            wait(completion)
+        assert np.array_equal(device_view(dev).get(), client.view)
+        again = [engine.submit(lane, Path.DMA, dev, 0, host, 0, 4096) for _ in range(8)]
+        for completion in again:
+            wait(completion)
+
+    def test_lanes_and_statistics(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
+        """lanes() gives one calibrated lane per direction with the express range; statistics()
+        shows calibration, the device and registration times."""
+        lanes = {info.key: info for info in engine.lanes()}
+        assert set(lanes) == {LaneKey(0, d) for d in Direction}
+        for key, info in lanes.items():
+            assert info.bandwidth > 1e9, key
+            assert info.express_max == EXPRESS_MAX
+        assert lanes[LaneKey(0, Direction.H2D)].express_min == EXPRESS_MIN_H2D
+        stats = engine.statistics()
+        assert stats["express"] is True and stats["express_error"] is None
+        devices = stats["devices"]
+        assert isinstance(devices, list) and devices[0]["name"] and devices[0]["sm_count"] > 0
+        lane_stats = stats["lanes"]
+        assert isinstance(lane_stats, dict)
+        assert lane_stats["gpu0/h2d"]["dma_gbps"] > 1 and lane_stats["gpu0/d2h"]["express_gbps"] > 1
+        register = stats["host_register"]
+        assert isinstance(register, dict) and register["count"] >= 1 and register["ms_total"] > 0
+        print(stats)
+
+    def test_bad_submissions_are_refused(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
+        """Mismatched directions, ranges past the end and foreign memory raise InvalidRequest."""
+        host, dev = regions["host"], regions["a"]
+        with pytest.raises(InvalidRequest):
+            engine.submit(LaneKey(0, Direction.H2D), Path.DMA, host, 0, dev, 0, 16)
+        with pytest.raises(InvalidRequest):
+            engine.submit(LaneKey(0, Direction.H2D), Path.DMA, dev, REGION - 8, host, 0, 16)
+        with pytest.raises(InvalidRequest):
+            engine.submit(LaneKey(0, Direction.D2D), Path.DMA, dev, 0, DeviceMemory(), 0, 16)
+        assert engine.submit(LaneKey(0, Direction.H2D), Path.EXPRESS, dev, 0, host, 0, 0).done()
+
+    def test_express_off_and_close(self) -> None:
+        """express=False gives lanes without express and refuses express chunks; close() is
+        idempotent and later calls raise EngineError."""
+        eng = CudaEngine(devices=[0], express=False, calibrate_bytes=0)
+        try:
+            assert all(info.express_max == 0 for info in eng.lanes())
+            client = HostRegion(4096)
+            host = eng.map_host(client.fd, 4096)
+            dev = eng.alloc_device(4096, 0)
+            with pytest.raises(EngineError, match="no express path"):
+                eng.submit(LaneKey(0, Direction.H2D), Path.EXPRESS, dev, 0, host, 0, 4096)
+            wait(eng.submit(LaneKey(0, Direction.H2D), Path.DMA, dev, 0, host, 0, 4096))
+        finally:
+            eng.close()
+            eng.close()
+        client.close()
+        with pytest.raises(EngineError, match="closed"):
+            eng.alloc_device(16, 0)
+
+    def test_ipc_round_trip_across_processes(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
+        """A client's CuPy arrays reach the engine through export_cuda_array/import_device, and
+        the engine's allocation reaches the client through open_device_export; bytes match both
+        ways."""
+        client: HostRegion = regions["client"]
+        host = regions["host"]
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        child = ctx.Process(target=_ipc_child, args=(child_conn,))
+        child.start()
+        try:
+            assert conn.poll(120), "child did not answer"
+            exports = conn.recv()
+            assert not isinstance(exports, str), exports
+            (h1, off1, n1, d1), (h2, off2, n2, d2) = exports
+            assert (n1, n2, d1, d2) == (300_001, 5000, 0, 0) and off2 - off1 == 400_003 - 13
+            imported = [engine.import_device(h1, off1, n1, d1), engine.import_device(h2, off2, n2, d2)]
+            rng = np.random.default_rng(3)
+            client.view[: n1 + n2] = rng.integers(0, 256, n1 + n2, dtype=np.uint8)
+            lane = LaneKey(0, Direction.H2D)
+            half = n1 // 2
+            wait(engine.submit(lane, Path.DMA, imported[0], 0, host, 0, half))
+            wait(engine.submit(lane, Path.EXPRESS, imported[0], half, host, half, n1 - half))
+            wait(engine.submit(lane, Path.EXPRESS, imported[1], 0, host, n1, n2))
+            conn.send([client.view[:n1].copy(), client.view[n1 : n1 + n2].copy()])
+            assert conn.poll(60)
+            assert conn.recv() == [True, True]
+            for mem in imported:
+                engine.release_device(mem)
+
+            mine = engine.alloc_device(1 << 20, 0)
+            assert mine.export is not None and mine.export.ipc_handle is not None
+            client.view[: 1 << 20] = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+            wait(engine.submit(lane, Path.DMA, mine, 0, host, 0, 1 << 20))
+            offset = 4099
+            conn.send((mine.export.ipc_handle, offset, (1 << 20) - offset, 0))
+            conn.send(client.view[offset : 1 << 20].copy())
+            assert conn.poll(60)
+            assert conn.recv() is True
+            client.view[: 1 << 20] = 0
+            wait(engine.submit(LaneKey(0, Direction.D2H), Path.EXPRESS, host, 0, mine, offset, (1 << 20) - offset))
+            expected = np.arange((1 << 20) - offset, dtype=np.uint32).astype(np.uint8)[::-1]
+            assert np.array_equal(client.view[: (1 << 20) - offset], expected)
+            conn.send("done")
+            assert conn.poll(60) and conn.recv() == "bye"
+            engine.release_device(mine)
+        finally:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+        assert child.exitcode == 0
