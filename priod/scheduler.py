@@ -8,7 +8,8 @@ The promise (docs/architecture.md, findings.md section 3), per lane (device x di
   rest waits here, where priority decides.
 - A strict-class (``urgent``) request is handed out before any queued chunk of a lower class:
   on the express path when the lane has one for its size, else as DMA chunks with a budget of
-  its own, so it waits for at most the non-strict bytes already in flight.
+  its own, so it waits for at most the non-strict bytes already in flight. No non-strict
+  chunk is handed out while a strict DMA chunk is queued or in flight on the lane.
 - Non-strict classes share the lane by weight: deficit round robin, measured in bytes.
 - ``mode = "fifo"`` switches all of it off: whole copies, in arrival order, no bound. It is what
   a plain CUDA stream does, and the baseline the benchmarks compare against.
@@ -690,7 +691,11 @@ class Scheduler:
 
         if not lane.rr:
             return
-        if strict_waiting:
+        # Hold non-strict work while a strict DMA chunk is queued *or in flight*. Measured on
+        # the H200: the copy engine keeps draining the bulk stream while it stays non-empty,
+        # so an urgent chunk on another stream waited seconds while bulk chunks kept coming
+        # behind it. Bulk resumes as soon as the urgent chunk lands.
+        if strict_waiting or lane.strict_inflight:
             self._serve_aged(lane, now, out)
             return
 

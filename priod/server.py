@@ -265,6 +265,9 @@ class Daemon:
         self._notify("RELOADING=1\nMONOTONIC_USEC=%d" % (time.monotonic_ns() // 1000))
         self.scheduler.set_policy(cfg.policy())
         self.cfg = cfg
+        # Series of classes that are gone would otherwise keep their last value forever.
+        self.metrics.queue_depth.clear()
+        self.refresh_metrics()
         log.info("config_reloaded", source=cfg.source, classes=[c.name for c in cfg.classes], mode=cfg.scheduler.mode)
         self._pump()
         self._notify("READY=1")
@@ -306,7 +309,7 @@ class Daemon:
         if refusal is not None:
             log.warning("connection_refused", reason=refusal["error"]["message"])
             fs.send(refusal)
-            await self._flush_and_close(conn, timeout=1.0)
+            await self._close_refused(conn)
             return
         self.connections[cid] = conn
         log.info("client_connected")
@@ -327,6 +330,18 @@ class Daemon:
             self._drop_connection(conn)
             await self._flush_and_close(conn, timeout=1.0)
             log.info("client_disconnected", copies=conn.copies)
+
+    async def _close_refused(self, conn: Connection) -> None:
+        """Close after the client's first frame (its hello) or a short wait: a client whose
+        hello is still on its way when we close gets EPIPE on sending it and loses our reason."""
+        try:
+            await asyncio.wait_for(conn.sock.drain(), 1.0)
+            _msg, fds = await asyncio.wait_for(conn.sock.receive(), 2.0)
+            for fd in fds:
+                os.close(fd)
+        except (asyncio.TimeoutError, PriodError):
+            pass
+        conn.sock.close()
 
     async def _flush_and_close(self, conn: Connection, timeout: float) -> None:
         try:
@@ -788,20 +803,14 @@ class Daemon:
         first = req.first_submit if req.first_submit is not None else end
         queued_s, total_s = first - req.arrival, end - req.arrival
         outcome = f.outcome if f.outcome != "cancelled" else p.cancel_code
-        self.metrics.requests.labels(req.cls, outcome).inc()
         direction = req.lane.direction.value
         if f.outcome == "done":
             conn.copies += 1
             self.totals["copies"] += 1
             self.totals["bytes"] += req.nbytes
-            self.metrics.duration.labels(req.cls).observe(total_s)
-            self.metrics.queue_wait.labels(req.cls).observe(queued_s)
-            if req.path is Path.EXPRESS:
-                self.metrics.express.labels(direction).inc()
-            if f.missed_deadline:
-                self.metrics.deadline_misses.labels(req.cls).inc()
-        if f.bytes_done:
-            self.metrics.bytes.labels(direction).inc(f.bytes_done)
+        self.metrics.copy_finished(
+            req.cls, outcome, direction, f.bytes_done, queued_s, total_s, req.path is Path.EXPRESS, f.missed_deadline
+        )
         log.info(
             "copy",
             id=p.client_id,

@@ -119,6 +119,7 @@ class FramedSocket:
         self._drained: asyncio.Future[None] | None = None
         self._reading = False
         self._writing = False
+        self._burst = False
         self.closed = False
         self._resume_reading()
 
@@ -171,13 +172,16 @@ class FramedSocket:
         """The next message and the fds sent with it (the caller owns them).
 
         Raises `ConnectionClosed` at end of stream, `ProtocolError` for a bad frame; messages
-        decoded before the error are delivered first.
+        decoded before the error are delivered first. While more than ``max_output`` bytes of
+        output wait for this peer, no message is handed out (each may add a reply, and a status
+        reply is kilobytes), so unread output stays within ``max_output`` plus one frame.
         """
-        while not self._messages:
-            if self._error is not None:
-                raise self._error
-            if self.closed:
-                raise ConnectionClosed("connection closed")
+        while not self._messages or (self.output_buffered > self._max_output and self._error is None and not self.closed):
+            if not self._messages:
+                if self._error is not None:
+                    raise self._error
+                if self.closed:
+                    raise ConnectionClosed("connection closed")
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
@@ -197,7 +201,11 @@ class FramedSocket:
         frame = encode(msg)
         self._out.append((memoryview(frame), list(fds)))
         self.output_buffered += len(frame)
-        if not self._writing:
+        if not self._writing and not self._burst:
+            # The first frame of a loop turn goes at once; any more in the same turn (replies
+            # from one poll, a window of requests) wait for its end and share one system call.
+            self._burst = True
+            self._loop.call_soon(self._end_burst)
             self._flush()
         if self.output_buffered > self._max_output:
             self._pause_reading()
@@ -209,10 +217,17 @@ class FramedSocket:
                 self._drained = self._loop.create_future()
             await self._drained
 
+    def _end_burst(self) -> None:
+        self._burst = False
+        if self._out and not self._writing and not self.closed:
+            self._flush()
+
     def _flush(self) -> None:
         try:
             while self._out:
                 view, fds = self._out[0]
+                if not fds and len(self._out) > 1 and not self._out[1][1]:
+                    view = self._coalesce()
                 if fds:
                     rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
                     sent = self.sock.sendmsg([view], rights)
@@ -234,6 +249,8 @@ class FramedSocket:
             self._out.clear()
             self.output_buffered = 0
             self._fail(ConnectionClosed(f"connection lost while sending: {exc}"), exc)
+        if self.output_buffered <= self._max_output:
+            self._wake()  # a receive() held back by full output may go on
         if self._out and not self._writing and not self.closed:
             self._loop.add_writer(self.fd, self._flush)
             self._writing = True
@@ -247,10 +264,24 @@ class FramedSocket:
             if len(self._messages) < self._max_inbox:
                 self._resume_reading()
 
+    def _coalesce(self) -> memoryview:
+        """Join the leading frames that carry no fds (up to RECV_BYTES) into one entry."""
+        parts: list[memoryview] = []
+        size = 0
+        while self._out and not self._out[0][1] and size < RECV_BYTES:
+            view = self._out.popleft()[0]
+            parts.append(view)
+            size += len(view)
+        joined = memoryview(b"".join(parts))
+        self._out.appendleft((joined, []))
+        return joined
+
     def close(self) -> None:
         """Close at once; unsent output and unclaimed fds are dropped."""
         if self.closed:
             return
+        if self._out and not self._writing:
+            self._flush()  # frames held back by this loop turn's burst still go, as if sent at once
         self.closed = True
         self._pause_reading()
         if self._writing:

@@ -164,7 +164,8 @@ def test_urgent_goes_ahead_of_queued_bulk() -> None:
     sim.complete(L0, 0.001)  # frees one bulk slot
     s.enqueue(req(2, cls="urgent", nbytes=CHUNK), 0.001)
     chunks = sim.pump(0.001)
-    assert [(c.request.id, c.strict) for c in chunks] == [(2, True), (1, False)]
+    # Bulk is held until the urgent chunk lands (it would otherwise be drained first).
+    assert [(c.request.id, c.strict) for c in chunks] == [(2, True)]
     assert s.strict_in_flight
 
 
@@ -199,9 +200,9 @@ def test_multi_chunk_urgent_holds_bulk_back() -> None:
     for step in range(2):
         sim.complete(L0, 0.001 * step)
         assert [c.request.id for c in sim.pump(0.001 * step)] == [2]
-    # Once the urgent copy's last chunk is out, bulk may use its own budget, behind it.
+    # The urgent copy's last chunk goes out; bulk waits until no urgent chunk is in flight.
     sim.complete(L0, 0.01)
-    assert [(c.request.id, c.offset) for c in sim.pump(0.01)] == [(2, 4 * CHUNK), (1, 0), (1, CHUNK)]
+    assert [(c.request.id, c.offset) for c in sim.pump(0.01)] == [(2, 4 * CHUNK)]
     assert sim.bytes_in_flight(L0, strict=True) <= BOUND
 
 
@@ -579,3 +580,19 @@ def test_statistics_and_state_flags() -> None:
     sim.drain(0.0)
     assert s.idle and s.get(1) is None
     assert s.statistics().mode == "priod"
+
+
+def test_bulk_held_while_strict_dma_in_flight() -> None:
+    """No non-strict chunk is handed out while a strict DMA chunk of the lane is in flight."""
+    info = LaneInfo(LaneKey(0, Direction.H2D), 1e9, 0, 0)  # no express: urgent goes by DMA
+    s = Scheduler(Policy(), [info])
+    s.enqueue(Request(1, "a", info.key, "bulk", 64 << 20, 0.0), 0.0)
+    first = s.next_chunks(0.0)
+    s.enqueue(Request(2, "b", info.key, "urgent", 4096, 0.0), 0.0)
+    urgent = s.next_chunks(0.0)
+    assert [c.request.id for c in urgent] == [2] and urgent[0].path is Path.DMA
+    for c in first:
+        s.chunk_done(c, 0.001)
+    assert s.next_chunks(0.001) == []  # bulk room, but the urgent chunk is still in flight
+    s.chunk_done(urgent[0], 0.002)
+    assert [c.request.id for c in s.next_chunks(0.002)] == [1, 1]

@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""GPU benchmark: urgent copies under a saturating bulk stream, side by side in one run.
+
+Rows, per direction set (h2d, d2h, both at once):
+  idle     each urgent size alone on an idle GPU, in-process cudaMemcpyAsync (the reference)
+  naive    in-process: bulk 2 GiB copies on a low-priority stream, urgent copies on a
+           high-priority stream (what priority streams promise, and do not give for copies)
+  dma      through priod, express lane off: chunked bulk, urgent submitted first
+  express  through priod, express lane on
+Columns: urgent p50/p99 (client-observed, us) and each as a ratio to idle; bulk GB/s and its
+ratio to raw cudaMemcpyAsync of the same size measured alone in the same run.
+
+    python scripts/bench_gpu.py --out out/bench_gpu          # about 3 minutes on an H200
+
+Needs a GPU, cuda-bindings and CuPy (for the in-process rows). Writes results.json and
+latency.png under --out and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import priod  # noqa: E402
+from priod.testing import daemon_process  # noqa: E402
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = (64 * KiB, 1 * MiB, 16 * MiB)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(v: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(v), q)) if v else float("nan")
+
+
+# -- in-process rows (CuPy) ----------------------------------------------------------------------
+def _dump_stacks_later() -> None:
+    """With PRIOD_BENCH_DUMP_S set, print every thread's stack after that many seconds (a hang's where)."""
+    import faulthandler
+
+    if os.environ.get("PRIOD_BENCH_DUMP_S"):
+        faulthandler.dump_traceback_later(float(os.environ["PRIOD_BENCH_DUMP_S"]), exit=False)
+
+
+def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) -> None:
+    """idle and naive rows, and raw bandwidth, in a child process of its own."""
+    _dump_stacks_later()
+    import cupy as cp
+    from cuda.bindings import runtime as rt
+
+    def ck(r: Any) -> Any:
+        if r[0] != rt.cudaError_t.cudaSuccess:
+            raise RuntimeError(r[0])
+        return r[1] if len(r) == 2 else r[1:]
+
+    lo, hi = ck(rt.cudaDeviceGetStreamPriorityRange())
+    low = [cp.cuda.Stream(non_blocking=True, priority=lo) for _ in directions]
+    high = cp.cuda.Stream(non_blocking=True, priority=hi)
+    hbulk = {d: cp.cuda.alloc_pinned_memory(bulk_bytes) for d in directions}
+    dbulk = {d: cp.cuda.alloc(bulk_bytes) for d in directions}
+    hu = cp.cuda.alloc_pinned_memory(max(SIZES))
+    du = cp.cuda.alloc(max(SIZES))
+    kind = {"h2d": rt.cudaMemcpyKind.cudaMemcpyHostToDevice, "d2h": rt.cudaMemcpyKind.cudaMemcpyDeviceToHost}
+
+    def copy(direction: str, host: int, dev: int, n: int, stream: Any) -> None:
+        dst, src = (dev, host) if direction == "h2d" else (host, dev)
+        ck((rt.cudaMemcpyAsync(dst, src, n, kind[direction], stream.ptr)[0], None))
+
+    def urgent_once(direction: str, n: int) -> float:
+        t0 = time.perf_counter()
+        copy(direction, hu.ptr, du.ptr, n, high)
+        high.synchronize()
+        return (time.perf_counter() - t0) * 1e6
+
+    out: dict[str, Any] = {"idle": {}, "naive": {}, "raw_gbps": {}}
+    log("in-process: idle")
+    for d in ("h2d", "d2h"):
+        for n in SIZES:
+            [urgent_once(d, n) for _ in range(5)]
+            out["idle"][f"{d}/{n}"] = sorted(urgent_once(d, n) for _ in range(count))
+    for i, d in enumerate(directions):
+        copy(d, hbulk[d].ptr, dbulk[d].ptr, bulk_bytes, low[i])
+        low[i].synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            copy(d, hbulk[d].ptr, dbulk[d].ptr, bulk_bytes, low[i])
+        low[i].synchronize()
+        out["raw_gbps"][d] = 3 * bulk_bytes / (time.perf_counter() - t0) / 1e9
+    log(f"in-process: raw {out['raw_gbps']}; naive")
+    # naive: keep the low-priority streams busy with whole bulk copies, urgent on the high one
+    for d in directions:
+        for n in SIZES:
+            lat: list[float] = []
+            moved, t0 = 0, time.perf_counter()
+            for k in range(count):
+                if k % 2 == 0:  # keep at least one whole bulk copy queued per direction
+                    for i, bd in enumerate(directions):
+                        copy(bd, hbulk[bd].ptr, dbulk[bd].ptr, bulk_bytes, low[i])
+                        moved += bulk_bytes
+                time.sleep(0.002)
+                lat.append(urgent_once(d, n))
+            for s in low:
+                s.synchronize()
+            out["naive"][f"{d}/{n}"] = {"lat": lat, "bulk_gbps": moved / (time.perf_counter() - t0) / 1e9 / len(directions)}
+    q.put(out)
+
+
+# -- priod rows ------------------------------------------------------------------------------------
+def bulk_client(path: str, direction: str, nbytes: int, stop: Any, q: Any) -> None:
+    _dump_stacks_later()
+    async def run() -> None:
+        c = await priod.connect(path, name=f"bulk-{direction}")
+        h, d = await c.alloc_host(nbytes), await c.alloc_device(nbytes)
+        dst, src = (d, h) if direction == "h2d" else (h, d)
+        pending = [c.start_copy(dst, src, priority="bulk") for _ in range(2)]
+        samples: list[tuple[float, int]] = []
+        while pending:
+            r = await pending.pop(0)
+            samples.append((time.perf_counter(), r.nbytes))
+            if not stop.is_set():
+                pending.append(c.start_copy(dst, src, priority="bulk"))
+        q.put((direction, samples))
+        await c.close()
+
+    run_async(run())
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def urgent_client(path: str, directions: tuple[str, ...], count: int) -> dict[str, list[float]]:
+    c = await priod.connect(path, name="urgent")
+    h, d = await c.alloc_host(max(SIZES)), await c.alloc_device(max(SIZES))
+    assert h.array is not None
+    h.array[:] = np.arange(max(SIZES), dtype=np.uint64).view(np.uint8)[: max(SIZES)]
+    out: dict[str, list[float]] = {}
+    paths: dict[str, set[str]] = {}
+    daemon: dict[str, list[tuple[float, float, float]]] = {}  # the daemon's own queued/transfer/total
+    for direction in directions:
+        dst, src = (d, h) if direction == "h2d" else (h, d)
+        for n in SIZES:
+            lat = []
+            for _ in range(count):
+                t0 = time.perf_counter()
+                r = await c.copy(dst, src, n, priority="urgent")
+                lat.append((time.perf_counter() - t0) * 1e6)
+                paths.setdefault(f"{direction}/{n}", set()).add(r.path)
+                daemon.setdefault(f"{direction}/{n}", []).append((r.queued_us, r.transfer_us, r.total_us))
+                await asyncio.sleep(0.002)
+            out[f"{direction}/{n}"] = lat
+    out["_paths"] = {k: sorted(v) for k, v in paths.items()}  # type: ignore[assignment]
+    out["_daemon_us"] = daemon  # type: ignore[assignment]
+    await c.close()
+    return out
+
+
+def priod_row(directions: tuple[str, ...], express: bool, bulk_bytes: int, count: int, warm_s: float, backend: str = "cuda") -> dict[str, Any]:
+    env = {"PRIOD_SCHEDULER__EXPRESS": "true" if express else "false", "PRIOD_LOG__LEVEL": '"warning"'}
+    ctx = mp.get_context("spawn")
+    log(f"priod row {directions} express={express}: starting daemon ({backend})")
+    with daemon_process(env, backend=backend, start_timeout=120) as dmn:
+        q: Any = ctx.Queue()
+        # idle through priod first (no bulk), then under load
+        idle = run_async(urgent_client(dmn.socket_path, directions, max(10, count // 4)))
+        stop = ctx.Event()
+        procs = [ctx.Process(target=bulk_client, args=(dmn.socket_path, d, bulk_bytes, stop, q)) for d in directions]
+        log("idle via priod done; starting bulk clients")
+        for p in procs:
+            p.start()
+        time.sleep(warm_s)
+        t_start = time.perf_counter()
+        loaded = run_async(urgent_client(dmn.socket_path, directions, count))
+        t_end = time.perf_counter()
+        log("urgent under load done")
+        with priod.SyncClient(dmn.socket_path) as sc:
+            status = sc.status()
+        stop.set()
+        results = {}
+        for _ in procs:
+            direction, samples = get_result(q, procs, 120)
+            window = [(t, n) for t, n in samples if t_start <= t <= t_end]
+            results[direction] = sum(n for _, n in window) / max(t_end - t_start, 1e-9) / 1e9
+        for p in procs:
+            p.join(timeout=60)
+    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "lanes": status["lanes"], "engine": status["engine"]}
+
+
+def get_result(q: Any, procs: list[Any], timeout: float = 600) -> Any:
+    """The next result on ``q``, or an error as soon as every child has died without one."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=2)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                raise RuntimeError(f"children exited ({[p.exitcode for p in procs]}) before reporting") from None
+    raise TimeoutError(f"no result in {timeout} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/bench_gpu")
+    ap.add_argument("--count", type=int, default=60, help="urgent copies per size and row")
+    ap.add_argument("--bulk-gib", type=float, default=2.0)
+    ap.add_argument("--sets", default="h2d,d2h,both")
+    args = ap.parse_args()
+    _dump_stacks_later()
+    os.makedirs(args.out, exist_ok=True)
+    bulk = int(args.bulk_gib * GiB)
+    ctx = mp.get_context("spawn")
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "sets": {}}
+    for name in args.sets.split(","):
+        directions = ("h2d", "d2h") if name == "both" else (name,)
+        q: Any = ctx.Queue()
+        p = ctx.Process(target=inprocess, args=(directions, bulk, args.count, q))
+        p.start()
+        inproc = get_result(q, [p])
+        p.join()
+        dma = priod_row(directions, False, bulk, args.count, warm_s=1.0)
+        exp = priod_row(directions, True, bulk, args.count, warm_s=1.0)
+        results["sets"][name] = {"inprocess": inproc, "dma": dma, "express": exp}
+        with open(os.path.join(args.out, "results.json"), "w") as fp:
+            json.dump(results, fp, indent=1)
+    table = render(results)
+    plot(results, os.path.join(args.out, "latency.png"))
+    with open(os.path.join(args.out, "table.txt"), "w") as fp:
+        fp.write(table + "\n")
+    print(table)
+    return 0
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = []
+    hdr = f"{'set':<5} {'urgent':<10} {'row':<8} {'p50 us':>9} {'x idle':>7} {'p99 us':>9} {'x idle':>7} {'bulk GB/s':>10} {'x raw':>6}  target p99<=2*idle+50us"
+    lines.append(hdr)
+    for name, s in results["sets"].items():
+        inproc = s["inprocess"]
+        for key in [k for k in s["express"]["loaded"] if not k.startswith("_")]:
+            direction, n = key.split("/")
+            idle = inproc["idle"][key]
+            i50, i99 = pct(idle, 50), pct(idle, 99)
+            raw = float(np.mean([inproc["raw_gbps"][d] for d in inproc["raw_gbps"]]))
+            label = f"{direction} {int(n) // KiB} KiB" if int(n) < MiB else f"{direction} {int(n) // MiB} MiB"
+            rows = [("idle", idle, None), ("naive", inproc["naive"][key]["lat"], inproc["naive"][key]["bulk_gbps"])]
+            for row in ("dma", "express"):
+                bulk = s[row]["bulk_gbps"]
+                rows.append((row, s[row]["loaded"][key], float(np.mean(list(bulk.values()))) if bulk else None))
+            for row, lat, gbps in rows:
+                p50, p99 = pct(lat, 50), pct(lat, 99)
+                met = "" if row in ("idle", "naive") else ("met" if p99 <= 2 * i50 + 50 else "not met")
+                g = f"{gbps:10.1f} {gbps / raw:6.3f}" if gbps else f"{'':>10} {'':>6}"
+                lines.append(f"{name:<5} {label:<10} {row:<8} {p50:9.1f} {p50 / i50:7.1f} {p99:9.1f} {p99 / i50:7.1f} {g}  {met}")
+        lines.append(f"{name:<5} raw cudaMemcpyAsync GB/s: " + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items()))
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    sets = list(results["sets"].items())
+    fig, axes = plt.subplots(len(sets), len(SIZES), figsize=(5 * len(SIZES), 3.6 * len(sets)), squeeze=False)
+    for r, (name, s) in enumerate(sets):
+        for c, n in enumerate(SIZES):
+            ax = axes[r][c]
+            direction = "d2h" if name == "d2h" else "h2d"
+            key = f"{direction}/{n}"
+            series = {
+                "idle": s["inprocess"]["idle"][key],
+                "naive": s["inprocess"]["naive"][key]["lat"],
+                "priod dma": s["dma"]["loaded"][key],
+                "priod express": s["express"]["loaded"][key],
+            }
+            for label, v in series.items():
+                v = sorted(v)
+                ax.plot(v, np.linspace(0, 1, len(v)), label=label)
+            ax.set_xscale("log")
+            ax.set_title(f"{name}: urgent {key}")
+            ax.set_xlabel("latency (us)")
+            ax.grid(alpha=0.3)
+            if c == 0:
+                ax.set_ylabel("CDF")
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Through the daemon on a real GPU (marker ``gpu``; skipped where there is none).
+
+Every direction, DMA and express paths, odd sizes and offsets, bytes checked; two client
+processes sharing one daemon, one of them copying into its own CuPy buffer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import priod
+from priod.testing import DaemonProcess, daemon_process
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [1, 4097, 64 << 10, (1 << 20) + 7, 3 << 20]
+OFFSETS = [(0, 0), (19, 35), (5, 2)]
+
+
+@pytest.fixture(scope="module")
+def gpu_daemon() -> Iterator[DaemonProcess]:
+    """A daemon on the cuda engine, express lane on."""
+    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=120) as d:
+        yield d
+
+
+@pytest.mark.parametrize("priority", ["normal", "urgent"])
+def test_every_direction_bytes_checked(gpu_daemon: DaemonProcess, priority: str) -> None:
+    """h2d, d2d, d2h at odd sizes and offsets, by DMA (normal) and express (urgent); bytes match."""
+    import cupy as cp
+
+    rng = np.random.default_rng(7)
+    n_region = 4 << 20
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        src, back = c.alloc_host(n_region), c.alloc_host(n_region)
+        d1, d2 = c.alloc_device(n_region), c.alloc_device(n_region)
+        assert src.array is not None and back.array is not None
+        view1, view2 = d1.cuda(), d2.cuda()
+        try:
+            paths = set()
+            for n in SIZES:
+                for so, do in OFFSETS:
+                    src.array[so : so + n] = rng.integers(0, 256, n, dtype=np.uint8)
+                    r1 = c.copy(d1, src, n, dst_offset=do, src_offset=so, priority=priority)
+                    got = cp.asnumpy(cp.asarray(view1)[do : do + n])
+                    assert np.array_equal(got, src.array[so : so + n]), f"h2d {n} @ {so}->{do}"
+                    r2 = c.copy(d2, d1, n, dst_offset=so, src_offset=do, priority=priority)
+                    r3 = c.copy(back, d2, n, dst_offset=do, src_offset=so, priority=priority)
+                    assert np.array_equal(back.array[do : do + n], src.array[so : so + n]), f"round trip {n} @ {so}->{do}"
+                    paths |= {r1.path, r2.path, r3.path}
+            assert paths == ({"dma"} if priority == "normal" else {"dma", "express"})
+            cp.cuda.runtime.deviceSynchronize()
+        finally:
+            view1.close()
+            view2.close()
+
+
+def _cupy_client(path: str, q: "mp.Queue[str]") -> None:
+    """A second process: registers its own CuPy buffer and copies into it."""
+    import cupy as cp
+
+    try:
+        with priod.SyncClient(path, name="cupy-client") as c:
+            buf = cp.zeros(5 << 20, dtype=cp.uint8)[1000:]  # an offset into a pool allocation
+            region = c.register_device(buf)
+            host = c.alloc_host(region.nbytes)
+            assert host.array is not None
+            host.array[:] = np.arange(region.nbytes, dtype=np.uint64).astype(np.uint8)
+            for priority in ("bulk", "urgent"):
+                c.copy(region, host, priority=priority)
+                cp.cuda.runtime.deviceSynchronize()
+                if not np.array_equal(cp.asnumpy(buf), host.array):
+                    q.put(f"mismatch after {priority} copy into a registered CuPy buffer")
+                    return
+                buf[:] = 0
+            c.free(region)
+        q.put("ok")
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        q.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_two_processes_one_with_its_own_cupy_buffer(gpu_daemon: DaemonProcess) -> None:
+    """While this process copies through the daemon, another registers a CuPy array and copies into it."""
+    ctx = mp.get_context("spawn")
+    q: mp.Queue[str] = ctx.Queue()
+    child = ctx.Process(target=_cupy_client, args=(gpu_daemon.socket_path, q))
+    child.start()
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        h, d, back = c.alloc_host(8 << 20), c.alloc_device(8 << 20), c.alloc_host(8 << 20)
+        assert h.array is not None and back.array is not None
+        for i in range(10):
+            h.array[:] = i
+            c.copy(d, h, priority="bulk")
+            c.copy(back, d, priority="normal")
+            assert int(back.array.min()) == int(back.array.max()) == i
+    assert q.get(timeout=120) == "ok"
+    child.join(timeout=60)
+    assert child.exitcode == 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([str(Path(__file__)), "-q"]))
