@@ -171,6 +171,8 @@ class Daemon:
         self._inflight: list[tuple[Chunk, Completion, float]] = []  # chunk, token, expected done
         self._bandwidth = {info.key: info.bandwidth for info in engine.lanes()}
         self._lane_busy_until: dict[LaneKey, float] = {}
+        self.lane_bytes = {info.key: 0 for info in engine.lanes()}
+        """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
         self._inflight_bytes: dict[tuple[LaneKey, Path], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake: asyncio.Future[None] | None = None
@@ -747,6 +749,8 @@ class Daemon:
             completed = True
             key = (chunk.request.lane, chunk.path)
             self._inflight_bytes[key] -= chunk.nbytes
+            if error is None:
+                self.lane_bytes[chunk.request.lane] += chunk.nbytes
             for f in self.scheduler.chunk_done(chunk, time.perf_counter(), error):
                 self._on_finished(f)
         self._inflight = still
@@ -882,6 +886,7 @@ class Daemon:
                 for ls in st.lanes
             ],
             "inflight_chunks": len(self._inflight),
+            "lane_bytes": {str(lane): n for lane, n in sorted(self.lane_bytes.items())},
             "inflight_bytes": inflight,
             "deadline_misses": st.deadline_misses,
             "finished": st.finished,

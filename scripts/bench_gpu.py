@@ -146,7 +146,7 @@ def run_async(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-async def urgent_client(path: str, directions: tuple[str, ...], count: int) -> dict[str, list[float]]:
+async def urgent_client(path: str, directions: tuple[str, ...], count: int, interval_s: float = 0.005) -> dict[str, list[float]]:
     c = await priod.connect(path, name="urgent")
     h, d = await c.alloc_host(max(SIZES)), await c.alloc_device(max(SIZES))
     assert h.array is not None
@@ -164,7 +164,7 @@ async def urgent_client(path: str, directions: tuple[str, ...], count: int) -> d
                 lat.append((time.perf_counter() - t0) * 1e6)
                 paths.setdefault(f"{direction}/{n}", set()).add(r.path)
                 daemon.setdefault(f"{direction}/{n}", []).append((r.queued_us, r.transfer_us, r.total_us))
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(interval_s)
             out[f"{direction}/{n}"] = lat
     out["_paths"] = {k: sorted(v) for k, v in paths.items()}  # type: ignore[assignment]
     out["_daemon_us"] = daemon  # type: ignore[assignment]
@@ -186,21 +186,29 @@ def priod_row(directions: tuple[str, ...], express: bool, bulk_bytes: int, count
         for p in procs:
             p.start()
         time.sleep(warm_s)
-        t_start = time.perf_counter()
-        loaded = run_async(urgent_client(dmn.socket_path, directions, count))
-        t_end = time.perf_counter()
-        log("urgent under load done")
         with priod.SyncClient(dmn.socket_path) as sc:
-            status = sc.status()
+            # bulk alone for a second, then under urgent load: bytes per lane from the daemon,
+            # counted per chunk, so the figure does not depend on where 2 GiB copies end
+            t0, b0 = time.perf_counter(), sc.status()["lane_bytes"]
+            time.sleep(1.0)
+            t1, b1 = time.perf_counter(), sc.status()["lane_bytes"]
+            loaded = run_async(urgent_client(dmn.socket_path, directions, count))
+            t2, st = time.perf_counter(), sc.status()
+            b2 = st["lane_bytes"]
+        log("urgent under load done")
         stop.set()
-        results = {}
+        alone, results = {}, {}
+        for d in directions:
+            lane = f"gpu0/{d}"
+            urgent_bytes = sum(int(k.split("/")[1]) * len(v) for k, v in loaded.items() if k.startswith(d + "/"))
+            alone[d] = (b1[lane] - b0[lane]) / (t1 - t0) / 1e9
+            results[d] = (b2[lane] - b1[lane] - urgent_bytes) / (t2 - t1) / 1e9
         for _ in procs:
-            direction, samples = get_result(q, procs, 120)
-            window = [(t, n) for t, n in samples if t_start <= t <= t_end]
-            results[direction] = sum(n for _, n in window) / max(t_end - t_start, 1e-9) / 1e9
+            get_result(q, procs, 120)
         for p in procs:
             p.join(timeout=60)
-    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "lanes": status["lanes"], "engine": status["engine"]}
+        status = st
+    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "bulk_alone_gbps": alone, "lanes": status["lanes"], "engine": status["engine"]}
 
 
 def get_result(q: Any, procs: list[Any], timeout: float = 600) -> Any:
@@ -271,6 +279,12 @@ def render(results: dict[str, Any]) -> str:
                 g = f"{gbps:10.1f} {gbps / raw:6.3f}" if gbps else f"{'':>10} {'':>6}"
                 lines.append(f"{name:<5} {label:<10} {row:<8} {p50:9.1f} {p50 / i50:7.1f} {p99:9.1f} {p99 / i50:7.1f} {g}  {met}")
         lines.append(f"{name:<5} raw cudaMemcpyAsync GB/s: " + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items()))
+        for row in ("dma", "express"):
+            alone = s[row].get("bulk_alone_gbps", {})
+            lines.append(
+                f"{name:<5} bulk through priod, no urgent load ({row} daemon) GB/s: "
+                + ", ".join(f"{d} {v:.1f} (x raw {v / inproc['raw_gbps'][d]:.3f})" for d, v in alone.items())
+            )
     return "\n".join(lines)
 
 

@@ -1,0 +1,195 @@
+"""The Prometheus endpoint ([metrics] address/port): every documented metric is served, and
+counters, histograms and gauges move with the work the daemon does.
+
+Gauges are refreshed by the daemon's loop about once a second, so tests poll the endpoint
+with a generous timeout rather than sleeping for a fixed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import priod
+from priod.client import Client
+from priod.testing import DaemonProcess, daemon_process
+
+MiB = 1 << 20
+T = TypeVar("T")
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Scraper:
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.families: dict[str, str] = {}
+
+    def text(self) -> str:
+        with urllib.request.urlopen(self.url, timeout=30) as r:
+            assert r.status == 200
+            return str(r.read().decode())
+
+    def __call__(self) -> Samples:
+        """Every sample of one scrape, keyed by (name, labels)."""
+        out: Samples = {}
+        for fam in text_string_to_metric_families(self.text()):
+            self.families[fam.name] = fam.type
+            for s in fam.samples:
+                out[(s.name, frozenset(s.labels.items()))] = s.value
+        return out
+
+
+def get(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def poll(check: Callable[[], T | None], timeout: float = 30.0, what: str = "metrics") -> T:
+    """Scrape until ``check`` returns something truthy (gauges refresh about once a second)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(check)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536"}
+
+
+@pytest.fixture(scope="module")
+def metered() -> Iterator[tuple[DaemonProcess, Scraper]]:
+    """A daemon serving /metrics on a free port, with a slow h2d link so queues can be seen."""
+    port = free_port()
+    env = {**SLOW, "PRIOD_METRICS__PORT": str(port), "PRIOD_SIM__FAULT_ON_NBYTES": "12345", "PRIOD_LOG__LEVEL": '"warning"'}
+    with daemon_process(env) as d:
+        yield d, Scraper(port)
+    assert d.proc.returncode == 0, d.log()[-4000:]
+
+
+async def test_counters_and_histograms_move_with_copies(metered: tuple[DaemonProcess, Scraper]) -> None:
+    """Finished copies count by class and outcome, bytes by direction, express copies, deadline
+    misses and refusals by code; latency and queue-wait histograms observe each done copy."""
+    d, scrape = metered
+    before = await asyncio.to_thread(scrape)
+    async with priod.client.connect(d.socket_path) as c:
+        host, dev = await c.alloc_host(MiB), await c.alloc_device(MiB)
+        assert (await c.copy(dev, host, priority="urgent")).path == "express"
+        for _ in range(3):
+            await c.copy(host, dev, 256 * 1024, priority="bulk")
+        assert (await c.copy(dev, host, 65536, priority="normal", deadline_ms=0.001)).missed_deadline
+        with pytest.raises(priod.EngineError, match=r"^copy failed after 0 of 12345 bytes: injected engine fault"):
+            await c.copy(dev, host, 12345)
+        with pytest.raises(priod.InvalidRequest, match=r"^unknown class 'no-such-class'; the classes are "):
+            await c.copy(dev, host, priority="no-such-class")
+        with pytest.raises(priod.LimitExceeded, match=r"^1099511627776 more pinned bytes would exceed \[limits\] max_pinned_bytes = "):
+            await c.alloc_host(1 << 40)
+        queued = [c.start_copy(dev, host, priority="bulk") for _ in range(4)]  # 16 ms each
+        assert [await h.cancel() for h in queued][-1] < MiB
+    after = await asyncio.to_thread(scrape)
+
+    def delta(name: str, **labels: str) -> float:
+        return get(after, name, **labels) - get(before, name, **labels)
+
+    assert delta("priod_requests_total", priority="urgent", outcome="done") == 1
+    assert delta("priod_requests_total", priority="bulk", outcome="done") + delta("priod_requests_total", priority="bulk", outcome="cancelled") == 3 + 4
+    assert delta("priod_requests_total", priority="bulk", outcome="cancelled") >= 1
+    assert delta("priod_requests_total", priority="normal", outcome="done") == 1
+    assert delta("priod_requests_total", priority="normal", outcome="failed") == 1
+    assert delta("priod_bytes_copied_total", direction="d2h") == 3 * 256 * 1024
+    assert delta("priod_bytes_copied_total", direction="h2d") >= MiB + 65536
+    assert delta("priod_express_copies_total", direction="h2d") >= 1
+    assert delta("priod_deadline_misses_total", priority="normal") == 1
+    assert delta("priod_refused_requests_total", code="bad_request") == 1
+    assert delta("priod_refused_requests_total", code="limit") == 1
+    for hist in ("priod_request_duration_seconds", "priod_queue_wait_seconds"):
+        assert delta(f"{hist}_count", priority="urgent") == 1
+        assert delta(f"{hist}_count", priority="bulk") >= 3
+        assert delta(f"{hist}_sum", priority="bulk") > 0
+        buckets = sorted((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == f"{hist}_bucket" and ("priority", "bulk") in k[1])
+        assert buckets[-1] == (float("inf"), get(after, f"{hist}_count", priority="bulk"))
+        assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+    assert scrape.families["priod_requests"] == "counter"
+    assert scrape.families["priod_request_duration_seconds"] == "histogram"
+
+
+async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[DaemonProcess, Scraper]) -> None:
+    """Queue depth by lane and class, bytes in flight by lane and path, the engine's busy
+    fraction, clients and pinned bytes follow the daemon's state within a refresh or two."""
+    d, scrape = metered
+    async with priod.client.connect(d.socket_path) as c:
+        host, dev = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
+        # 65 ms each, 13 s in all: far longer than a gauge refresh; cancelled once seen.
+        queued = [c.start_copy(dev, host, priority="bulk") for _ in range(200)]
+
+        def busy() -> Samples | None:
+            s = scrape()
+            lane = {"lane": "gpu0/h2d"}
+            ok = get(s, "priod_queue_depth", priority="bulk", **lane) >= 1 and get(s, "priod_inflight_bytes", path="dma", **lane) > 0
+            return s if ok else None
+
+        s = await poll(busy, what="bulk queued and in flight on gpu0/h2d")
+        assert get(s, "priod_clients") >= 1
+        assert get(s, "priod_pinned_bytes") >= 4 * MiB
+        assert get(s, "priod_queue_depth", lane="gpu0/h2d", priority="urgent") == 0
+        assert ("priod_inflight_bytes", frozenset({"lane": "gpu0/d2h", "path": "express"}.items())) in s
+        await asyncio.wait_for(asyncio.gather(*(h.cancel() for h in queued)), 60)
+        await poll(lambda: get(scrape(), "priod_engine_busy_fraction", lane="gpu0/h2d") > 0, what="a busy h2d engine")
+    s = await poll(
+        lambda: (lambda s: s if get(s, "priod_queue_depth", lane="gpu0/h2d", priority="bulk") == 0 and get(s, "priod_clients") == 0 else None)(scrape()),
+        what="queues drained and the client gone",
+    )
+    assert get(s, "priod_pinned_bytes") == 0
+    assert get(s, "priod_inflight_bytes", lane="gpu0/h2d", path="dma") == 0
+    assert 0 <= get(s, "priod_engine_busy_fraction", lane="gpu0/h2d") <= 1
+
+
+def test_every_served_metric_is_documented(metered: tuple[DaemonProcess, Scraper]) -> None:
+    """docs/operations.md lists exactly the metric families the endpoint serves."""
+    _, scrape = metered
+    scrape()
+    # prometheus_client adds a "<name>_created" timestamp gauge beside each counter and
+    # histogram series; the docs mention them once rather than per metric.
+    served = {n for n in scrape.families if n.startswith("priod_") and not (n.endswith("_created") and n[: -len("_created")] in scrape.families)}
+    suffix = {"counter": "_total", "info": "_info"}
+    served_names = {n + suffix.get(scrape.families[n], "") for n in served}
+    documented = set(re.findall(r"^\| `(priod_[a-z_]+)`", DOCS.read_text(), re.M))
+    assert documented == served_names
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_reload_drops_queue_depth_of_removed_classes(tmp_path: Path) -> None:
+    """After a reload removes a class, its queue-depth series goes away instead of freezing at
+    its last value."""
+    config = tmp_path / "priod.toml"
+    config.write_text("[classes.urgent]\nstrict = true\n[classes.normal]\nweight = 2\n[classes.bulk]\nweight = 1\n")
+    port = free_port()
+    scrape = Scraper(port)
+    with daemon_process({"PRIOD_METRICS__PORT": str(port)}, config=str(config)) as d:
+        c = await Client.connect(d.socket_path)
+        await c.ping()  # the daemon's signal handlers are in place once it serves requests
+        series = {"lane": "gpu0/h2d", "priority": "normal"}
+        await poll(lambda: ("priod_queue_depth", frozenset(series.items())) in scrape(), what="queue depth of class normal")
+        config.write_text("[classes.urgent]\nstrict = true\n[classes.bulk]\nweight = 1\n")
+        d.proc.send_signal(signal.SIGHUP)
+        await poll(lambda: ("priod_queue_depth", frozenset(series.items())) not in scrape(), what="class normal gone from queue depth")
+        assert ("priod_queue_depth", frozenset({**series, "priority": "bulk"}.items())) in scrape()
+        await c.close()
