@@ -170,7 +170,6 @@ class Daemon:
         self.regions: dict[int, Region] = {}
         self._inflight: list[tuple[Chunk, Completion, float]] = []  # chunk, token, expected done
         self._bandwidth = {info.key: info.bandwidth for info in engine.lanes()}
-        self._lane_busy_until: dict[LaneKey, float] = {}
         self.lane_bytes = {info.key: 0 for info in engine.lanes()}
         """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
         self._inflight_bytes: dict[tuple[LaneKey, Path], int] = {}
@@ -708,25 +707,22 @@ class Daemon:
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):
                     self._on_finished(f)
                 continue
-            self._inflight.append((chunk, completion, self._expected_done(chunk)))
             key = (chunk.request.lane, chunk.path)
             self._inflight_bytes[key] = self._inflight_bytes.get(key, 0) + chunk.nbytes
+            self._inflight.append((chunk, completion, self._expected_done(chunk)))
         self._wakeup()
 
     def _expected_done(self, chunk: Chunk) -> float:
-        """When the chunk should complete if the lane runs at its calibrated bandwidth.
+        """When the chunk should complete if its lane runs at the calibrated bandwidth.
 
-        DMA chunks of a lane run one after another, so each is due after those before it. The
-        poller sleeps until the earliest due time instead of spinning (a hint, not a promise).
+        DMA chunks of a lane run one after another, so a chunk is due once every DMA byte in
+        flight on its lane (its own included) has moved. Computed from the bytes in flight now,
+        never accumulated, so an error in the calibration cannot drift. The poller sleeps until
+        the earliest due time instead of spinning (a hint, not a promise).
         """
         lane = chunk.request.lane
-        now = time.perf_counter()
-        seconds = chunk.nbytes / self._bandwidth.get(lane, 1e9)
-        if chunk.path is Path.EXPRESS:
-            return now + seconds
-        due = max(now, self._lane_busy_until.get(lane, 0.0)) + seconds
-        self._lane_busy_until[lane] = due
-        return due
+        nbytes = chunk.nbytes if chunk.path is Path.EXPRESS else self._inflight_bytes.get((lane, Path.DMA), 0)
+        return time.perf_counter() + nbytes / self._bandwidth.get(lane, 1e9)
 
     def _wakeup(self) -> None:
         if self._wake is not None and not self._wake.done():
