@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .config import default_socket_path
-from .errors import ConnectionClosed, InvalidRequest, PriodError, ProtocolError, error_for_code
+from .errors import ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError, error_for_code
 from .protocol import PROTOCOL_VERSION, Message
 from .transport import BlockingFramedSocket, FramedSocket
 
@@ -94,6 +94,13 @@ class Region:
 
     def __repr__(self) -> str:
         return f"<priod.Region {self.id} {self.kind} {self.nbytes} bytes>"
+
+
+def _no_permission(path: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"cannot connect to {path}: permission denied by the socket's mode; "
+        "ask an administrator to add your user to the socket's group (priod; see docs/operations.md)"
+    )
 
 
 def _copy_request(
@@ -198,6 +205,9 @@ class Client:
             try:
                 await loop.sock_connect(sock, self.path)
                 break
+            except PermissionError as exc:
+                sock.close()
+                raise _no_permission(self.path) from exc
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
@@ -419,6 +429,9 @@ class SyncClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.path)
+        except PermissionError as exc:
+            sock.close()
+            raise _no_permission(self.path) from exc
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             raise ConnectionClosed(f"no priod daemon at {self.path} ({exc.strerror}); start one with 'priod serve' or pass its socket path") from exc

@@ -20,6 +20,7 @@ import itertools
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,8 +190,18 @@ class Daemon:
         if self._listen_sock is None:
             self._listen_sock = bind_unix_socket(self.cfg.socket_path, self.cfg.server.socket_mode)
         self._listen_sock.setblocking(False)
+        pending = threading.Event()
+
+        def wake_from_thread() -> None:
+            # Runs on the loop: clear first, then poll, so no completion is missed.
+            pending.clear()
+            self._wakeup()
+
         def wake_from_engine_thread() -> None:
-            loop.call_soon_threadsafe(self._wakeup)
+            # One wake-up in flight is enough: a burst of completions costs one self-pipe write.
+            if not pending.is_set():
+                pending.set()
+                loop.call_soon_threadsafe(wake_from_thread)
 
         self.engine.set_wakeup(wake_from_engine_thread)
         if self.cfg.metrics.port:

@@ -308,5 +308,5 @@ def test_default_socket_mode_keeps_other_users_out(users: dict[int, User]) -> No
     with daemon_process(socket_path=os.path.join(shared_socket_dir(), "priod.sock")) as d:
         st = os.stat(d.socket_path)
         assert stat.S_IMODE(st.st_mode) == 0o660 and (st.st_uid, st.st_gid) == (0, 0)
-        with pytest.raises(PermissionError, match=r"^\[Errno 13\] Permission denied$"):
+        with pytest.raises(priod.PermissionDenied, match=r"^cannot connect to .*: permission denied by the socket's mode; ask an administrator"):
             users[NOBODY]("connect", d.socket_path)
