@@ -171,6 +171,10 @@ class Daemon:
         self.regions: dict[int, Region] = {}
         self._inflight: list[tuple[Chunk, Completion, float]] = []  # chunk, token, expected done
         self._bandwidth = {info.key: info.bandwidth for info in engine.lanes()}
+        # The per-copy log line runs thousands of times a second: resolve the logger once
+        # (not through structlog's lazy proxy on every call) and name lanes once.
+        self._copy_log = structlog.get_logger("priod.server").bind()
+        self._lane_names = {info.key: str(info.key) for info in engine.lanes()}
         self.lane_bytes = {info.key: 0 for info in engine.lanes()}
         """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
         self._inflight_bytes: dict[tuple[LaneKey, Path], int] = {}
@@ -822,14 +826,14 @@ class Daemon:
         self.metrics.copy_finished(
             req.cls, outcome, direction, f.bytes_done, queued_s, total_s, req.path is Path.EXPRESS, f.missed_deadline
         )
-        log.info(
+        self._copy_log.info(
             "copy",
             id=p.client_id,
             conn=conn.id,
             client_pid=conn.peer.pid,
             uid=conn.peer.uid,
             priority=req.cls,
-            lane=str(req.lane),
+            lane=self._lane_names[req.lane],
             path=req.path.value if req.path else None,
             nbytes=req.nbytes,
             bytes_done=f.bytes_done,
