@@ -340,8 +340,6 @@ class Daemon:
             log.warning("protocol_error", **_error_fields(exc))
             if not fs.closed:
                 fs.send(error_reply(0, exc.code, f"{exc}; the connection is closed"))
-        except asyncio.CancelledError:
-            raise
         finally:
             self._drop_connection(conn)
             await self._flush_and_close(conn, timeout=1.0)
