@@ -175,6 +175,7 @@ class Daemon:
         # (not through structlog's lazy proxy on every call) and name lanes once.
         self._copy_log = structlog.get_logger("priod.server").bind()
         self._lane_names = {info.key: str(info.key) for info in engine.lanes()}
+        self._lane_keys: dict[tuple[int | None, Direction], LaneKey] = {(info.key.device, info.key.direction): info.key for info in engine.lanes()}
         self.lane_bytes = {info.key: 0 for info in engine.lanes()}
         """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
         self._inflight_bytes: dict[tuple[LaneKey, Path], int] = {}
@@ -658,20 +659,23 @@ class Daemon:
         src.users.add(req.id)
         self._pump()
 
-    @staticmethod
-    def _lane_for(dst: Region, src: Region) -> LaneKey:
+    def _lane_for(self, dst: Region, src: Region) -> LaneKey:
         if src.kind == "host" and dst.kind == "device":
-            assert dst.device is not None
-            return LaneKey(dst.device, Direction.H2D)
-        if src.kind == "device" and dst.kind == "host":
-            assert src.device is not None
-            return LaneKey(src.device, Direction.D2H)
-        if src.kind == "device" and dst.kind == "device":
+            device, direction = dst.device, Direction.H2D
+        elif src.kind == "device" and dst.kind == "host":
+            device, direction = src.device, Direction.D2H
+        elif src.kind == "device" and dst.kind == "device":
             if src.device != dst.device:
                 raise InvalidRequest(f"device-to-device copies must stay on one GPU (src on {src.device}, dst on {dst.device}); copy through a host region")
-            assert src.device is not None
-            return LaneKey(src.device, Direction.D2D)
-        raise InvalidRequest("both regions are host memory; copy between them with memcpy in your own process")
+            device, direction = src.device, Direction.D2D
+        else:
+            raise InvalidRequest("both regions are host memory; copy between them with memcpy in your own process")
+        # The engine's own key objects: every dict lookup on the per-chunk path then matches
+        # by identity instead of comparing dataclasses field by field.
+        lane = self._lane_keys.get((device, direction))
+        if lane is None:
+            raise InvalidRequest(f"no lane {direction.value} on device {device}; this daemon serves {sorted(map(str, self._lane_keys.values()))}")
+        return lane
 
     def _op_cancel(self, conn: Connection, msg: Message) -> Message:
         target = require(msg, "target", int)
@@ -697,10 +701,18 @@ class Daemon:
 
     # -- the engine side -------------------------------------------------------------------
     def _pump(self) -> None:
-        """Hand every chunk the scheduler releases to the engine."""
-        chunks = self.scheduler.next_chunks(time.perf_counter())
-        if not chunks:
-            return
+        """Hand every chunk the scheduler releases to the engine.
+
+        Chunks an engine finished at once (a tiny copy on an idle sim lane) are collected here
+        and their room refilled, rather than a loop turn later: that turn is most of a small
+        copy's round trip.
+        """
+        while self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll():
+            pass
+        self._wakeup()
+
+    def _submit(self, chunks: list[Chunk]) -> bool:
+        """Submit ``chunks`` to the engine; True if any was submitted."""
         for chunk in chunks:
             p = chunk.request.payload
             assert isinstance(p, PendingCopy)
@@ -723,7 +735,7 @@ class Daemon:
             key = (chunk.request.lane, chunk.path)
             self._inflight_bytes[key] = self._inflight_bytes.get(key, 0) + chunk.nbytes
             self._inflight.append((chunk, completion, self._expected_done(chunk)))
-        self._wakeup()
+        return bool(chunks)
 
     def _expected_done(self, chunk: Chunk) -> float:
         """When the chunk should complete if its lane runs at the calibrated bandwidth.

@@ -63,6 +63,10 @@ class LaneKey:
     device: int
     direction: Direction
 
+    def __hash__(self) -> int:
+        # Lanes key dicts on the per-chunk path; an enum's hash is slow to recompute.
+        return hash((self.device, self.direction.value))
+
     def __str__(self) -> str:
         return f"gpu{self.device}/{self.direction.value}"
 

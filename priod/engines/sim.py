@@ -44,6 +44,8 @@ from .base import (
 __all__ = ["SimEngine", "sealed_memfd"]
 
 OVERSHOOT_CREDIT_S = 200e-6
+INLINE_MAX_S = 20e-6
+"""Jobs the model times at or below this run at once on an idle engine (see run_inline)."""
 SLICE_BYTES = 1 << 20
 """Granularity of pacing; the chunk as a whole is still never preempted."""
 
@@ -113,6 +115,34 @@ class _Worker(threading.Thread):
         self.link, self.path, self._wakeup = link, path, wakeup
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._last_due = 0.0
+        # Jobs handed to the thread, and jobs it finished: one writer each (the loop, the
+        # worker), so their difference is the queue's length without a lock.
+        self.submitted = 0
+        self.completed = 0
+
+    def run_inline(self, job: _Job) -> bool:
+        """Run a tiny job on the caller's thread if this engine is idle; False if it must queue.
+
+        A copy the model says takes a few microseconds should not take two thread wake-ups
+        (about 150 us on a small VM): a real copy engine finishes a 4 KiB copy in 7-10 us.
+        Only when nothing is queued or running, so FIFO order is kept.
+        """
+        if self.submitted != self.completed or job.nbytes / self.link.rate(self.path) > INLINE_MAX_S:
+            return False
+        started = time.perf_counter()
+        job.dst[:] = job.src
+        self._complete(job)
+        self.link.busy_seconds += time.perf_counter() - started
+        return True
+
+    @staticmethod
+    def _complete(job: _Job) -> None:
+        if job.fail:
+            job.completion._error = EngineError(
+                f"injected engine fault on a chunk of {job.nbytes} bytes ([sim] fault_on_nbytes); the copy did not complete"
+            )
+        else:
+            job.completion._finished = True
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -129,6 +159,7 @@ class _Worker(threading.Thread):
                 else:
                     self.link.express_busy -= 1
                 self.link.busy_seconds += time.perf_counter() - started
+                self.completed += 1
             job = None  # drop the views now, so a freed region's mapping can close
             self._wakeup()()
 
@@ -149,12 +180,7 @@ class _Worker(threading.Thread):
             if delay > 0:
                 time.sleep(delay)
         self._last_due = due
-        if job.fail:
-            job.completion._error = EngineError(
-                f"injected engine fault on a chunk of {job.nbytes} bytes ([sim] fault_on_nbytes); the copy did not complete"
-            )
-        else:
-            job.completion._finished = True
+        self._complete(job)
 
 
 class SimEngine(Engine):
@@ -228,7 +254,10 @@ class SimEngine(Engine):
             completion,
             fail=nbytes == self.cfg.fault_on_nbytes,
         )
-        self._workers[(lane, path)].jobs.put(job)
+        worker = self._workers[(lane, path)]
+        if not worker.run_inline(job):
+            worker.submitted += 1
+            worker.jobs.put(job)
         return completion
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
