@@ -53,6 +53,8 @@ __all__ = ["Daemon", "bind_unix_socket"]
 log = structlog.get_logger("priod.server")
 
 _US = 1e6
+PUMP_ROUNDS = 16
+"""Submit-and-collect rounds in one `_pump`; the poll loop carries on with any that remain."""
 
 
 def _causes(exc: BaseException) -> list[str]:
@@ -707,8 +709,12 @@ class Daemon:
         and their room refilled, rather than a loop turn later: that turn is most of a small
         copy's round trip.
         """
-        while self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll():
-            pass
+        for _ in range(PUMP_ROUNDS):
+            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll()):
+                break
+        else:
+            # Bounded, so other connections get the loop between rounds; carry on next turn.
+            self._loop.call_soon(self._pump)
         self._wakeup()
 
     def _submit(self, chunks: list[Chunk]) -> bool:

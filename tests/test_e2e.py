@@ -163,3 +163,16 @@ async def test_dead_client_regions_released(daemon: DaemonProcess) -> None:
         mine_h.array[:] = 3
         await watcher.copy(mine_d, mine_h)
         assert mine_d.array is not None and int(mine_d.array.min()) == 3
+
+
+async def test_many_tiny_pipelined_copies_all_complete(daemon: DaemonProcess) -> None:
+    """Hundreds of tiny copies sent at once (finished at submission on an idle lane) all
+    complete with the right bytes, including past the daemon's per-turn pump bound."""
+    async with priod.connect(daemon.socket_path) as c:
+        h, d = await c.alloc_host(64 * 500), await c.alloc_device(64 * 500)
+        assert h.array is not None and d.array is not None
+        h.array[:] = np.arange(64 * 500, dtype=np.uint32).astype(np.uint8)
+        handles = [c.start_copy(d, h, 64, dst_offset=64 * i, src_offset=64 * i) for i in range(500)]
+        results = [await x for x in handles]
+        assert all(r.nbytes == 64 for r in results)
+        assert np.array_equal(d.array, h.array)
