@@ -195,14 +195,14 @@ def priod_row(directions: tuple[str, ...], express: bool, bulk_bytes: int, count
             time.sleep(warm_s)
             # bulk alone for a second, then under urgent load: bytes per lane from the daemon,
             # counted per chunk, so the figure does not depend on where 2 GiB copies end
-            t1, b1 = time.perf_counter(), sc.status()["lane_bytes"]
+            t1, b1, c1 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(dmn.proc.pid)
             loaded = urgent_client(dmn.socket_path, directions, count)
-            t2, st = time.perf_counter(), sc.status()
+            t2, st, c2 = time.perf_counter(), sc.status(), daemon_cpu(dmn.proc.pid)
             b2 = st["lane_bytes"]
             # then bulk alone, measured after the loaded phase (so both see a warmed pipeline)
-            t3, b3 = time.perf_counter(), sc.status()["lane_bytes"]
+            t3, b3, c3 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(dmn.proc.pid)
             time.sleep(1.0)
-            t4, b4 = time.perf_counter(), sc.status()["lane_bytes"]
+            t4, b4, c4 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(dmn.proc.pid)
         log("urgent under load done")
         stop.set()
         alone, results = {}, {}
@@ -216,7 +216,26 @@ def priod_row(directions: tuple[str, ...], express: bool, bulk_bytes: int, count
         for p in procs:
             p.join(timeout=60)
         status = st
-    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "bulk_alone_gbps": alone, "lanes": status["lanes"], "engine": status["engine"]}
+        moved_alone = sum(b4[f"gpu0/{d}"] - b3[f"gpu0/{d}"] for d in directions)
+        cpu = {
+            "loaded_cpu_s_per_s": (c2 - c1) / (t2 - t1),
+            "bulk_alone_cpu_s_per_s": (c4 - c3) / (t4 - t3),
+            "bulk_alone_cpu_s_per_gb": (c4 - c3) / max(moved_alone / 1e9, 1e-9),
+        }
+    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "bulk_alone_gbps": alone, "daemon_cpu": cpu, "lanes": status["lanes"], "engine": status["engine"]}
+
+
+def daemon_cpu(pid: int) -> float:
+    """The daemon's user + system CPU seconds so far (psutil if present, else /proc)."""
+    try:
+        import psutil
+
+        t = psutil.Process(pid).cpu_times()
+        return float(t.user + t.system)
+    except ImportError:
+        with open(f"/proc/{pid}/stat") as fp:
+            fields = fp.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def get_result(q: Any, procs: list[Any], timeout: float = 600) -> Any:
@@ -289,6 +308,12 @@ def render(results: dict[str, Any]) -> str:
                 lines.append(f"{name:<5} {label:<10} {row:<8} {p50:9.1f} {p50 / i50:7.1f} {p99:9.1f} {p99 / i50:7.1f} {g}  {met}")
         lines.append(f"{name:<5} raw cudaMemcpyAsync GB/s: " + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items()))
         for row in ("dma", "express"):
+            cpu = s[row].get("daemon_cpu")
+            if cpu:
+                lines.append(
+                    f"{name:<5} daemon CPU ({row} daemon): {cpu['loaded_cpu_s_per_s']:.2f} CPU s/s under urgent load, "
+                    f"{cpu['bulk_alone_cpu_s_per_s']:.2f} CPU s/s and {cpu['bulk_alone_cpu_s_per_gb']:.4f} CPU s/GB with bulk alone"
+                )
             alone = s[row].get("bulk_alone_gbps", {})
             lines.append(
                 f"{name:<5} bulk through priod, no urgent load ({row} daemon) GB/s: "
