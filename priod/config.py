@@ -41,6 +41,9 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     max_output_bytes: int = 4 << 20
     max_clients: int = 256
+    bulk_poll: Literal["spin", "timer"] = "spin"
+    """How the daemon waits for a non-urgent chunk due within 2 ms on an engine that is polled
+    (cuda): "spin" polls every loop turn, "timer" sleeps on a timer thread until it is due."""
     allow_uids: tuple[int, ...] = ()
     allow_gids: tuple[int, ...] = ()
 

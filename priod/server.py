@@ -53,6 +53,8 @@ __all__ = ["Daemon", "bind_unix_socket"]
 log = structlog.get_logger("priod.server")
 
 _US = 1e6
+TIMER_MIN_S = 100e-6
+"""Shortest timer sleep: an overdue chunk is not re-polled more often than this."""
 PUMP_ROUNDS = 16
 """Submit-and-collect rounds in one `_pump`; the poll loop carries on with any that remain."""
 
@@ -121,6 +123,42 @@ class Connection:
     copies: int = 0
 
 
+class _Timer(threading.Thread):
+    """Calls ``wake`` (thread-safe) at a requested time, to within the kernel's timer slack
+    (tens of microseconds), where the event loop's own timers are 1 ms coarse."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        super().__init__(name="priod-poll-timer", daemon=True)
+        self._wake = wake
+        self._cv = threading.Condition()
+        self._at: float | None = None
+        self._stopped = False
+
+    def wake_at(self, at: float) -> None:
+        with self._cv:
+            if self._at is None or at < self._at:
+                self._at = at
+                self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def run(self) -> None:
+        with self._cv:
+            while not self._stopped:
+                if self._at is None:
+                    self._cv.wait()
+                    continue
+                delay = self._at - time.perf_counter()
+                if delay > 0:
+                    self._cv.wait(delay)
+                    continue
+                self._at = None
+                self._wake()
+
+
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
     """Bind and listen on ``path``, replacing a stale socket file but never a live daemon's."""
     directory = os.path.dirname(path) or "."
@@ -182,6 +220,7 @@ class Daemon:
         """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
         self._inflight_bytes: dict[tuple[LaneKey, Path], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._timer: _Timer | None = None
         self._wake: asyncio.Future[None] | None = None
         self._stopped: asyncio.Event | None = None
         self.stopping = False
@@ -211,6 +250,9 @@ class Daemon:
                 loop.call_soon_threadsafe(wake_from_thread)
 
         self.engine.set_wakeup(wake_from_engine_thread)
+        if self.cfg.server.bulk_poll == "timer" and not self.engine.wakes_on_completion:
+            self._timer = _Timer(wake_from_engine_thread)
+            self._timer.start()
         if self.cfg.metrics.port:
             self.metrics_port = self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port)
         self._spawn(self._accept_loop())
@@ -274,6 +316,8 @@ class Daemon:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._timer is not None:
+            self._timer.stop()
         self.engine.close()
         log.info("daemon_stopped", copies=self.totals["copies"], bytes=self.totals["bytes"])
         assert self._stopped is not None
@@ -789,8 +833,10 @@ class Daemon:
         - Nothing in flight: sleep until a submission wakes us (no CPU when idle).
         - The engine wakes us on completions (sim): sleep until then, polling as a safety net.
         - A strict-class chunk in flight: poll every loop turn (an urgent copy is waiting).
-        - Otherwise poll every loop turn only when some chunk is due within 2 ms; else sleep
-          until 1 ms before the earliest is due (timers are about 1 ms coarse on uvloop).
+        - Otherwise, with the earliest chunk due in 2 ms or more: sleep until 1 ms before it
+          (uvloop's timers are about 1 ms coarse). Due sooner: ``[server] bulk_poll`` decides:
+          "spin" polls every loop turn (measured on the H200; about one core while bulk moves),
+          "timer" sleeps on a timer thread until the chunk is due (sub-millisecond; little CPU).
         """
         loop = asyncio.get_running_loop()
         engine_wakes = self.engine.wakes_on_completion
@@ -798,17 +844,19 @@ class Daemon:
             if self._inflight and self._poll():
                 self._pump()
                 continue
-            timeout: float | None
-            if not self._inflight:
-                timeout = None  # idle: no CPU at all until a submission wakes us
-            elif engine_wakes:
+            timeout: float | None = None  # None: no CPU at all until something wakes us
+            if self._inflight and engine_wakes:
                 timeout = 0.05  # the wakeup is a hint; polling stays the source of truth
-            else:
+            elif self._inflight:
                 wait = min(due for _, _, due in self._inflight) - time.perf_counter()
-                if self.scheduler.strict_in_flight or wait < 0.002:
+                if self.scheduler.strict_in_flight or (wait < 0.002 and self._timer is None):
                     await asyncio.sleep(0)  # one loop turn: other connections are served between polls
                     continue
-                timeout = wait - 0.001
+                if wait >= 0.002:
+                    timeout = wait - 0.001
+                else:
+                    assert self._timer is not None
+                    self._timer.wake_at(time.perf_counter() + max(wait, TIMER_MIN_S))
             self._wake = loop.create_future()
             handle = loop.call_later(timeout, self._wakeup) if timeout is not None else None
             try:

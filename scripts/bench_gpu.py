@@ -174,8 +174,14 @@ def urgent_client(path: str, directions: tuple[str, ...], count: int, interval_s
     return out
 
 
-def priod_row(directions: tuple[str, ...], express: bool, bulk_bytes: int, count: int, warm_s: float, backend: str = "cuda") -> dict[str, Any]:
-    env = {"PRIOD_SCHEDULER__EXPRESS": "true" if express else "false", "PRIOD_LOG__LEVEL": '"warning"'}
+def priod_row(
+    directions: tuple[str, ...], express: bool, bulk_bytes: int, count: int, warm_s: float, backend: str = "cuda", bulk_poll: str = "spin"
+) -> dict[str, Any]:
+    env = {
+        "PRIOD_SCHEDULER__EXPRESS": "true" if express else "false",
+        "PRIOD_LOG__LEVEL": '"warning"',
+        "PRIOD_SERVER__BULK_POLL": f'"{bulk_poll}"',
+    }
     ctx = mp.get_context("spawn")
     log(f"priod row {directions} express={express}: starting daemon ({backend})")
     with daemon_process(env, backend=backend, start_timeout=120) as dmn:
@@ -258,6 +264,7 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=60, help="urgent copies per size and row")
     ap.add_argument("--bulk-gib", type=float, default=2.0)
     ap.add_argument("--sets", default="h2d,d2h,both")
+    ap.add_argument("--bulk-poll", choices=["spin", "timer"], default="spin", help="the daemon's [server] bulk_poll")
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
     args = ap.parse_args()
     _dump_stacks_later()
@@ -272,8 +279,8 @@ def main() -> int:
         p.start()
         inproc = get_result(q, [p])
         p.join()
-        dma = priod_row(directions, False, bulk, args.count, warm_s=args.warm_s)
-        exp = priod_row(directions, True, bulk, args.count, warm_s=args.warm_s)
+        dma = priod_row(directions, False, bulk, args.count, warm_s=args.warm_s, bulk_poll=args.bulk_poll)
+        exp = priod_row(directions, True, bulk, args.count, warm_s=args.warm_s, bulk_poll=args.bulk_poll)
         results["sets"][name] = {"inprocess": inproc, "dma": dma, "express": exp}
         with open(os.path.join(args.out, "results.json"), "w") as fp:
             json.dump(results, fp, indent=1)
