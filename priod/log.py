@@ -21,6 +21,18 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
     out = stream or sys.stdout
     json_lines = fmt == "json" or (fmt == "auto" and not out.isatty())
     renderer: Any = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    factory: Any = structlog.WriteLoggerFactory(file=out)
+    binary = getattr(out, "buffer", None)
+    if json_lines and binary is not None:
+        # One JSON line per copy is on the daemon's hot path: orjson into the binary stream
+        # takes ~19 us a line where json + text takes ~31 (structlog's own advice).
+        try:
+            import orjson
+        except ImportError:  # optional: a machine without it gets the stdlib path
+            pass
+        else:
+            renderer = structlog.processors.JSONRenderer(serializer=orjson.dumps)
+            factory = structlog.BytesLoggerFactory(file=binary)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -31,7 +43,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.WriteLoggerFactory(file=out),
+        logger_factory=factory,
         cache_logger_on_first_use=True,  # a filtered-out line then costs ~1 us, not ~6
     )
 
