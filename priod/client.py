@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .config import default_socket_path
-from .errors import ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError, error_for_code
+from .errors import Cancelled, ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError, error_for_code
 from .protocol import PROTOCOL_VERSION, Message
 from .transport import BlockingFramedSocket, FramedSocket
 
@@ -141,10 +141,6 @@ def _cuda_register_request(obj: Any) -> Message:
     return {"op": "register_device", "handle": handle, "offset": offset, "nbytes": nbytes, "device": device}
 
 
-def _sealed_memfd_request(fd: int, nbytes: int) -> Message:
-    return {"op": "register_host", "nbytes": nbytes}
-
-
 class CopyHandle:
     """A copy in progress: await it for the `CopyResult`, or `cancel()` it."""
 
@@ -161,8 +157,6 @@ class CopyHandle:
 
     async def cancel(self) -> int:
         """Stop at the next chunk boundary; returns the bytes copied (all of them if it had finished)."""
-        from .errors import Cancelled
-
         if not self._future.done():
             try:
                 await self.client._request({"op": "cancel", "target": self.id})
@@ -299,7 +293,7 @@ class Client:
 
     async def register_host(self, fd: int, nbytes: int) -> Region:
         """Share your own memfd (sealed with F_SEAL_SHRINK) as a host region. ``fd`` stays yours."""
-        reply = await self._request(_sealed_memfd_request(fd, nbytes), (os.dup(fd),))
+        reply = await self._request({"op": "register_host", "nbytes": nbytes}, (os.dup(fd),))
         reply["_fds"] = [os.dup(fd)]  # map our own copy, so .array works as for alloc_host
         return self._region(reply)
 
@@ -469,7 +463,7 @@ class SyncClient:
     def register_host(self, fd: int, nbytes: int) -> Region:
         dup = os.dup(fd)
         try:
-            reply = self._request(_sealed_memfd_request(fd, nbytes), (dup,))
+            reply = self._request({"op": "register_host", "nbytes": nbytes}, (dup,))
         finally:
             os.close(dup)
         reply["_fds"] = [os.dup(fd)]

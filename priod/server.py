@@ -119,7 +119,6 @@ class Connection:
     device_bytes: int = 0
     greeted: bool = False
     closed: bool = False
-    connected_at: float = field(default_factory=time.time)
     copies: int = 0
 
 
@@ -473,12 +472,8 @@ class Daemon:
     def _refuse(self, conn: Connection, req_id: int, exc: PriodError) -> None:
         self.totals["refused"] += 1
         self.metrics.refused.labels(exc.code).inc()
-        if exc.code == "internal":
-            code = "internal"
-        else:
-            code = exc.code
         if not conn.closed:
-            conn.sock.send(error_reply(req_id, code, str(exc)))
+            conn.sock.send(error_reply(req_id, exc.code, str(exc)))
 
     def _op_hello(self, conn: Connection, msg: Message) -> Message:
         version = require(msg, "v", int)
