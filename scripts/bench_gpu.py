@@ -7,8 +7,11 @@ Rows, per direction set (h2d, d2h, both at once):
            high-priority stream (what priority streams promise, and do not give for copies)
   dma      through priod, express lane off: chunked bulk, urgent submitted first
   express  through priod, express lane on
-Columns: urgent p50/p99 (client-observed, us) and each as a ratio to idle; bulk GB/s and its
-ratio to raw cudaMemcpyAsync of the same size measured alone in the same run.
+Columns: urgent p50/p99 (client-observed, us) and each as a ratio to idle; the daemon's own p50
+(arrival to completion seen, so the rest is the process round trip); bulk GB/s and its ratio to
+raw cudaMemcpyAsync of the same size measured alone in the same run; link: bulk plus urgent
+bytes over raw (the urgent copies share the link, so bulk alone cannot keep all of it).
+With --bulk-poll spin,timer the priod rows run once per polling mode, side by side.
 
     python scripts/bench_gpu.py --out out/bench_gpu          # about 3 minutes on an H200
 
@@ -114,7 +117,12 @@ def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) 
                 lat.append(urgent_once(d, n))
             for s in low:
                 s.synchronize()
-            out["naive"][f"{d}/{n}"] = {"lat": lat, "bulk_gbps": moved / (time.perf_counter() - t0) / 1e9 / len(directions)}
+            elapsed = time.perf_counter() - t0
+            out["naive"][f"{d}/{n}"] = {
+                "lat": lat,
+                "bulk_gbps": moved / elapsed / 1e9 / len(directions),
+                "urgent_gbps": count * n / elapsed / 1e9 / len(directions),
+            }
     q.put(out)
 
 
@@ -211,12 +219,13 @@ def priod_row(
             t4, b4, c4 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(dmn.proc.pid)
         log("urgent under load done")
         stop.set()
-        alone, results = {}, {}
+        alone, results, urgent_rate = {}, {}, {}
         for d in directions:
             lane = f"gpu0/{d}"
             urgent_bytes = sum(int(k.split("/")[1]) * len(v) for k, v in loaded.items() if k.startswith(d + "/"))
             alone[d] = (b4[lane] - b3[lane]) / (t4 - t3) / 1e9
             results[d] = (b2[lane] - b1[lane] - urgent_bytes) / (t2 - t1) / 1e9
+            urgent_rate[d] = urgent_bytes / (t2 - t1) / 1e9
         for _ in procs:
             get_result(q, procs, 120)
         for p in procs:
@@ -228,7 +237,7 @@ def priod_row(
             "bulk_alone_cpu_s_per_s": (c4 - c3) / (t4 - t3),
             "bulk_alone_cpu_s_per_gb": (c4 - c3) / max(moved_alone / 1e9, 1e-9),
         }
-    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "bulk_alone_gbps": alone, "daemon_cpu": cpu, "lanes": status["lanes"], "engine": status["engine"]}
+    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "urgent_gbps": urgent_rate, "loaded_s": t2 - t1, "bulk_alone_gbps": alone, "daemon_cpu": cpu, "lanes": status["lanes"], "engine": status["engine"]}
 
 
 def daemon_cpu(pid: int) -> float:
@@ -264,12 +273,20 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=60, help="urgent copies per size and row")
     ap.add_argument("--bulk-gib", type=float, default=2.0)
     ap.add_argument("--sets", default="h2d,d2h,both")
-    ap.add_argument("--bulk-poll", choices=["spin", "timer"], default="spin", help="the daemon's [server] bulk_poll")
+    ap.add_argument(
+        "--bulk-poll",
+        default="spin",
+        help="the daemon's [server] bulk_poll, or several comma-separated: the priod rows run once per mode "
+        "(rows of modes after the first are named e.g. express/timer)",
+    )
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
     args = ap.parse_args()
     _dump_stacks_later()
     os.makedirs(args.out, exist_ok=True)
     bulk = int(args.bulk_gib * GiB)
+    modes = args.bulk_poll.split(",")
+    if not set(modes) <= {"spin", "timer"}:
+        ap.error("--bulk-poll takes spin, timer or both (comma-separated)")
     ctx = mp.get_context("spawn")
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "sets": {}}
     for name in args.sets.split(","):
@@ -279,9 +296,13 @@ def main() -> int:
         p.start()
         inproc = get_result(q, [p])
         p.join()
-        dma = priod_row(directions, False, bulk, args.count, warm_s=args.warm_s, bulk_poll=args.bulk_poll)
-        exp = priod_row(directions, True, bulk, args.count, warm_s=args.warm_s, bulk_poll=args.bulk_poll)
-        results["sets"][name] = {"inprocess": inproc, "dma": dma, "express": exp}
+        entry: dict[str, Any] = {"inprocess": inproc}
+        for i, mode in enumerate(modes):
+            for row, express in (("dma", False), ("express", True)):
+                label = row if i == 0 else f"{row}/{mode}"
+                entry[label] = priod_row(directions, express, bulk, args.count, warm_s=args.warm_s, bulk_poll=mode)
+                entry[label]["bulk_poll"] = mode
+        results["sets"][name] = entry
         with open(os.path.join(args.out, "results.json"), "w") as fp:
             json.dump(results, fp, indent=1)
     table = render(results)
@@ -292,40 +313,55 @@ def main() -> int:
     return 0
 
 
+def priod_rows(s: dict[str, Any]) -> list[str]:
+    return [k for k in s if k != "inprocess"]
+
+
 def render(results: dict[str, Any]) -> str:
+    """The table: per urgent size, each row's latency against idle, the daemon's own share of
+    it, and what bulk kept of the link (bulk alone, and bulk plus the urgent bytes)."""
     lines = []
-    hdr = f"{'set':<5} {'urgent':<10} {'row':<8} {'p50 us':>9} {'x idle':>7} {'p99 us':>9} {'x idle':>7} {'bulk GB/s':>10} {'x raw':>6}  target p99<=2*idle+50us"
+    hdr = (
+        f"{'set':<5} {'urgent':<10} {'row':<13} {'p50 us':>9} {'x idle':>7} {'p99 us':>9} {'x idle':>7} {'daemon':>7} "
+        f"{'bulk GB/s':>10} {'x raw':>6} {'link':>6}  target p99<=2*idle+50us"
+    )
     lines.append(hdr)
     for name, s in results["sets"].items():
         inproc = s["inprocess"]
+        raw = float(np.mean([inproc["raw_gbps"][d] for d in inproc["raw_gbps"]]))
         for key in [k for k in s["express"]["loaded"] if not k.startswith("_")]:
             direction, n = key.split("/")
             idle = inproc["idle"][key]
-            i50, i99 = pct(idle, 50), pct(idle, 99)
-            raw = float(np.mean([inproc["raw_gbps"][d] for d in inproc["raw_gbps"]]))
+            i50 = pct(idle, 50)
             label = f"{direction} {int(n) // KiB} KiB" if int(n) < MiB else f"{direction} {int(n) // MiB} MiB"
-            rows = [("idle", idle, None), ("naive", inproc["naive"][key]["lat"], inproc["naive"][key]["bulk_gbps"])]
-            for row in ("dma", "express"):
-                bulk = s[row]["bulk_gbps"]
-                rows.append((row, s[row]["loaded"][key], float(np.mean(list(bulk.values()))) if bulk else None))
-            for row, lat, gbps in rows:
+            naive = inproc["naive"][key]
+            rows = [("idle", idle, None, None, None), ("naive", naive["lat"], naive["bulk_gbps"], naive.get("urgent_gbps"), None)]
+            for row in priod_rows(s):
+                r = s[row]
+                daemon_total = [t for _, _, t in r["loaded"]["_daemon_us"][key]]
+                mean = lambda d: float(np.mean(list(d.values()))) if d else None  # noqa: E731
+                rows.append((row, r["loaded"][key], mean(r["bulk_gbps"]), mean(r.get("urgent_gbps", {})), pct(daemon_total, 50)))
+            for row, lat, gbps, urgent_gbps, daemon in rows:
                 p50, p99 = pct(lat, 50), pct(lat, 99)
                 met = "" if row in ("idle", "naive") else ("met" if p99 <= 2 * i50 + 50 else "not met")
                 g = f"{gbps:10.1f} {gbps / raw:6.3f}" if gbps else f"{'':>10} {'':>6}"
-                lines.append(f"{name:<5} {label:<10} {row:<8} {p50:9.1f} {p50 / i50:7.1f} {p99:9.1f} {p99 / i50:7.1f} {g}  {met}")
+                link = f"{(gbps + urgent_gbps) / raw:6.3f}" if gbps and urgent_gbps is not None else f"{'':>6}"
+                dm = f"{daemon:7.0f}" if daemon is not None else f"{'':>7}"
+                lines.append(f"{name:<5} {label:<10} {row:<13} {p50:9.1f} {p50 / i50:7.1f} {p99:9.1f} {p99 / i50:7.1f} {dm} {g} {link}  {met}")
         lines.append(f"{name:<5} raw cudaMemcpyAsync GB/s: " + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items()))
-        for row in ("dma", "express"):
+        for row in priod_rows(s):
             cpu = s[row].get("daemon_cpu")
             if cpu:
                 lines.append(
-                    f"{name:<5} daemon CPU ({row} daemon): {cpu['loaded_cpu_s_per_s']:.2f} CPU s/s under urgent load, "
+                    f"{name:<5} daemon CPU ({row}, bulk_poll {s[row].get('bulk_poll', 'spin')}): {cpu['loaded_cpu_s_per_s']:.2f} CPU s/s under urgent load, "
                     f"{cpu['bulk_alone_cpu_s_per_s']:.2f} CPU s/s and {cpu['bulk_alone_cpu_s_per_gb']:.4f} CPU s/GB with bulk alone"
                 )
             alone = s[row].get("bulk_alone_gbps", {})
             lines.append(
-                f"{name:<5} bulk through priod, no urgent load ({row} daemon) GB/s: "
+                f"{name:<5} bulk through priod, no urgent load ({row}) GB/s: "
                 + ", ".join(f"{d} {v:.1f} (x raw {v / inproc['raw_gbps'][d]:.3f})" for d, v in alone.items())
             )
+    lines.append("daemon: the daemon's own p50 (arrival to completion seen); link: (bulk + urgent bytes) / raw")
     return "\n".join(lines)
 
 
@@ -344,12 +380,8 @@ def plot(results: dict[str, Any], path: str) -> None:
             ax = axes[r][c]
             direction = "d2h" if name == "d2h" else "h2d"
             key = f"{direction}/{n}"
-            series = {
-                "idle": s["inprocess"]["idle"][key],
-                "naive": s["inprocess"]["naive"][key]["lat"],
-                "priod dma": s["dma"]["loaded"][key],
-                "priod express": s["express"]["loaded"][key],
-            }
+            series = {"idle": s["inprocess"]["idle"][key], "naive": s["inprocess"]["naive"][key]["lat"]}
+            series.update({f"priod {row}": s[row]["loaded"][key] for row in priod_rows(s)})
             for label, v in series.items():
                 v = sorted(v)
                 ax.plot(v, np.linspace(0, 1, len(v)), label=label)

@@ -104,5 +104,49 @@ def test_two_processes_one_with_its_own_cupy_buffer(gpu_daemon: DaemonProcess) -
     assert child.exitcode == 0
 
 
+def _bulk_round_trips(path: str, n: int, rounds: int, errors: list[str]) -> None:
+    """Bulk copies host -> device -> host of ``n`` bytes, ``rounds`` times, checking each."""
+    try:
+        with priod.SyncClient(path, name="bulk") as c:
+            src, back, d = c.alloc_host(n), c.alloc_host(n), c.alloc_device(n)
+            assert src.array is not None and back.array is not None
+            for i in range(rounds):
+                src.array[:] = np.arange(n, dtype=np.uint32).astype(np.uint8) + i
+                c.copy(d, src, priority="bulk")
+                c.copy(back, d, priority="bulk")
+                if not np.array_equal(back.array, src.array):
+                    errors.append(f"bulk round trip {i} differs")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        errors.append(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.parametrize("bulk_poll", ["spin", "timer"])
+def test_bulk_and_urgent_together_in_each_poll_mode(bulk_poll: str) -> None:
+    """256 MiB bulk round trips in one thread, urgent copies (both paths) in another: every byte
+    lands, in both ``[server] bulk_poll`` modes (timer sleeps between bulk chunks; spin polls)."""
+    import threading
+
+    env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SERVER__BULK_POLL": f'"{bulk_poll}"'}
+    errors: list[str] = []
+    with daemon_process(env, backend="cuda", start_timeout=120) as dmn, priod.SyncClient(dmn.socket_path, name="urgent") as c:
+        n = 16 << 20
+        usrc, uback, ud = c.alloc_host(n), c.alloc_host(n), c.alloc_device(n)
+        assert usrc.array is not None and uback.array is not None
+        bulk = threading.Thread(target=_bulk_round_trips, args=(dmn.socket_path, 256 << 20, 4, errors))
+        bulk.start()
+        paths, rounds = set(), 0
+        while bulk.is_alive() or rounds == 0:
+            for size in (64 << 10, 1 << 20, n):
+                usrc.array[:size] = (rounds + size) % 251
+                r1 = c.copy(ud, usrc, size, priority="urgent")
+                r2 = c.copy(uback, ud, size, priority="urgent")
+                assert np.array_equal(uback.array[:size], usrc.array[:size]), f"urgent {size} round {rounds}"
+                paths |= {r1.path, r2.path}
+            rounds += 1
+        bulk.join()
+        assert errors == []
+        assert "express" in paths and rounds > 1
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([str(Path(__file__)), "-q"]))
