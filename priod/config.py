@@ -41,9 +41,10 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     max_output_bytes: int = 4 << 20
     max_clients: int = 256
-    bulk_poll: Literal["spin", "timer"] = "spin"
+    bulk_poll: Literal["spin", "timer"] = "timer"
     """How the daemon waits for a non-urgent chunk due within 2 ms on an engine that is polled
-    (cuda): "spin" polls every loop turn, "timer" sleeps on a timer thread until it is due."""
+    (cuda): "timer" sleeps on a timer thread until it is due (little CPU), "spin" polls every
+    loop turn (about one core while bulk moves, for a little less urgent latency)."""
     allow_uids: tuple[int, ...] = ()
     allow_gids: tuple[int, ...] = ()
 

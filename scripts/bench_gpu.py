@@ -11,7 +11,7 @@ Columns: urgent p50/p99 (client-observed, us) and each as a ratio to idle; the d
 (arrival to completion seen, so the rest is the process round trip); bulk GB/s and its ratio to
 raw cudaMemcpyAsync of the same size measured alone in the same run; link: bulk plus urgent
 bytes over raw (the urgent copies share the link, so bulk alone cannot keep all of it).
-With --bulk-poll spin,timer the priod rows run once per polling mode, side by side.
+The priod rows run once per polling mode (--bulk-poll, default timer,spin), side by side.
 
     python scripts/bench_gpu.py --out out/bench_gpu          # about 3 minutes on an H200
 
@@ -214,9 +214,11 @@ def priod_row(
             t2, st, c2 = time.perf_counter(), sc.status(), daemon_cpu(dmn.proc.pid)
             b2 = st["lane_bytes"]
             # then bulk alone, measured after the loaded phase (so both see a warmed pipeline)
-            t3, b3, c3 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(dmn.proc.pid)
+            s3 = sc.status()
+            t3, b3, c3 = time.perf_counter(), s3["lane_bytes"], daemon_cpu(dmn.proc.pid)
             time.sleep(1.0)
-            t4, b4, c4 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(dmn.proc.pid)
+            s4 = sc.status()
+            t4, b4, c4 = time.perf_counter(), s4["lane_bytes"], daemon_cpu(dmn.proc.pid)
         log("urgent under load done")
         stop.set()
         alone, results, urgent_rate = {}, {}, {}
@@ -236,6 +238,7 @@ def priod_row(
             "loaded_cpu_s_per_s": (c2 - c1) / (t2 - t1),
             "bulk_alone_cpu_s_per_s": (c4 - c3) / (t4 - t3),
             "bulk_alone_cpu_s_per_gb": (c4 - c3) / max(moved_alone / 1e9, 1e-9),
+            "bulk_alone_polls_per_s": (s4.get("polls", 0) - s3.get("polls", 0)) / (t4 - t3),
         }
     return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "urgent_gbps": urgent_rate, "loaded_s": t2 - t1, "bulk_alone_gbps": alone, "daemon_cpu": cpu, "lanes": status["lanes"], "engine": status["engine"]}
 
@@ -275,9 +278,10 @@ def main() -> int:
     ap.add_argument("--sets", default="h2d,d2h,both")
     ap.add_argument(
         "--bulk-poll",
-        default="spin",
-        help="the daemon's [server] bulk_poll, or several comma-separated: the priod rows run once per mode "
-        "(rows of modes after the first are named e.g. express/timer)",
+        default="timer,spin",
+        help="the daemon's [server] bulk_poll modes, comma-separated: the priod rows run once per mode "
+        "(rows of modes after the first are named e.g. express/spin); the default measures the shipped "
+        "mode (timer) and spin side by side",
     )
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
     args = ap.parse_args()
@@ -354,7 +358,8 @@ def render(results: dict[str, Any]) -> str:
             if cpu:
                 lines.append(
                     f"{name:<5} daemon CPU ({row}, bulk_poll {s[row].get('bulk_poll', 'spin')}): {cpu['loaded_cpu_s_per_s']:.2f} CPU s/s under urgent load, "
-                    f"{cpu['bulk_alone_cpu_s_per_s']:.2f} CPU s/s and {cpu['bulk_alone_cpu_s_per_gb']:.4f} CPU s/GB with bulk alone"
+                    f"{cpu['bulk_alone_cpu_s_per_s']:.2f} CPU s/s, {cpu['bulk_alone_cpu_s_per_gb']:.4f} CPU s/GB and "
+                    f"{cpu.get('bulk_alone_polls_per_s', 0):,.0f} polls/s with bulk alone"
                 )
             alone = s[row].get("bulk_alone_gbps", {})
             lines.append(
