@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import itertools
 import os
 import socket
@@ -278,6 +279,8 @@ class Daemon:
         """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
         self._inflight_bytes: dict[tuple[LaneKey, Path], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._releases: set[asyncio.Future[None]] = set()
+        """Memory being given back on executor threads; stop() waits for it before closing the engine."""
         self._timer: _Timer | None = None
         self._wake: asyncio.Future[None] | None = None
         self._stopped: asyncio.Event | None = None
@@ -376,6 +379,7 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._timer is not None:
             self._timer.stop()
+        await asyncio.gather(*list(self._releases), return_exceptions=True)
         self.engine.close()
         log.info("daemon_stopped", copies=self.totals["copies"], bytes=self.totals["bytes"])
         assert self._stopped is not None
@@ -713,15 +717,30 @@ class Daemon:
             self._finish_release(region)
 
     def _finish_release(self, region: Region) -> None:
+        """Give the region's memory back, off the event loop: cudaFree and cudaHostUnregister
+        wait for work in flight on the device, and the loop must go on serving urgent copies."""
         if region.released:
             return
         region.released = True
-        if isinstance(region.mem, HostMemory):
-            self.engine.release_host(region.mem)
+        mem = region.mem
+        release: Callable[[], None]
+        if isinstance(mem, HostMemory):
+            release = functools.partial(self.engine.release_host, mem)
         else:
-            assert isinstance(region.mem, DeviceMemory)
-            self.engine.release_device(region.mem)
-        log.debug("region_released", region=region.id)
+            assert isinstance(mem, DeviceMemory)
+            release = functools.partial(self.engine.release_device, mem)
+        fut = self._loop.run_in_executor(None, release)
+        self._releases.add(fut)
+        fut.add_done_callback(functools.partial(self._released, region.id))
+
+    def _released(self, region_id: int, fut: asyncio.Future[None]) -> None:
+        self._releases.discard(fut)
+        if fut.cancelled():
+            return
+        if (exc := fut.exception()) is not None:
+            log.error("region_release_failed", region=region_id, **_error_fields(exc))
+        else:
+            log.debug("region_released", region=region_id)
 
     # -- copies ----------------------------------------------------------------------------
     def _op_copy(self, conn: Connection, req_id: int, msg: Message) -> None:
