@@ -337,6 +337,10 @@ class Checker:
 
 
 def _emit(msg: dict[str, Any]) -> None:
+    # A result carries every latency (hundreds of KB). On the GPU machine one arrived cut short
+    # at 72 KiB (that client's result was lost; the cause is not pinned down): write with the fd
+    # in blocking mode, so a full pipe cannot end the line early.
+    os.set_blocking(sys.stdout.fileno(), True)
     sys.stdout.write(json.dumps(msg, separators=(",", ":")) + "\n")
     sys.stdout.flush()
 
