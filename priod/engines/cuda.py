@@ -26,8 +26,11 @@ both and says so. All CUDA calls go through `check`, which turns cuda-python's `
 tuples into values or `CudaError`. The client-side helpers at the bottom (`export_cuda_array`,
 `open_device_export`) live here too, so that this stays the one module that talks to CUDA.
 
-Threading: every method is meant for one thread (the daemon's event loop). The current device
-is set per call where it matters, so other code in the process may use other devices.
+Threading: `submit` and completions run on the daemon's event loop; region set-up and teardown
+(`map_host`, `alloc_device`, `import_device`, the releases) run on executor threads, since they
+take milliseconds. CUDA calls are thread-safe; the tables they touch are single dict operations
+or under a lock. The current device is set per call where it matters, so other code in the
+process may use other devices.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import statistics as _stats
 import threading
 import time
@@ -498,6 +502,7 @@ class CudaEngine(Engine):
         self._register_count = 0
         self._register_bytes = 0
         self._register_ms = 0.0
+        self._register_lock = threading.Lock()  # registrations run on several executor threads
         self._express_wanted = express
         self._express_error: str | None = None
         self.express_blocks_per_sm = EXPRESS_BLOCKS_PER_SM
@@ -673,6 +678,13 @@ class CudaEngine(Engine):
         mem = CudaHostMemory(fd, nbytes)
         rt = _rt
         try:
+            # Allocate the pages first, outside CUDA. cudaHostRegister faults in pages it finds
+            # missing while holding a driver lock, and the event loop's own CUDA calls (event
+            # queries, launches) wait on that lock: an urgent copy waited as long as that took.
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                pass  # e.g. a memfd sealed against writes: registration faults the pages in
             self._use(next(iter(self._devices)))
             t0 = time.perf_counter()
             check(rt.cudaHostRegister(mem.address, nbytes, rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable))
@@ -685,10 +697,11 @@ class CudaEngine(Engine):
             mem.unmap()
             raise
         self._hosts[id(mem)] = mem
-        self._register_log.append((nbytes, mem.register_ms))
-        self._register_count += 1
-        self._register_bytes += nbytes
-        self._register_ms += mem.register_ms
+        with self._register_lock:
+            self._register_log.append((nbytes, mem.register_ms))
+            self._register_count += 1
+            self._register_bytes += nbytes
+            self._register_ms += mem.register_ms
         return mem
 
     def release_host(self, mem: HostMemory) -> None:
