@@ -903,9 +903,10 @@ class Daemon:
             for f in self.scheduler.chunk_done(chunk, time.perf_counter(), error):
                 self._on_finished(f)
         self._inflight = still
-        for lane in reanchor:
-            waiting = [e for e in still if e.chunk.path is Path.DMA and e.chunk.request.lane == lane]
-            reanchor_dues(waiting, since, self._bandwidth.get(lane, 1e9))
+        if reanchor and not self.engine.wakes_on_completion:  # due times pace only a polled engine
+            for lane in reanchor:
+                waiting = [e for e in still if e.chunk.path is Path.DMA and e.chunk.request.lane == lane]
+                reanchor_dues(waiting, since, self._bandwidth.get(lane, 1e9))
         return completed
 
     async def _poll_loop(self) -> None:
