@@ -102,8 +102,7 @@ def _outcome_reply(f: Finished, client_id: int, cancel_code: str, queued_s: floa
     progress = f"after {f.bytes_done} of {req.nbytes} bytes"
     if f.outcome == "failed":
         return error_reply(client_id, "engine", f"copy failed {progress}: {f.error}", bytes_done=f.bytes_done)
-    code = "cancelled" if cancel_code == "cancelled" else cancel_code
-    return error_reply(client_id, code, f"{_CANCEL_WHY[cancel_code]} {progress}", bytes_done=f.bytes_done)
+    return error_reply(client_id, cancel_code, f"{_CANCEL_WHY[cancel_code]} {progress}", bytes_done=f.bytes_done)
 
 
 @dataclass(eq=False)
