@@ -266,6 +266,8 @@ class Daemon:
         self.regions: dict[int, Region] = {}
         self._inflight: list[InFlight] = []
         self._last_poll = 0.0
+        self._paced_by_polls = not engine.wakes_on_completion
+        """Due times pace the poller only on an engine that is polled (cuda); sim wakes us."""
         self.polls = 0
         """Engine polls so far: what polling costs, shown in status (spin vs timer)."""
         self._bandwidth = {info.key: info.bandwidth for info in engine.lanes()}
@@ -310,7 +312,7 @@ class Daemon:
                 loop.call_soon_threadsafe(wake_from_thread)
 
         self.engine.set_wakeup(wake_from_engine_thread)
-        if self.cfg.server.bulk_poll == "timer" and not self.engine.wakes_on_completion:
+        if self.cfg.server.bulk_poll == "timer" and self._paced_by_polls:
             self._timer = _Timer(wake_from_engine_thread)
             self._timer.start()
         if self.cfg.metrics.port:
@@ -722,13 +724,11 @@ class Daemon:
             return
         region.released = True
         mem = region.mem
-        release: Callable[[], None]
         if isinstance(mem, HostMemory):
-            release = functools.partial(self.engine.release_host, mem)
+            fut = self._loop.run_in_executor(None, self.engine.release_host, mem)
         else:
             assert isinstance(mem, DeviceMemory)
-            release = functools.partial(self.engine.release_device, mem)
-        fut = self._loop.run_in_executor(None, release)
+            fut = self._loop.run_in_executor(None, self.engine.release_device, mem)
         self._releases.add(fut)
         fut.add_done_callback(functools.partial(self._released, region.id))
 
@@ -895,17 +895,16 @@ class Daemon:
             completed = True
             key = (chunk.request.lane, chunk.path)
             self._inflight_bytes[key] -= chunk.nbytes
-            if chunk.path is Path.DMA:
+            if self._paced_by_polls and chunk.path is Path.DMA:
                 reanchor.add(chunk.request.lane)
             if error is None:
                 self.lane_bytes[chunk.request.lane] += chunk.nbytes
             for f in self.scheduler.chunk_done(chunk, time.perf_counter(), error):
                 self._on_finished(f)
         self._inflight = still
-        if reanchor and not self.engine.wakes_on_completion:  # due times pace only a polled engine
-            for lane in reanchor:
-                waiting = [e for e in still if e.chunk.path is Path.DMA and e.chunk.request.lane == lane]
-                reanchor_dues(waiting, since, self._bandwidth.get(lane, 1e9))
+        for lane in reanchor:
+            waiting = [e for e in still if e.chunk.path is Path.DMA and e.chunk.request.lane == lane]
+            reanchor_dues(waiting, since, self._bandwidth.get(lane, 1e9))
         return completed
 
     async def _poll_loop(self) -> None:
@@ -920,7 +919,7 @@ class Daemon:
           0.2 CPU s/s while bulk moves), "spin" polls every loop turn (about one core).
         """
         loop = asyncio.get_running_loop()
-        engine_wakes = self.engine.wakes_on_completion
+        engine_wakes = not self._paced_by_polls
         while True:
             if self._inflight and self._poll():
                 self._pump()

@@ -326,6 +326,10 @@ def main() -> int:
     return 0
 
 
+def mean_of(per_direction: dict[str, float]) -> float | None:
+    return float(np.mean(list(per_direction.values()))) if per_direction else None
+
+
 def priod_rows(s: dict[str, Any]) -> list[str]:
     return [k for k in s if k != "inprocess"]
 
@@ -352,8 +356,7 @@ def render(results: dict[str, Any]) -> str:
             for row in priod_rows(s):
                 r = s[row]
                 daemon_total = [t for _, _, t in r["loaded"]["_daemon_us"][key]]
-                mean = lambda d: float(np.mean(list(d.values()))) if d else None  # noqa: E731
-                rows.append((row, r["loaded"][key], mean(r["bulk_gbps"]), mean(r.get("urgent_gbps", {})), pct(daemon_total, 50)))
+                rows.append((row, r["loaded"][key], mean_of(r["bulk_gbps"]), mean_of(r.get("urgent_gbps", {})), pct(daemon_total, 50)))
             for row, lat, gbps, urgent_gbps, daemon in rows:
                 p50, p99 = pct(lat, 50), pct(lat, 99)
                 met = "" if row in ("idle", "naive") else ("met" if p99 <= 2 * i50 + 50 else "not met")
