@@ -79,7 +79,7 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
             if interval:
                 systemd.notify("WATCHDOG=1")
             st = daemon.totals
-            systemd.notify(f"STATUS=serving {len(daemon.connections)} clients, {st['copies']} copies, {st['bytes'] / 1e9:.1f} GB moved ({engine.name} engine)")
+            systemd.notify(f"STATUS=serving {len(daemon.sessions)} clients, {st['copies']} copies, {st['bytes'] / 1e9:.1f} GB moved ({engine.name} engine)")
             await asyncio.sleep(min(interval or 5.0, 5.0))
 
     systemd.notify(f"READY=1\nSTATUS=serving on {cfg.socket_path} ({engine.name} engine)")

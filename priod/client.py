@@ -21,45 +21,65 @@ import os
 import socket
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
 from .config import default_socket_path
-from .errors import Cancelled, ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError, error_for_code
-from .protocol import PROTOCOL_VERSION, Message
+from .errors import Cancelled, ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
+from .messages import (
+    PROTOCOL_VERSION,
+    AllocDevice,
+    AllocHost,
+    Cancel,
+    Copy,
+    CopyReply,
+    ErrorReply,
+    Free,
+    Hello,
+    HelloReply,
+    Message,
+    Ping,
+    RegionReply,
+    RegisterDevice,
+    RegisterHost,
+    Request,
+    Share,
+    StatusReply,
+    StatusRequest,
+    error_of,
+)
 from .transport import BlockingFramedSocket, FramedSocket
 
-__all__ = ["Client", "SyncClient", "connect", "Region", "CopyResult", "CopyHandle"]
+__all__ = ["Client", "CopyHandle", "CopyOptions", "CopyResult", "Region", "SyncClient", "connect"]
 
 
-@dataclass(frozen=True)
-class CopyResult:
-    """What the daemon measured for one finished copy (microseconds, daemon clock)."""
+CopyResult = CopyReply
+"""What the daemon measured for one finished copy (microseconds, daemon clock)."""
 
-    nbytes: int
-    queued_us: float
-    """Arrival to first chunk submitted."""
-    transfer_us: float
-    """First chunk submitted to last chunk complete."""
-    total_us: float
-    path: str
-    """``dma`` or ``express``."""
-    missed_deadline: bool = False
+
+class CopyOptions(TypedDict, total=False):
+    """The optional settings of a copy (docs/protocol.md, ``copy``)."""
+
+    dst_offset: int
+    src_offset: int
+    priority: str
+    """A class from the daemon's ``hello`` reply; default ``normal``."""
+    deadline_ms: float | None
+    """Orders work within its class, earliest first; a miss is counted, not an error."""
 
 
 class Region:
     """A host or device region this connection made. ``array`` maps it where that is possible."""
 
-    def __init__(self, reply: Message, fds: list[int], generation: int) -> None:
-        self.id: int = reply["region"]
-        self.nbytes: int = reply["nbytes"]
-        self.kind: str = reply["kind"]
-        self.device: int | None = reply.get("device")
-        self.export: Message = reply.get("export") or {}
+    def __init__(self, reply: RegionReply, fds: list[int], generation: int) -> None:
+        self.id = reply.region
+        self.nbytes = reply.nbytes
+        self.kind = reply.kind
+        self.device = reply.device
+        self.export: Message = reply.export or {}
         self.generation = generation
         self._mapping: mmap.mmap | None = None
         self.array: npt.NDArray[np.uint8] | None = None
@@ -79,7 +99,7 @@ class Region:
         """
         if self.export.get("kind") != "cuda_ipc":
             raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
-        from .engines.cuda import open_device_export
+        from .cuda_ipc import open_device_export
 
         return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, self.device or 0)
 
@@ -103,54 +123,39 @@ def _no_permission(path: str) -> PermissionDenied:
     )
 
 
-def _copy_request(
-    dst: Region, src: Region, nbytes: int | None, dst_offset: int, src_offset: int, priority: str, deadline_ms: float | None
-) -> Message:
+def _copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOptions) -> Copy:
     if nbytes is None:
-        nbytes = min(dst.nbytes - dst_offset, src.nbytes - src_offset)
-    msg: Message = {
-        "op": "copy",
-        "dst": dst.id,
-        "src": src.id,
-        "nbytes": nbytes,
-        "dst_offset": dst_offset,
-        "src_offset": src_offset,
-        "priority": priority,
-    }
-    if deadline_ms is not None:
-        msg["deadline_ms"] = deadline_ms
-    return msg
+        nbytes = min(dst.nbytes - options.get("dst_offset", 0), src.nbytes - options.get("src_offset", 0))
+    return Copy(dst.id, src.id, nbytes, **options)
 
 
-def _raise_for(reply: Message) -> None:
-    if not reply.get("ok"):
-        err = reply.get("error") or {}
-        raise error_for_code(str(err.get("code", "internal")), str(err.get("message", "request failed")), int(err.get("bytes_done", 0)))
-
-
-def _result(reply: Message) -> CopyResult:
-    return CopyResult(
-        reply["nbytes"], reply["queued_us"], reply["transfer_us"], reply["total_us"], reply["path"], reply.get("missed_deadline", False)
-    )
-
-
-def _cuda_register_request(obj: Any) -> Message:
-    from .engines.cuda import export_cuda_array
+def _cuda_register_request(obj: Any) -> RegisterDevice:
+    from .cuda_ipc import export_cuda_array
 
     handle, offset, nbytes, device = export_cuda_array(obj)
-    return {"op": "register_device", "handle": handle, "offset": offset, "nbytes": nbytes, "device": device}
+    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device)
+
+
+Reply = tuple[Message, list[int]]
+"""A reply as it arrived, and the fds that came beside it (the receiver owns them)."""
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class CopyHandle:
     """A copy in progress: await it for the `CopyResult`, or `cancel()` it."""
 
-    def __init__(self, client: Client, req_id: int, future: asyncio.Future[Message]) -> None:
+    def __init__(self, client: Client, req_id: int, future: asyncio.Future[Reply]) -> None:
         self.client, self.id, self._future = client, req_id, future
 
     def __await__(self) -> Generator[Any, None, CopyResult]:
-        reply = yield from self._future.__await__()
-        _raise_for(reply)
-        return _result(reply)
+        msg, _fds = yield from self._future.__await__()
+        if (exc := error_of(msg)) is not None:
+            raise exc
+        return CopyReply.decode(msg)
 
     def done(self) -> bool:
         return self._future.done()
@@ -159,7 +164,7 @@ class CopyHandle:
         """Stop at the next chunk boundary; returns the bytes copied (all of them if it had finished)."""
         if not self._future.done():
             try:
-                await self.client._request({"op": "cancel", "target": self.id})
+                await self.client._request(Cancel(self.id))
             except PriodError:
                 pass  # finished meanwhile: its own reply says how
         try:
@@ -175,13 +180,20 @@ class Client:
         self.path = path
         self.name = name
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._sock: FramedSocket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closed_exc: PriodError | None = None
         self.generation = 0
-        self.server: Message = {}
+        self._server: HelloReply | None = None
         self._regions: list[Region] = []
+
+    @property
+    def server(self) -> HelloReply:
+        """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
+        if self._server is None:
+            raise ConnectionClosed("not connected; use priod.connect()")
+        return self._server
 
     @classmethod
     async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0) -> Client:
@@ -211,7 +223,8 @@ class Client:
         self._closed_exc = None
         self._sock = FramedSocket(sock, max_output=1 << 30)
         self._reader = asyncio.ensure_future(self._read_replies(self._sock))
-        self.server = await self._request({"op": "hello", "v": PROTOCOL_VERSION, "client": self.name or f"pid{os.getpid()}"})
+        msg, _ = await self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
+        self._server = HelloReply.decode(msg)
 
     async def reconnect(self, wait_s: float = 10.0) -> None:
         """Open a fresh connection (after a daemon restart). Regions of the old one are gone:
@@ -225,19 +238,13 @@ class Client:
             while True:
                 msg, fds = await sock.receive()
                 fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
-                if fut is None:
-                    for fd in fds:
-                        os.close(fd)
-                    if not msg.get("ok", True):
+                if fut is None or fut.done():
+                    _close(fds)
+                    if fut is None and (exc := error_of(msg)) is not None:
                         # id 0: the daemon refused the connection or closed it for a protocol error
-                        err = msg.get("error") or {}
-                        raise error_for_code(str(err.get("code")), str(err.get("message")))
+                        raise exc
                     continue
-                if not fut.done():
-                    fut.set_result({**msg, "_fds": fds})
-                else:
-                    for fd in fds:
-                        os.close(fd)
+                fut.set_result((msg, fds))
         except asyncio.CancelledError:
             cause = ConnectionClosed("connection closed by this client")
         except PriodError as exc:
@@ -256,28 +263,35 @@ class Client:
                 fut.set_exception(self._closed_exc)
         self._pending.clear()
 
-    def _send(self, msg: Message, fds: tuple[int, ...] = ()) -> tuple[int, asyncio.Future[Message]]:
+    def _send(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> tuple[int, asyncio.Future[Reply]]:
         if self._closed_exc is not None:
             raise self._closed_exc
         if self._sock is None or self._sock.closed:
             raise ConnectionClosed("not connected; use priod.connect() or reconnect()")
         req_id = next(self._ids)
-        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
-        self._sock.send({**msg, "id": req_id}, fds)
+        self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
         return req_id, fut
 
-    async def _request(self, msg: Message, fds: tuple[int, ...] = ()) -> Message:
+    async def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
         _, fut = self._send(msg, fds)
-        reply = await fut
-        if not reply.get("ok"):
-            for fd in reply.pop("_fds", []):
-                os.close(fd)
-            _raise_for(reply)
+        reply, got = await fut
+        if (exc := error_of(reply)) is not None:
+            _close(got)
+            raise exc
+        return reply, got
+
+    async def raw_request(self, msg: Message) -> Message:
+        """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields; raises the
+        error an error reply stands for. For tools and protocol tests; fds that come back are closed."""
+        reply, fds = await self._request(msg)
+        _close(fds)
         return reply
 
-    def _region(self, reply: Message) -> Region:
-        region = Region(reply, reply.pop("_fds", []), self.generation)
+    def _region(self, reply: Reply) -> Region:
+        msg, fds = reply
+        region = Region(RegionReply.decode(msg), fds, self.generation)
         self._regions.append(region)
         return region
 
@@ -289,18 +303,17 @@ class Client:
     # -- regions -----------------------------------------------------------------------------
     async def alloc_host(self, nbytes: int) -> Region:
         """A host region: a memfd the daemon maps and pins once; ``.array`` is your view of it."""
-        return self._region(await self._request({"op": "alloc_host", "nbytes": nbytes}))
+        return self._region(await self._request(AllocHost(nbytes)))
 
     async def register_host(self, fd: int, nbytes: int) -> Region:
         """Share your own memfd (sealed with F_SEAL_SHRINK) as a host region. ``fd`` stays yours."""
-        reply = await self._request({"op": "register_host", "nbytes": nbytes}, (os.dup(fd),))
-        reply["_fds"] = [os.dup(fd)]  # map our own copy, so .array works as for alloc_host
-        return self._region(reply)
+        msg, got = await self._request(RegisterHost(nbytes), (os.dup(fd),))
+        _close(got)
+        return self._region((msg, [os.dup(fd)]))  # map our own copy, so .array works as for alloc_host
 
     async def alloc_device(self, nbytes: int, device: int = 0) -> Region:
         """Device memory the daemon allocates; sim: ``.array`` maps it; cuda: ``.cuda()`` opens it."""
-        reply = await self._request({"op": "alloc_device", "nbytes": nbytes, "device": device})
-        return self._region(reply)
+        return self._region(await self._request(AllocDevice(nbytes, device)))
 
     async def register_device(self, obj: Any) -> Region:
         """Share your own GPU buffer (anything with ``__cuda_array_interface__``); keep it alive
@@ -309,62 +322,47 @@ class Client:
 
     async def free(self, region: Region) -> None:
         self._check_region(region)
-        await self._request({"op": "free", "region": region.id})
+        await self._request(Free(region.id))
         region.unmap()
 
     async def share(self, region: Region, uid: int) -> None:
         """Let connections of ``uid`` name this region in their copies (not free or share it)."""
         self._check_region(region)
-        await self._request({"op": "share", "region": region.id, "uid": uid})
+        await self._request(Share(region.id, uid))
 
     # -- copies ------------------------------------------------------------------------------
-    def start_copy(
-        self,
-        dst: Region,
-        src: Region,
-        nbytes: int | None = None,
-        dst_offset: int = 0,
-        src_offset: int = 0,
-        priority: str = "normal",
-        deadline_ms: float | None = None,
-    ) -> CopyHandle:
-        """Send a copy and return at once; await the handle for its result."""
+    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyHandle:
+        """Send a copy and return at once; await the handle for its result.
+
+        ``nbytes`` defaults to as much as both regions hold past their offsets; the direction
+        comes from the regions' kinds.
+        """
         self._check_region(dst, src)
-        req_id, fut = self._send(_copy_request(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms))
+        req_id, fut = self._send(_copy_request(dst, src, nbytes, options))
         return CopyHandle(self, req_id, fut)
 
-    async def copy(
-        self,
-        dst: Region,
-        src: Region,
-        nbytes: int | None = None,
-        dst_offset: int = 0,
-        src_offset: int = 0,
-        priority: str = "normal",
-        deadline_ms: float | None = None,
-    ) -> CopyResult:
-        """Copy ``nbytes`` from ``src`` to ``dst``; the direction comes from the regions' kinds.
+    async def copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
+        """Copy ``nbytes`` from ``src`` to ``dst`` and wait for it (see `start_copy`).
 
         If the awaiting task is cancelled, the copy is cancelled in the daemon too.
         """
-        handle = self.start_copy(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms)
+        handle = self.start_copy(dst, src, nbytes, **options)
         try:
             return await handle
         except asyncio.CancelledError:
             if self._sock is not None and not self._sock.closed and self._closed_exc is None:
                 try:
-                    self._send({"op": "cancel", "target": handle.id})
+                    self._send(Cancel(handle.id))
                 except PriodError:
                     pass
             raise
 
     async def status(self) -> dict[str, Any]:
-        reply = await self._request({"op": "status"})
-        status: dict[str, Any] = reply["status"]
-        return status
+        msg, _ = await self._request(StatusRequest())
+        return StatusReply.decode(msg).status
 
     async def ping(self) -> None:
-        await self._request({"op": "ping"})
+        await self._request(Ping())
 
     async def close(self) -> None:
         """Close the connection; the daemon releases this connection's regions."""
@@ -433,73 +431,72 @@ class SyncClient:
         self._sock = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
         self._ids = itertools.count(1)
         self._regions: list[Region] = []
-        self.server = self._request({"op": "hello", "v": PROTOCOL_VERSION, "client": name or f"pid{os.getpid()}"})
+        msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
+        self.server = HelloReply.decode(msg)
+        """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
 
-    def _request(self, msg: Message, fds: tuple[int, ...] = ()) -> Message:
+    def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
         req_id = next(self._ids)
-        self._sock.send({**msg, "id": req_id}, fds)
+        self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
         while True:
             reply, got = self._sock.receive()
             if reply.get("id") == req_id:
-                if not reply.get("ok"):
-                    for fd in got:
-                        os.close(fd)
-                    _raise_for(reply)
-                reply["_fds"] = got
-                return reply
-            for fd in got:
-                os.close(fd)
-            if not reply.get("ok", True) and not reply.get("id"):
-                _raise_for(reply)
+                if (exc := error_of(reply)) is not None:
+                    _close(got)
+                    raise exc
+                return reply, got
+            _close(got)
+            if not reply.get("id") and (exc := error_of(reply)) is not None:
+                raise exc
 
-    def _region(self, reply: Message) -> Region:
-        region = Region(reply, reply.pop("_fds", []), 1)
+    def raw_request(self, msg: Message) -> Message:
+        """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields (see `Client.raw_request`)."""
+        reply, fds = self._request(msg)
+        _close(fds)
+        return reply
+
+    def _region(self, reply: Reply) -> Region:
+        msg, fds = reply
+        region = Region(RegionReply.decode(msg), fds, 1)
         self._regions.append(region)
         return region
 
     def alloc_host(self, nbytes: int) -> Region:
-        return self._region(self._request({"op": "alloc_host", "nbytes": nbytes}))
+        return self._region(self._request(AllocHost(nbytes)))
 
     def register_host(self, fd: int, nbytes: int) -> Region:
         dup = os.dup(fd)
         try:
-            reply = self._request({"op": "register_host", "nbytes": nbytes}, (dup,))
+            msg, got = self._request(RegisterHost(nbytes), (dup,))
         finally:
             os.close(dup)
-        reply["_fds"] = [os.dup(fd)]
-        return self._region(reply)
+        _close(got)
+        return self._region((msg, [os.dup(fd)]))
 
     def alloc_device(self, nbytes: int, device: int = 0) -> Region:
-        return self._region(self._request({"op": "alloc_device", "nbytes": nbytes, "device": device}))
+        return self._region(self._request(AllocDevice(nbytes, device)))
 
     def register_device(self, obj: Any) -> Region:
         return self._region(self._request(_cuda_register_request(obj)))
 
     def free(self, region: Region) -> None:
-        self._request({"op": "free", "region": region.id})
+        self._request(Free(region.id))
         region.unmap()
 
     def share(self, region: Region, uid: int) -> None:
-        self._request({"op": "share", "region": region.id, "uid": uid})
+        self._request(Share(region.id, uid))
 
-    def copy(
-        self,
-        dst: Region,
-        src: Region,
-        nbytes: int | None = None,
-        dst_offset: int = 0,
-        src_offset: int = 0,
-        priority: str = "normal",
-        deadline_ms: float | None = None,
-    ) -> CopyResult:
-        return _result(self._request(_copy_request(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms)))
+    def copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
+        """Copy and wait for it (see `Client.start_copy`)."""
+        msg, _ = self._request(_copy_request(dst, src, nbytes, options))
+        return CopyReply.decode(msg)
 
     def status(self) -> dict[str, Any]:
-        status: dict[str, Any] = self._request({"op": "status"})["status"]
-        return status
+        msg, _ = self._request(StatusRequest())
+        return StatusReply.decode(msg).status
 
     def ping(self) -> None:
-        self._request({"op": "ping"})
+        self._request(Ping())
 
     def close(self) -> None:
         self._sock.close()
@@ -512,5 +509,3 @@ class SyncClient:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
-
-

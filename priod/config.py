@@ -14,10 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
+from .engines.sim import SimSettings
 from .errors import ConfigError
-from .scheduler import DEFAULT_CLASSES, ClassSpec, Policy
+from .policy import (
+    DEFAULT_CLASSES,
+    ClassSpec,
+    Policy,
+    SchedulerSettings,
+    validate_policy,
+)
 
-__all__ = ["Config", "load_config", "default_socket_path"]
+__all__ = ["Config", "default_socket_path", "load_config"]
 
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -50,36 +57,12 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    mode: Literal["priod", "fifo"] = "priod"
-    max_block_us: float = 1000.0
-    depth: int = 2
-    min_chunk_bytes: int = 256 * 1024
-    aging_ms: float = 200.0
-    express: bool = True
-
-
-@dataclass(frozen=True)
 class LimitsConfig:
     max_pinned_bytes: int = 16 << 30
     max_device_bytes: int = 64 << 30
     max_regions: int = 1024
     max_queued_requests: int = 4096
     max_queued_bytes: int = 64 << 30
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    devices: int = 1
-    h2d_gbps: float = 2.0
-    d2h_gbps: float = 2.0
-    d2d_gbps: float = 8.0
-    express_share: float = 0.33
-    """Share of the link an express copy gets while DMA runs beside it (findings: about a third)."""
-    express_max_bytes: int = 64 << 20
-    express_min_bytes: int = 4096
-    fault_on_nbytes: int = 0
-    """Fault injection for tests: a chunk of exactly this many bytes fails. 0: never."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +94,10 @@ class LogConfig:
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     classes: tuple[ClassSpec, ...] = DEFAULT_CLASSES
     limits: LimitsConfig = field(default_factory=LimitsConfig)
-    sim: SimConfig = field(default_factory=SimConfig)
+    sim: SimSettings = field(default_factory=SimSettings)
     cuda: CudaConfig = field(default_factory=CudaConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
@@ -126,16 +109,8 @@ class Config:
         return self.server.socket or default_socket_path()
 
     def policy(self) -> Policy:
-        s = self.scheduler
-        return Policy(
-            mode=s.mode,
-            classes=self.classes,
-            max_block_us=s.max_block_us,
-            depth=s.depth,
-            min_chunk_bytes=s.min_chunk_bytes,
-            aging_ms=s.aging_ms,
-            express=s.express,
-        )
+        """What the scheduler runs on: ``[scheduler]`` and ``[classes]`` (validated at load)."""
+        return self.scheduler.with_classes(self.classes)
 
     def replace(self, **sections: Any) -> Config:
         """A copy with some settings changed: ``cfg.replace(scheduler={"mode": "fifo"})``."""
@@ -261,11 +236,7 @@ def _classes(raw: Any) -> tuple[ClassSpec, ...]:
             raise ConfigError(f"unknown setting(s) {sorted(unknown)} in [classes.{name}]; known: ['strict', 'weight']")
         weight = _coerce(f"[classes.{name}] weight", int, spec.get("weight", 1))
         strict = _coerce(f"[classes.{name}] strict", bool, spec.get("strict", False))
-        if weight < 1:
-            raise ConfigError(f"[classes.{name}] weight = {weight} is invalid; set weight >= 1")
         out.append(ClassSpec(name, weight, strict))
-    if all(c.strict for c in out):
-        raise ConfigError("[classes] needs at least one class without strict = true, for bulk work")
     return tuple(out)
 
 
@@ -274,11 +245,7 @@ def _validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
 
-    s = cfg.scheduler
-    need(s.max_block_us > 0, f"[scheduler] max_block_us = {s.max_block_us} is invalid; set it > 0 (microseconds)")
-    need(1 <= s.depth <= 64, f"[scheduler] depth = {s.depth} is invalid; set 1 <= depth <= 64")
-    need(s.min_chunk_bytes >= 4096, f"[scheduler] min_chunk_bytes = {s.min_chunk_bytes} is invalid; set min_chunk_bytes >= 4096")
-    need(s.aging_ms > 0, f"[scheduler] aging_ms = {s.aging_ms} is invalid; set it > 0")
+    validate_policy(cfg.policy())  # [scheduler] and [classes]: checked where the scheduler checks them
     sv = cfg.server
     need(1024 <= sv.max_frame_bytes <= 64 << 20, f"[server] max_frame_bytes = {sv.max_frame_bytes} is invalid; set 1024 <= max_frame_bytes <= 67108864")
     need(sv.max_output_bytes >= sv.max_frame_bytes, "[server] max_output_bytes must be >= max_frame_bytes")

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["configure_logging", "get_logger"]
+__all__ = ["configure_logging", "error_fields", "get_logger"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -50,3 +50,22 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
 
 def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
+
+
+def _causes(exc: BaseException) -> list[str]:
+    """What led to ``exc`` (``raise ... from`` or raised while handling), outermost first, so
+    a log line names the root cause (an OSError, a msgpack error) and not only our wrapper."""
+    out: list[str] = []
+    seen = {id(exc)}
+    cur = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    while cur is not None and id(cur) not in seen and len(out) < 8:
+        seen.add(id(cur))
+        out.append(f"{type(cur).__name__}: {cur}")
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return out
+
+
+def error_fields(exc: BaseException) -> dict[str, Any]:
+    """Log fields for an error: its message, and its causes where it has any."""
+    causes = _causes(exc)
+    return {"error": str(exc), "causes": causes} if causes else {"error": str(exc)}

@@ -26,80 +26,17 @@ from typing import Literal
 
 from .engines.base import LaneInfo, LaneKey, Path
 from .errors import ConfigError, InvalidRequest, NotFound
+from .policy import ALIGN, ClassSpec, LaneParams, Policy, lane_params, validate_policy
 
 __all__ = [
-    "ClassSpec",
-    "Policy",
-    "LaneParams",
-    "lane_params",
-    "RequestState",
-    "Request",
     "Chunk",
     "Finished",
     "LaneStats",
-    "SchedulerStats",
+    "Request",
+    "RequestState",
     "Scheduler",
-    "DEFAULT_CLASSES",
+    "SchedulerStats",
 ]
-
-ALIGN = 4096
-
-
-@dataclass(frozen=True)
-class ClassSpec:
-    """A priority class. ``strict`` classes are served before anything else (``urgent``)."""
-
-    name: str
-    weight: int = 1
-    strict: bool = False
-
-
-DEFAULT_CLASSES: tuple[ClassSpec, ...] = (
-    ClassSpec("urgent", weight=1, strict=True),
-    ClassSpec("high", weight=8),
-    ClassSpec("normal", weight=4),
-    ClassSpec("bulk", weight=1),
-)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Everything the scheduler is told by config; replaced whole on reload."""
-
-    mode: Literal["priod", "fifo"] = "priod"
-    classes: tuple[ClassSpec, ...] = DEFAULT_CLASSES
-    max_block_us: float = 1000.0
-    """How long an urgent DMA copy may wait behind non-strict chunks already in flight."""
-    depth: int = 2
-    """Non-strict chunks in flight per lane: chunk size = inflight bytes / depth."""
-    min_chunk_bytes: int = 256 * 1024
-    aging_ms: float = 200.0
-    """A non-strict request queued this long gets chunks through even while strict work waits."""
-    express: bool = True
-
-
-@dataclass(frozen=True)
-class LaneParams:
-    """Chunking figures for one lane, derived from its bandwidth and the policy."""
-
-    chunk_bytes: int
-    inflight_bytes: int
-    express_min: int
-    express_max: int
-    """0: no express path on this lane (or express turned off)."""
-
-
-def lane_params(info: LaneInfo, policy: Policy) -> LaneParams:
-    """Derive chunk size and in-flight bound from ``max_block_us`` and the lane's bandwidth.
-
-    ``inflight = bandwidth * max_block_us`` (at least ``depth`` minimum chunks), split into
-    ``depth`` chunks, each a multiple of 4 KiB.
-    """
-    inflight = int(info.bandwidth * policy.max_block_us / 1e6)
-    chunk = max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN
-    chunk = max(chunk, ALIGN)
-    express_max = info.express_max if policy.express else 0
-    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max)
 
 
 class RequestState(str, enum.Enum):
@@ -188,7 +125,7 @@ _OUTCOMES: tuple[str, ...] = ("done", "cancelled", "failed")
 class _Track:
     """The scheduler's private record of one request, beside the caller-visible `Request`."""
 
-    __slots__ = ("req", "lane", "cq", "seq", "since", "queued")
+    __slots__ = ("cq", "lane", "queued", "req", "seq", "since")
 
     def __init__(self, req: Request, lane: _Lane, cq: _ClassQueue, seq: int) -> None:
         self.req = req
@@ -209,7 +146,7 @@ class _ClassQueue:
     so cancel is O(1) and the counters (`live`, `queued_bytes`) are the truth.
     """
 
-    __slots__ = ("spec", "quantum", "deficit", "in_turn", "active", "live", "queued_bytes", "_edf", "_fifo")
+    __slots__ = ("_edf", "_fifo", "active", "deficit", "in_turn", "live", "quantum", "queued_bytes", "spec")
 
     def __init__(self, spec: ClassSpec, chunk_bytes: int) -> None:
         self.spec = spec
@@ -256,19 +193,19 @@ class _Lane:
     """Per-lane state: parameters, class queues, and bytes in flight by kind."""
 
     __slots__ = (
-        "key",
-        "info",
-        "params",
         "classes",
-        "strict",
-        "nonstrict",
-        "rr",
         "express",
-        "fifo",
-        "queued",
-        "inflight",
-        "strict_inflight",
         "express_inflight",
+        "fifo",
+        "inflight",
+        "info",
+        "key",
+        "nonstrict",
+        "params",
+        "queued",
+        "rr",
+        "strict",
+        "strict_inflight",
     )
 
     def __init__(self, info: LaneInfo) -> None:
@@ -303,23 +240,6 @@ class _Lane:
         self.queued = 0
 
 
-def _check_policy(policy: Policy) -> None:
-    if policy.mode not in ("priod", "fifo"):
-        raise ConfigError(f'mode = "{policy.mode}" is invalid; set [scheduler] mode to "priod" or "fifo"')
-    if not policy.classes:
-        raise ConfigError("no priority classes are configured; define at least one [[scheduler.classes]]")
-    names = [c.name for c in policy.classes]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"class names must be unique, got {', '.join(names)}; rename or remove the duplicate")
-    for c in policy.classes:
-        if c.weight < 1:
-            raise ConfigError(f"class {c.name!r} has weight {c.weight}; set a weight >= 1")
-    if policy.depth < 1:
-        raise ConfigError(f"depth = {policy.depth} is invalid; set [scheduler] depth >= 1")
-    if policy.max_block_us <= 0:
-        raise ConfigError(f"max_block_us = {policy.max_block_us} is invalid; set [scheduler] max_block_us > 0")
-
-
 class Scheduler:
     """Queues copy requests per lane and hands out the chunks to submit, keeping the promise.
 
@@ -334,7 +254,7 @@ class Scheduler:
     """
 
     def __init__(self, policy: Policy, lanes: Iterable[LaneInfo]) -> None:
-        _check_policy(policy)
+        validate_policy(policy)
         self._policy = policy
         self._lanes: dict[LaneKey, _Lane] = {}
         for info in sorted(lanes, key=lambda i: i.key):
@@ -369,7 +289,7 @@ class Scheduler:
         flight are unaffected; a request already split into chunks continues with the new
         chunk size from where it got to. A strict request not yet started may now go express.
         """
-        _check_policy(policy)
+        validate_policy(policy)
         names = {c.name for c in policy.classes}
         nonstrict = [c for c in policy.classes if not c.strict] or list(policy.classes)
         fallback = min(nonstrict, key=lambda c: c.weight).name

@@ -62,7 +62,10 @@ def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) 
     """idle and naive rows, and raw bandwidth, in a child process of its own."""
     _dump_stacks_later()
     import cupy as cp
-    from cuda.bindings import runtime as rt
+
+    from priod.engines.cuda._driver import bindings
+
+    rt, _ = bindings()
 
     def ck(r: Any) -> Any:
         if r[0] != rt.cudaError_t.cudaSuccess:

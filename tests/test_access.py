@@ -26,6 +26,7 @@ import pytest
 
 import priod
 from priod.client import Client, CopyHandle, Region
+from priod.messages import RegionReply
 from priod.testing import DaemonProcess, daemon_process
 
 pytestmark = pytest.mark.skipif(
@@ -55,7 +56,7 @@ async def _serve_commands(conn: multiprocessing.connection.Connection) -> None:
     def region(rid: int, kind: str = "host", nbytes: int = MiB) -> Region:
         # A region id of someone else's is only a number: forge the handle a hostile client would.
         assert client is not None
-        return regions.get(rid) or Region({"region": rid, "nbytes": nbytes, "kind": kind}, [], client.generation)
+        return regions.get(rid) or Region(RegionReply(rid, nbytes, kind), [], client.generation)
 
     async def receive() -> tuple[str, tuple[Any, ...]]:
         # Wait on the pipe with the loop itself: no worker thread, nothing imported lazily
@@ -80,7 +81,7 @@ async def _serve_commands(conn: multiprocessing.connection.Connection) -> None:
             value: Any = None
             if op == "connect":
                 client = await Client.connect(args[0], name=f"uid{os.getuid()}")
-                value = client.server["peer"]
+                value = client.server.peer
             elif op == "exit":
                 if client is not None:
                     await client.close()
@@ -113,7 +114,7 @@ async def _serve_commands(conn: multiprocessing.connection.Connection) -> None:
                     value = (await handles.pop(args[0])).nbytes
                 elif op == "cancel_id":
                     # CopyHandle.cancel() only names this connection's copies; send the raw op.
-                    value = (await client._request({"op": "cancel", "target": args[0]}))["state"]
+                    value = (await client.raw_request({"op": "cancel", "target": args[0]}))["state"]
                 elif op == "free":
                     await client.free(region(args[0]))
                 elif op == "share":
@@ -216,7 +217,7 @@ def test_allow_lists_admit_by_uid_or_gid_and_refuse_others(open_daemon: DaemonPr
     ):
         users[STRANGER]("connect", open_daemon.socket_path)
     with priod.client.SyncClient(open_daemon.socket_path, timeout=30) as root:
-        assert root.server["peer"]["uid"] == 0
+        assert root.server.peer["uid"] == 0
     refused = [json.loads(line) for line in open_daemon.log().splitlines() if '"connection_refused"' in line]
     assert len(refused) == 1 and refused[0]["uid"] == STRANGER
 
@@ -286,7 +287,7 @@ def test_share_lets_a_uid_copy_to_and_from_but_not_free_or_share(open_daemon: Da
     with pytest.raises(priod.PermissionDenied, match=owner_only.format(ad)):
         b("share", ad, STRANGER)
     with priod.client.SyncClient(open_daemon.socket_path, timeout=30) as root:  # shared with OTHER only
-        forged = Region({"region": ah, "nbytes": MiB, "kind": "host"}, [], 1)
+        forged = Region(RegionReply(ah, MiB, "host"), [], 1)
         with pytest.raises(priod.PermissionDenied, match=rf"^region {ah} belongs to another client and is not shared with uid 0$"):
             root.copy(forged, forged, MiB)
 

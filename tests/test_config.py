@@ -22,6 +22,16 @@ def test_shipped_config_loads_and_matches_defaults() -> None:
     assert shipped.sim == defaults.sim
 
 
+def test_policy_is_scheduler_section_plus_classes() -> None:
+    """cfg.policy() carries every [scheduler] setting and the classes; replace() re-validates."""
+    cfg = load_config(None, environ={}).replace(scheduler={"max_block_us": 250, "depth": 4})
+    policy = cfg.policy()
+    assert (policy.mode, policy.max_block_us, policy.depth, policy.express) == ("priod", 250.0, 4, True)
+    assert policy.classes == cfg.classes
+    with pytest.raises(ConfigError, match=r"^\[scheduler\] depth = 65 is invalid"):
+        cfg.replace(scheduler={"depth": 65})
+
+
 def test_environment_overrides_file(tmp_path: Path) -> None:
     """PRIOD_<SECTION>__<KEY> wins over the file; values parse as TOML."""
     f = tmp_path / "p.toml"
@@ -51,6 +61,8 @@ def test_classes_from_file(tmp_path: Path) -> None:
         ('[limits]\nmax_queued_requests = "many"\n', r"^\[limits\] max_queued_requests = 'many' must be a whole number$"),
         ("[classes.a]\nstrict = true\n", r"^\[classes\] needs at least one class without strict = true"),
         ("[classes.a]\nweight = 0\n", r"^\[classes.a\] weight = 0 is invalid; set weight >= 1$"),
+        ("[scheduler]\nmin_chunk_bytes = 1024\n", r"^\[scheduler\] min_chunk_bytes = 1024 is invalid; set min_chunk_bytes >= 4096$"),
+        ("[scheduler]\naging_ms = 0\n", r"^\[scheduler\] aging_ms = 0.0 is invalid; set it > 0$"),
     ],
 )
 def test_bad_settings_name_the_setting_and_fix(tmp_path: Path, text: str, message: str) -> None:

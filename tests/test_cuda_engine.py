@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,15 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from priod.cuda_ipc import export_cuda_array, open_device_export
 from priod.engines.base import Completion, DeviceMemory, Direction, HostMemory, LaneKey, Path
-from priod.engines.cuda import (
-    EXPRESS_MAX,
-    EXPRESS_MIN_H2D,
-    CudaEngine,
-    export_cuda_array,
-    gpu_available,
-    open_device_export,
-)
+from priod.engines.cuda import EXPRESS_MAX, EXPRESS_MIN_H2D, CudaEngine, gpu_available
 from priod.errors import CudaError, EngineError, InvalidRequest
 
 HAVE_GPU = gpu_available()
@@ -78,13 +73,22 @@ def device_view(mem: DeviceMemory) -> Any:
 
 def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without cuda-bindings, constructing the engine says how to install it and names --backend sim."""
-    import priod.engines.cuda as cuda_engine
+    from priod.engines.cuda import _driver
 
-    monkeypatch.setattr(cuda_engine, "_rt", None)
+    monkeypatch.setattr(_driver, "_rt", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     with pytest.raises(EngineError, match=r"pip install 'priod\[cuda\]'.*--backend sim"):
         CudaEngine()
-    assert cuda_engine.gpu_available() is False
+    assert _driver.gpu_available() is False
+
+
+def test_client_helpers_do_not_import_the_engine() -> None:
+    """priod.cuda_ipc, the client library's CUDA side, loads the driver module only: neither the
+    engine nor cuda-bindings (until a helper is called)."""
+    code = "import sys, priod.cuda_ipc; print(' '.join(sorted(m for m in sys.modules if m.startswith(('priod', 'cuda')))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "priod.engines.cuda._driver" in loaded
+    assert not [m for m in loaded if m.startswith(("cuda", "priod.engines.cuda.")) and m != "priod.engines.cuda._driver"], loaded
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="a GPU is present: this tests the machine without one")
@@ -97,8 +101,12 @@ def test_no_gpu_raises_engine_error() -> None:
 
 def test_check_turns_results_into_values_or_cuda_errors() -> None:
     """check() unwraps (err, value...) tuples and raises CudaError named after the CUDA error."""
-    runtime = pytest.importorskip("cuda.bindings.runtime")
-    from priod.engines.cuda import check
+    from priod.engines.cuda._driver import bindings, check
+
+    try:
+        runtime, _ = bindings()
+    except EngineError as exc:
+        pytest.skip(str(exc))
 
     ok = runtime.cudaError_t.cudaSuccess
     assert check((ok,)) is None

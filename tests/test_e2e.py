@@ -82,7 +82,7 @@ async def test_cancel_reports_bytes_done(daemon: DaemonProcess) -> None:
         assert 0 <= done < n
         assert done % chunk == 0  # stopped at a chunk boundary
         with pytest.raises(priod.NotFound, match=r"^no copy with id 1 is pending on this connection"):
-            await c._request({"op": "cancel", "target": 1})
+            await c.raw_request({"op": "cancel", "target": 1})
 
 
 async def test_errors_are_clear_and_connection_survives(daemon: DaemonProcess) -> None:
@@ -98,11 +98,11 @@ async def test_errors_are_clear_and_connection_survives(daemon: DaemonProcess) -
         with pytest.raises(priod.InvalidRequest, match=r"^both regions are host memory; copy between them with memcpy"):
             await c.copy(h, h, 16)
         with pytest.raises(priod.NotFound, match=r"^no region 999999; use an id returned by"):
-            await c._request({"op": "free", "region": 999999})
+            await c.raw_request({"op": "free", "region": 999999})
         with pytest.raises(priod.InvalidRequest, match=r"^unknown op 'explode'; known ops: "):
-            await c._request({"op": "explode"})
+            await c.raw_request({"op": "explode"})
         with pytest.raises(priod.InvalidRequest, match=r"^field 'nbytes' must be int, got str$"):
-            await c._request({"op": "copy", "dst": d.id, "src": h.id, "nbytes": "lots"})
+            await c.raw_request({"op": "copy", "dst": d.id, "src": h.id, "nbytes": "lots"})
         r = await c.copy(d, h, 4096)
         assert r.nbytes == 4096
 

@@ -14,9 +14,11 @@ import pytest
 
 import priod
 from priod.config import load_config
+from priod.engines.base import Completion, Direction, LaneKey, Path
 from priod.engines.sim import SimEngine
-from priod.scheduler import Chunk
-from priod.server import Daemon, InFlight, reanchor_dues
+from priod.pump import InFlight, reanchor_dues
+from priod.scheduler import Chunk, Request
+from priod.server import Daemon
 
 NBYTES = 64 << 20  # 32 chunks of ~1 MB at the sim's 2 GB/s: 32 ms of bulk
 
@@ -27,15 +29,6 @@ async def _copy_counting_polls(mode: str) -> int:
     engine = SimEngine(cfg.sim)
     engine.wakes_on_completion = False  # completions are found by polling only, as on a GPU
     daemon = Daemon(cfg, engine)
-    polls = 0
-    poll = daemon._poll
-
-    def counting_poll() -> bool:
-        nonlocal polls
-        polls += 1
-        return poll()
-
-    daemon._poll = counting_poll  # type: ignore[method-assign]
     await daemon.start()
     try:
         async with priod.connect(path) as c:
@@ -46,6 +39,8 @@ async def _copy_counting_polls(mode: str) -> int:
             assert r.nbytes == NBYTES and np.array_equal(d.array, h.array)
             small = await c.copy(d, h, 4096, priority="urgent")  # urgent work is polled tightly in both modes
             assert small.nbytes == 4096
+        polls = daemon.status()["polls"]
+        assert isinstance(polls, int)
     finally:
         await daemon.stop()
     return polls
@@ -66,14 +61,14 @@ async def test_timer_mode_polls_far_less_than_spin() -> None:
 
 
 # -- due times (pure) -----------------------------------------------------------------------------
-def _chunk_of(nbytes: int) -> Chunk:
-    chunk = Chunk.__new__(Chunk)  # reanchor_dues reads only nbytes
-    object.__setattr__(chunk, "nbytes", nbytes)
-    return chunk
+class _NeverDone(Completion):
+    def done(self) -> bool:
+        return False
 
 
 def _inflight(nbytes: int, submitted: float, due: float) -> InFlight:
-    return InFlight(_chunk_of(nbytes), None, submitted, due)  # type: ignore[arg-type]
+    request = Request(1, "owner", LaneKey(0, Direction.H2D), "bulk", nbytes, arrival=submitted)
+    return InFlight(Chunk(request, 0, nbytes, Path.DMA, strict=False), _NeverDone(), submitted, due)
 
 
 def test_reanchor_counts_from_the_previous_poll_and_only_moves_earlier() -> None:

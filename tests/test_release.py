@@ -12,7 +12,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -21,10 +21,28 @@ import structlog
 import priod
 from priod.config import load_config
 from priod.engines.base import HostMemory
-from priod.engines.sim import SimEngine
+from priod.engines.sim import SimEngine, SimSettings
 from priod.server import Daemon
 
 SLOW_RELEASE_S = 1.0
+
+
+class _ReleaseEngine(SimEngine):
+    """The sim engine, with host releases that take SLOW_RELEASE_S (a cudaFree waiting for the
+    device, say) or that fail."""
+
+    def __init__(self, settings: SimSettings, *, failing: bool) -> None:
+        super().__init__(settings)
+        self.failing = failing
+        self.released = threading.Event()
+
+    def release_host(self, mem: HostMemory) -> None:
+        if self.failing:
+            self.released.set()
+            raise OSError("injected release failure")
+        time.sleep(SLOW_RELEASE_S)
+        super().release_host(mem)
+        self.released.set()
 
 
 @pytest.fixture
@@ -32,23 +50,11 @@ async def daemon_with_release(request: pytest.FixtureRequest) -> AsyncIterator[t
     """An in-process daemon whose host releases take SLOW_RELEASE_S ("slow") or raise ("failing")."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(server={"socket": path}, log={"level": "warning"})
-    engine = SimEngine(cfg.sim)
-    released = threading.Event()
-    original: Callable[[HostMemory], None] = engine.release_host
-
-    def release_host(mem: HostMemory) -> None:
-        if request.param == "failing":
-            released.set()
-            raise OSError("injected release failure")
-        time.sleep(SLOW_RELEASE_S)  # a cudaFree waiting for the device, say
-        original(mem)
-        released.set()
-
-    engine.release_host = release_host  # type: ignore[method-assign]
+    engine = _ReleaseEngine(cfg.sim, failing=request.param == "failing")
     daemon = Daemon(cfg, engine)
     await daemon.start()
     try:
-        yield daemon, released
+        yield daemon, engine.released
     finally:
         await daemon.stop()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Hashable
 
@@ -11,17 +12,14 @@ from hypothesis import strategies as st
 
 from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.errors import ConfigError, EngineError, InvalidRequest, NotFound
+from priod.policy import ClassSpec, LaneParams, Policy, lane_params
 from priod.scheduler import (
-    ClassSpec,
     Chunk,
     Finished,
-    LaneParams,
     LaneStats,
-    Policy,
     Request,
     RequestState,
     Scheduler,
-    lane_params,
 )
 
 L0 = LaneKey(0, Direction.H2D)
@@ -134,6 +132,16 @@ def test_bad_policy_is_refused() -> None:
     bad = Policy(classes=(ClassSpec("bulk"), ClassSpec("bulk")))
     with pytest.raises(ConfigError, match=r"^class names must be unique, got bulk, bulk; "):
         Scheduler(bad, [INFO0])
+
+
+def test_set_policy_refuses_what_config_refuses() -> None:
+    """set_policy runs the same validator as config loading, with the same messages."""
+    s, _ = make()
+    with pytest.raises(ConfigError, match=r"^\[scheduler\] depth = 0 is invalid; set 1 <= depth <= 64$"):
+        s.set_policy(Policy(depth=0))
+    with pytest.raises(ConfigError, match=r"^\[classes\] needs at least one class without strict = true"):
+        s.set_policy(Policy(classes=(ClassSpec("urgent", strict=True),)))
+    assert s.policy == POLICY
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -378,7 +386,7 @@ def test_deficit_resets_when_a_class_runs_dry() -> None:
     s, sim = make()
     s.enqueue(req(1, "bulk", nbytes=CHUNK // 2), 0.0)
     sim.drain(0.0)
-    lane_cq = s._lanes[L0].classes["bulk"]  # noqa: SLF001 - white-box check of DRR state
+    lane_cq = s._lanes[L0].classes["bulk"]
     assert lane_cq.deficit == 0
 
 
@@ -401,7 +409,7 @@ def test_aging_prevents_starvation_under_urgent_flood() -> None:
         now = round(now + 0.001, 6)
     assert len(bulk_times) == 4
     assert bulk_times[0] > 0.2  # held back while urgent work waits, until it has aged
-    gaps = [b - a for a, b in zip(bulk_times, bulk_times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(bulk_times)]
     assert all(0.2 < g < 0.21 for g in gaps)
 
 

@@ -292,7 +292,7 @@ def test_status_cli_table_and_json(daemon: DaemonProcess) -> None:
     with SyncClient(daemon.socket_path, name="status-test", timeout=30) as c:
         host, dev = c.alloc_host(MiB), c.alloc_device(MiB)
         c.copy(dev, host, priority="bulk")
-        me = c.server["peer"]
+        me = c.server.peer
         r = run_cli("status", "--socket", daemon.socket_path)
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()

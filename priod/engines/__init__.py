@@ -19,7 +19,7 @@ def make_engine(cfg: Config, log: Any = None) -> Engine:
     reason = f"[server] backend = {backend!r}"
     if backend == "auto":
         try:
-            from .cuda import gpu_available
+            from .cuda._driver import gpu_available
         except ImportError as exc:  # pragma: no cover - the module guards its own imports
             available, reason = False, f"auto: cuda engine unavailable ({exc})"
         else:
@@ -30,6 +30,6 @@ def make_engine(cfg: Config, log: Any = None) -> Engine:
         log.info("engine_selected", backend=backend, reason=reason)
     if backend == "sim":
         return SimEngine(cfg.sim)
-    from .cuda import CudaEngine
+    from .cuda.engine import CudaEngine
 
     return CudaEngine(devices=list(cfg.cuda.devices) or None, express=cfg.scheduler.express, calibrate_bytes=cfg.cuda.calibrate_bytes, log=log)

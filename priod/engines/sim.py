@@ -20,11 +20,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from ..config import SimConfig
 from ..errors import EngineError, InvalidRequest
 from .base import (
     Completion,
@@ -41,13 +41,29 @@ from .base import (
     release_mapping,
 )
 
-__all__ = ["SimEngine", "sealed_memfd"]
+__all__ = ["SimEngine", "SimSettings", "sealed_memfd"]
 
 OVERSHOOT_CREDIT_S = 200e-6
 INLINE_MAX_S = 20e-6
 """Jobs the model times at or below this run at once on an idle engine (see run_inline)."""
 SLICE_BYTES = 1 << 20
 """Granularity of pacing; the chunk as a whole is still never preempted."""
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The simulated engine's figures; config's ``[sim]`` section is one of these."""
+
+    devices: int = 1
+    h2d_gbps: float = 2.0
+    d2h_gbps: float = 2.0
+    d2d_gbps: float = 8.0
+    express_share: float = 0.33
+    """Share of the link an express copy gets while DMA runs beside it (findings: about a third)."""
+    express_max_bytes: int = 64 << 20
+    express_min_bytes: int = 4096
+    fault_on_nbytes: int = 0
+    """Fault injection for tests: a chunk of exactly this many bytes fails. 0: never."""
 
 
 def sealed_memfd(name: str, nbytes: int) -> int:
@@ -72,7 +88,7 @@ class SimDeviceMemory(DeviceMemory):
 
 
 class SimCompletion(Completion):
-    __slots__ = ("_finished", "_error")
+    __slots__ = ("_error", "_finished")
 
     def __init__(self) -> None:
         self._finished = False
@@ -85,7 +101,7 @@ class SimCompletion(Completion):
 
 
 class _Job:
-    __slots__ = ("dst", "src", "nbytes", "completion", "fail")
+    __slots__ = ("completion", "dst", "fail", "nbytes", "src")
 
     def __init__(self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool) -> None:
         self.dst, self.src, self.nbytes, self.completion, self.fail = dst, src, nbytes, completion, fail
@@ -189,8 +205,8 @@ class SimEngine(Engine):
     name = "sim"
     wakes_on_completion = True
 
-    def __init__(self, cfg: SimConfig | None = None) -> None:
-        self.cfg = cfg or SimConfig()
+    def __init__(self, cfg: SimSettings | None = None) -> None:
+        self.cfg = cfg or SimSettings()
         self._wake: Callable[[], None] = lambda: None
         rates = {Direction.H2D: self.cfg.h2d_gbps, Direction.D2H: self.cfg.d2h_gbps, Direction.D2D: self.cfg.d2d_gbps}
         self._links: dict[LaneKey, _Link] = {}

@@ -1,5 +1,6 @@
 // The express lane's copy kernel: SM-driven loads and stores that do not queue behind the copy
-// engine (docs: shared/design/findings.md section 4). Shipped as PTX text (express.ptx, made by
+// engine (on an H200, 64 KiB took 27 us under a 2 GiB copy that held the DMA path for 36.5 ms;
+// see priod/engines/cuda/express.py). Shipped as PTX text (express.ptx, made by
 // scripts/build_ptx.sh) and loaded with cuModuleLoadData, so no NVRTC is needed at run time.
 //
 // One entry point, priod_copy(src, dst, n), correct for any size and any pair of addresses:

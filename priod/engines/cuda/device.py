@@ -1,0 +1,171 @@
+"""One GPU as the CUDA engine sets it up: its context, properties and three lanes of streams.
+
+Each (device, direction) lane has three streams, because of how the hardware behaves (measured
+on an H200):
+
+- Host-to-device and device-to-host copies run FIFO on one copy engine per direction, whatever
+  the stream's priority. So a lane has one low-priority DMA stream for bulk chunks, which the
+  scheduler keeps short, and one high-priority DMA stream for strict chunks: priority does
+  nothing for copies, but a second stream lets small host-to-device copies (up to 24 KiB here)
+  pass a running bulk copy, which they cannot do behind it on the same stream.
+- The express copy kernel (`express`) runs on a third stream of the highest priority: priority
+  does matter for the kernel's blocks.
+
+`open_device` makes the primary context with ``cudaDeviceScheduleSpin | cudaDeviceMapHost``
+(mapped host memory is what the express kernel reads and writes), loads the kernel through the
+engine's hook, and creates the streams; `Device.close` undoes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from priod.engines.base import Direction, LaneKey
+from priod.errors import CudaError
+
+from ._driver import bindings, check, error, status_codes
+from .events import EventPool
+
+__all__ = ["HOST_ENDS", "Device", "Lane", "open_device"]
+
+Attempt = Callable[[tuple[Any, ...]], None]
+"""Checks a CUDA result and keeps its error for later (used on the way out, in close)."""
+
+HOST_ENDS = {Direction.H2D: (True, False), Direction.D2H: (False, True), Direction.D2D: (False, False)}
+"""Per direction: whether the source, and whether the destination, is host memory."""
+
+_KIND_NAMES = {Direction.H2D: "cudaMemcpyHostToDevice", Direction.D2H: "cudaMemcpyDeviceToHost", Direction.D2D: "cudaMemcpyDeviceToDevice"}
+_kinds: dict[Direction, Any] = {}
+
+
+def _kind(direction: Direction) -> Any:
+    """The ``cudaMemcpyKind`` of ``direction``."""
+    kind = _kinds.get(direction)
+    if kind is None:
+        rt, _ = bindings()
+        kind = _kinds[direction] = getattr(rt.cudaMemcpyKind, _KIND_NAMES[direction])
+    return kind
+
+
+@dataclass
+class Lane:
+    """The streams of one (device, direction) lane, and what calibration found."""
+
+    key: LaneKey
+    dma: Any = None
+    """Lowest priority: bulk (non-strict) DMA chunks, FIFO."""
+    strict: Any = None
+    """Highest priority: strict DMA chunks. A second stream matters for small host-to-device
+    copies, which ride the command stream and pass a bulk copy on *another* stream only."""
+    express: Any = None
+    """Highest priority: the copy kernel."""
+    express_cu: Any = None
+    """The same stream as a driver-API ``CUstream``, for ``cuLaunchKernel``."""
+    kind: Any = None
+    """The cudaMemcpyKind of this direction."""
+    host_src: bool = False
+    host_dst: bool = False
+    dma_bandwidth: float = 0.0
+    express_bandwidth: float = 0.0
+    express_min: int = 0
+    express_max: int = 0
+
+    @property
+    def streams(self) -> tuple[Any, Any, Any]:
+        """The DMA, strict and express streams (None where not created)."""
+        return self.dma, self.strict, self.express
+
+
+class Device:
+    """One GPU the engine serves: its properties, event pool, copy kernel and lanes.
+
+    The lanes are attributes named after their direction (``h2d``, ``d2h``, ``d2d``), which
+    `CudaEngine.submit` reads by identity test on the direction rather than by hashing an Enum;
+    `lanes` lists them.
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.name = ""
+        self.pci_bus_id = ""
+        self.sm_count = 0
+        self.events = EventPool(index)
+        self.module: Any = None
+        """The loaded copy kernel's module (None: no express lane on this device)."""
+        self.function: Any = None
+        self.kernel_registers = 0
+        self.h2d, self.d2h, self.d2d = (self._new_lane(d) for d in (Direction.H2D, Direction.D2H, Direction.D2D))
+
+    def _new_lane(self, direction: Direction) -> Lane:
+        host_src, host_dst = HOST_ENDS[direction]
+        return Lane(LaneKey(self.index, direction), kind=_kind(direction), host_src=host_src, host_dst=host_dst)
+
+    @property
+    def lanes(self) -> tuple[Lane, Lane, Lane]:
+        """The lanes in `Direction` order."""
+        return self.h2d, self.d2h, self.d2d
+
+    def synchronize(self, attempt: Attempt) -> None:
+        """Wait for every stream of the device's lanes."""
+        rt, _ = bindings()
+        attempt(rt.cudaSetDevice(self.index))
+        for lane in self.lanes:
+            for stream in lane.streams:
+                if stream is not None:
+                    attempt(rt.cudaStreamSynchronize(stream))
+
+    def close(self, attempt: Attempt) -> None:
+        """Destroy the events and streams and unload the kernel (nothing may be in flight)."""
+        rt, drv = bindings()
+        attempt(rt.cudaSetDevice(self.index))
+        self.events.close(attempt)
+        for lane in self.lanes:
+            for stream in lane.streams:
+                if stream is not None:
+                    attempt(rt.cudaStreamDestroy(stream))
+            lane.dma = lane.strict = lane.express = lane.express_cu = None
+        if self.module is not None:
+            attempt(drv.cuModuleUnload(self.module))
+            self.module = self.function = None
+
+
+def open_device(
+    index: int,
+    devices: dict[int, Device],
+    use: Callable[[int], None],
+    load_kernel: Callable[[Device], None],
+) -> Device:
+    """Set up gpu ``index`` and add it to ``devices`` before creating anything on it, so that
+    closing ``devices`` frees what was made even if a later step fails.
+
+    ``use`` makes a device current; ``load_kernel`` loads the express kernel (or not) once the
+    context exists, before the streams are created.
+    """
+    rt, drv = bindings()
+    ok, _ = status_codes()
+    use(index)
+    err = rt.cudaSetDeviceFlags(rt.cudaDeviceScheduleSpin | rt.cudaDeviceMapHost)[0]
+    # Spin: the engine never blocks on the GPU in normal work (it polls events), so the flag
+    # only shapes calibration and close, where spinning gives the cleanest timings.
+    if err is not ok and err is not rt.cudaError_t.cudaErrorSetOnActiveProcess:
+        raise error(err)
+    check(rt.cudaFree(0))  # create the primary context now, with those flags
+    props = check(rt.cudaGetDeviceProperties(index))
+    dev = Device(index)
+    dev.name = bytes(props.name).split(b"\0", 1)[0].decode(errors="replace")
+    dev.sm_count = int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, index)))
+    try:
+        dev.pci_bus_id = bytes(check(rt.cudaDeviceGetPCIBusId(32, index))).split(b"\0", 1)[0].decode()
+    except CudaError:
+        dev.pci_bus_id = ""
+    least, greatest = (int(v) for v in check(rt.cudaDeviceGetStreamPriorityRange()))
+    devices[index] = dev
+    load_kernel(dev)
+    for lane in dev.lanes:
+        lane.dma = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, least))
+        lane.strict = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
+        lane.express = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
+        lane.express_cu = drv.CUstream(int(lane.express))
+    return dev

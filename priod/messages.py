@@ -1,0 +1,387 @@
+"""The message vocabulary as types: one frozen dataclass per request and per reply.
+
+docs/protocol.md is the specification. Each request type has one `decode` (the daemon's side,
+where every field is checked once, with an error that names the fix) and one `encode` (the
+client's side); each reply type the same the other way round. File descriptors never travel
+inside a message: the transport hands them over beside it, and handlers take and return them
+as separate values.
+
+The envelope (``id`` and ``op`` on requests, ``id`` and ``ok`` on replies) is added and read
+here too, so the rest of the daemon and the client see only these types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self, Union, cast, get_args, get_origin, get_type_hints
+
+from .errors import InvalidRequest, PriodError, error_for_code
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Request",
+    "Hello",
+    "Ping",
+    "StatusRequest",
+    "AllocHost",
+    "RegisterHost",
+    "AllocDevice",
+    "RegisterDevice",
+    "Free",
+    "Share",
+    "Copy",
+    "Cancel",
+    "REQUEST_TYPES",
+    "request_id",
+    "decode_request",
+    "HelloReply",
+    "RegionReply",
+    "CopyReply",
+    "CancelReply",
+    "StatusReply",
+    "Empty",
+    "ErrorReply",
+    "error_of",
+]
+
+PROTOCOL_VERSION = 1
+MAX_ID = (1 << 63) - 1
+
+Message = dict[str, Any]
+_MISSING: Any = object()
+
+
+class _Wire:
+    """Shared by every message type: a field table read once per class, and the checks."""
+
+    __slots__ = ()
+    op: ClassVar[str] = ""
+
+    @classmethod
+    def _fields(cls) -> tuple[tuple[str, tuple[type, ...], Any], ...]:
+        """(name, accepted types, default or _MISSING) per field, built on first use."""
+        table: tuple[tuple[str, tuple[type, ...], Any], ...] | None = cls.__dict__.get("_field_table")
+        if table is None:
+            hints = get_type_hints(cls)
+            table = tuple(
+                (f.name, _kinds(hints[f.name]), _MISSING if f.default is dataclasses.MISSING else f.default)
+                for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            )
+            setattr(cls, "_field_table", table)
+        return table
+
+    @classmethod
+    def _read(cls, msg: Message) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, kinds, default in cls._fields():
+            value = msg.get(name, _MISSING)
+            if value is _MISSING or (value is None and default is None):
+                if default is _MISSING:
+                    raise InvalidRequest(f"field '{name}' is missing from '{cls.op}'; see docs/protocol.md")
+                out[name] = default
+                continue
+            if type(value) not in kinds:  # exact types: bool is no int here (msgpack keeps them apart)
+                if float in kinds and type(value) is int:
+                    value = float(value)
+                else:
+                    names = " or ".join(k.__name__ for k in kinds if k is not type(None))
+                    raise InvalidRequest(f"field '{name}' must be {names}, got {type(value).__name__}")
+            out[name] = value
+        return out
+
+    def _fields_dict(self) -> Message:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+
+def _kinds(hint: Any) -> tuple[type, ...]:
+    origin = get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        return tuple(a for a in get_args(hint) if isinstance(a, type))
+    return (origin if origin is not None else hint,)
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class _Request(_Wire):
+    __slots__ = ()
+    takes_fds: ClassVar[int] = 0
+    """How many fds must come with this request (only register_host takes one)."""
+
+    @classmethod
+    def decode(cls, msg: Message) -> Self:
+        return cls(**cls._read(msg))
+
+    def check(self) -> None:
+        """Range checks beyond types; raise InvalidRequest naming the fix."""
+
+    def encode(self, req_id: int) -> Message:
+        body = {k: v for k, v in self._fields_dict().items() if v is not None}
+        return {"id": req_id, "op": self.op, **body}
+
+
+def _need_size(nbytes: int, what: str) -> None:
+    if nbytes < 1:
+        raise InvalidRequest(f"nbytes = {nbytes} is invalid; {what} at least 1 byte")
+
+
+def _need_offset(name: str, value: int) -> None:
+    if value < 0:
+        raise InvalidRequest(f"{name} = {value} is invalid; it must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(_Request):
+    op: ClassVar[str] = "hello"
+    v: int
+    client: str = ""
+
+    def check(self) -> None:
+        if self.v != PROTOCOL_VERSION:
+            raise InvalidRequest(f"protocol version {self.v} is not supported; this daemon speaks version {PROTOCOL_VERSION}: upgrade the client library")
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(_Request):
+    op: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest(_Request):
+    op: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True, slots=True)
+class AllocHost(_Request):
+    op: ClassVar[str] = "alloc_host"
+    nbytes: int
+
+    def check(self) -> None:
+        _need_size(self.nbytes, "a region holds")
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterHost(_Request):
+    """Comes with one memfd beside it, sealed against shrinking."""
+
+    op: ClassVar[str] = "register_host"
+    takes_fds: ClassVar[int] = 1
+    nbytes: int
+
+    def check(self) -> None:
+        _need_size(self.nbytes, "a region holds")
+
+
+@dataclass(frozen=True, slots=True)
+class AllocDevice(_Request):
+    op: ClassVar[str] = "alloc_device"
+    nbytes: int
+    device: int = 0
+
+    def check(self) -> None:
+        _need_size(self.nbytes, "a region holds")
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterDevice(_Request):
+    op: ClassVar[str] = "register_device"
+    handle: bytes
+    nbytes: int
+    offset: int = 0
+    device: int = 0
+
+    def check(self) -> None:
+        _need_size(self.nbytes, "a region holds")
+        _need_offset("offset", self.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class Free(_Request):
+    op: ClassVar[str] = "free"
+    region: int
+
+
+@dataclass(frozen=True, slots=True)
+class Share(_Request):
+    op: ClassVar[str] = "share"
+    region: int
+    uid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Copy(_Request):
+    op: ClassVar[str] = "copy"
+    dst: int
+    src: int
+    nbytes: int
+    dst_offset: int = 0
+    src_offset: int = 0
+    priority: str = "normal"
+    deadline_ms: float | None = None
+
+    def check(self) -> None:
+        _need_size(self.nbytes, "copy")
+        _need_offset("dst_offset", self.dst_offset)
+        _need_offset("src_offset", self.src_offset)
+        if self.deadline_ms is not None and not math.isfinite(self.deadline_ms):
+            raise InvalidRequest(f"deadline_ms = {self.deadline_ms} is invalid; give a finite number of milliseconds, or leave it out")
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(_Request):
+    op: ClassVar[str] = "cancel"
+    target: int
+
+
+Request = Union[Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel]
+
+REQUEST_TYPES: dict[str, type[_Request]] = {
+    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel)
+}
+"""Every operation a client may send; anything else is refused with ``bad_request``."""
+
+
+def request_id(msg: Message) -> int:
+    """The request's ``id`` if it is valid (1 .. 2**63-1), else 0: the id an error reply carries."""
+    raw = msg.get("id")
+    return raw if type(raw) is int and 0 < raw <= MAX_ID else 0
+
+
+def decode_request(msg: Message, *, greeted: bool = True, fds: int = 0) -> Request:
+    """The typed request in ``msg``, every field checked; raises InvalidRequest naming the fix.
+
+    ``greeted``: whether this connection has sent its hello (before that only hello is taken);
+    ``fds``: how many file descriptors came beside the frame.
+    """
+    if request_id(msg) == 0:
+        raise InvalidRequest("every request needs an integer 'id' between 1 and 2**63-1; see docs/protocol.md")
+    op = msg.get("op")
+    kind = REQUEST_TYPES.get(op) if isinstance(op, str) else None
+    if kind is None:
+        raise InvalidRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(REQUEST_TYPES))}")
+    if not greeted and kind is not Hello:
+        raise InvalidRequest("send 'hello' with your protocol version before any other request")
+    if fds != kind.takes_fds:
+        if kind.takes_fds:
+            raise InvalidRequest(f"'{op}' takes exactly one memfd with the frame, got {fds}")
+        raise InvalidRequest(f"'{op}' takes no file descriptors, but {fds} came with it; they were closed")
+    req = cast(Request, kind.decode(msg))
+    req.check()
+    return req
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+class _Reply(_Wire):
+    __slots__ = ()
+
+    @classmethod
+    def decode(cls, msg: Message) -> Self:
+        """The client's side: the daemon is trusted to send what docs/protocol.md says."""
+        return cls(**{name: msg.get(name, default if default is not _MISSING else None) for name, _, default in cls._fields()})
+
+    def encode(self, req_id: int) -> Message:
+        return {"id": req_id, "ok": True, **self._fields_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply(_Reply):
+    v: int
+    server: str
+    version: str
+    backend: str
+    max_frame_bytes: int
+    classes: list[str]
+    peer: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionReply(_Reply):
+    """A region made by alloc_* or register_*. alloc_host (and alloc_device on the sim engine)
+    comes with one fd beside it; ``export`` says how to reach a daemon-allocated device region."""
+
+    region: int
+    nbytes: int
+    kind: str
+    device: int | None = None
+    export: dict[str, Any] | None = None
+
+    def encode(self, req_id: int) -> Message:
+        msg = {"id": req_id, "ok": True, "region": self.region, "nbytes": self.nbytes, "kind": self.kind, "device": self.device}
+        if self.export is not None:
+            msg["export"] = self.export
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class CopyReply(_Reply):
+    """A copy that finished: daemon-clock timings in microseconds."""
+
+    nbytes: int
+    queued_us: float
+    """Arrival to first chunk submitted."""
+    transfer_us: float
+    """First chunk submitted to last chunk complete."""
+    total_us: float
+    path: str
+    """``dma`` or ``express``."""
+    missed_deadline: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReply(_Reply):
+    target: int
+    state: str
+    """``cancelled`` (it ended at once) or ``stopping`` (its last chunk is still in flight)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply(_Reply):
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Empty(_Reply):
+    """The reply of ping, free and share."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply(_Reply):
+    """A failed request: its error code, a message that says what to do, and for a copy that
+    ended early, how many bytes it had moved."""
+
+    code: str
+    message: str
+    bytes_done: int | None = None
+
+    def encode(self, req_id: int) -> Message:
+        err: Message = {"code": self.code, "message": self.message}
+        if self.bytes_done is not None:
+            err["bytes_done"] = self.bytes_done
+        return {"id": req_id, "ok": False, "error": err}
+
+    @classmethod
+    def decode(cls, msg: Message) -> ErrorReply:
+        err = msg.get("error")
+        err = err if isinstance(err, dict) else {}
+        done = err.get("bytes_done")
+        return cls(str(err.get("code", "internal")), str(err.get("message", "request failed")), done if isinstance(done, int) else None)
+
+    def exception(self) -> PriodError:
+        """The exception this reply stands for (``except priod.LimitExceeded`` works client-side)."""
+        return error_for_code(self.code, self.message, self.bytes_done or 0)
+
+    @classmethod
+    def of(cls, exc: PriodError, bytes_done: int | None = None) -> ErrorReply:
+        return cls(exc.code, str(exc), bytes_done)
+
+
+def error_of(msg: Message) -> PriodError | None:
+    """The exception a reply stands for if it is an error reply, else None."""
+    if msg.get("ok", True):
+        return None
+    return ErrorReply.decode(msg).exception()

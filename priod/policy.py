@@ -1,0 +1,138 @@
+"""What the scheduler is told: priority classes, the ``[scheduler]`` settings, and lane figures.
+
+A leaf: config builds a `Policy` from ``[scheduler]`` and ``[classes]``, the scheduler runs
+on one, and both check it with `validate_policy`, the one place these values are validated.
+Nothing here knows about files, sockets or engines beyond `engines.base.LaneInfo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from .engines.base import LaneInfo
+from .errors import ConfigError
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_CLASSES",
+    "ClassSpec",
+    "LaneParams",
+    "Policy",
+    "SchedulerSettings",
+    "lane_params",
+    "validate_policy",
+]
+
+ALIGN = 4096
+"""Chunks are a multiple of this many bytes."""
+
+MAX_DEPTH = 64
+
+Mode = Literal["priod", "fifo"]
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """A priority class. ``strict`` classes are served before anything else (``urgent``)."""
+
+    name: str
+    weight: int = 1
+    strict: bool = False
+
+
+DEFAULT_CLASSES: tuple[ClassSpec, ...] = (
+    ClassSpec("urgent", weight=1, strict=True),
+    ClassSpec("high", weight=8),
+    ClassSpec("normal", weight=4),
+    ClassSpec("bulk", weight=1),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSettings:
+    """The ``[scheduler]`` section of the config (config/priod.toml documents each setting)."""
+
+    mode: Mode = "priod"
+    max_block_us: float = 1000.0
+    """How long an urgent DMA copy may wait behind non-strict chunks already in flight."""
+    depth: int = 2
+    """Non-strict chunks in flight per lane: chunk size = inflight bytes / depth."""
+    min_chunk_bytes: int = 256 * 1024
+    aging_ms: float = 200.0
+    """A non-strict request queued this long gets chunks through even while strict work waits."""
+    express: bool = True
+
+    def with_classes(self, classes: tuple[ClassSpec, ...]) -> Policy:
+        """The `Policy` of these settings and ``classes`` (the ``[classes]`` tables)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerSettings)}
+        return Policy(**values, classes=classes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy(SchedulerSettings):
+    """Everything the scheduler is told by config: ``[scheduler]`` plus ``[classes]``.
+
+    Replaced whole on reload. Check one with `validate_policy` (the scheduler does).
+    """
+
+    classes: tuple[ClassSpec, ...] = DEFAULT_CLASSES
+
+
+def validate_policy(policy: Policy) -> None:
+    """Check every ``[scheduler]`` and ``[classes]`` value; the one validator of them.
+
+    Raises:
+        ConfigError: the first invalid value, in a message that names the setting and the fix.
+    """
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    modes = get_args(Mode)
+    need(policy.mode in modes, f"[scheduler] mode = {policy.mode!r} is invalid; set it to one of {', '.join(repr(m) for m in modes)}")
+    need(policy.max_block_us > 0, f"[scheduler] max_block_us = {policy.max_block_us} is invalid; set it > 0 (microseconds)")
+    need(1 <= policy.depth <= MAX_DEPTH, f"[scheduler] depth = {policy.depth} is invalid; set 1 <= depth <= {MAX_DEPTH}")
+    need(
+        policy.min_chunk_bytes >= ALIGN,
+        f"[scheduler] min_chunk_bytes = {policy.min_chunk_bytes} is invalid; set min_chunk_bytes >= {ALIGN}",
+    )
+    need(policy.aging_ms > 0, f"[scheduler] aging_ms = {policy.aging_ms} is invalid; set it > 0")
+
+    classes = policy.classes
+    need(bool(classes), "[classes] is empty; define at least one class, like [classes.bulk] weight = 1")
+    names = [c.name for c in classes]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    need(
+        not dups,
+        f"class names must be unique, got {', '.join(names)}; rename or remove the duplicate {', '.join(f'[classes.{n}]' for n in dups)}",
+    )
+    for c in classes:
+        need(c.weight >= 1, f"[classes.{c.name}] weight = {c.weight} is invalid; set weight >= 1")
+    need(not all(c.strict for c in classes), "[classes] needs at least one class without strict = true, for bulk work")
+
+
+@dataclass(frozen=True)
+class LaneParams:
+    """Chunking figures for one lane, derived from its bandwidth and the policy."""
+
+    chunk_bytes: int
+    inflight_bytes: int
+    express_min: int
+    express_max: int
+    """0: no express path on this lane (or express turned off)."""
+
+
+def lane_params(info: LaneInfo, policy: SchedulerSettings) -> LaneParams:
+    """Derive chunk size and in-flight bound from ``max_block_us`` and the lane's bandwidth.
+
+    ``inflight = bandwidth * max_block_us`` (at least ``depth`` minimum chunks), split into
+    ``depth`` chunks, each a multiple of 4 KiB.
+    """
+    inflight = int(info.bandwidth * policy.max_block_us / 1e6)
+    chunk = max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN
+    chunk = max(chunk, ALIGN)
+    express_max = info.express_max if policy.express else 0
+    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max)

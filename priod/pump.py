@@ -1,0 +1,331 @@
+"""The pump: hands the scheduler's chunks to the engine and finds them done.
+
+    scheduler.next_chunks -> engine.submit -> (poll) Completion.done() -> scheduler.chunk_done
+        -> on_finished(Finished)
+
+It owns the chunks in flight and nothing else: what is queued and how many bytes are in
+flight per lane is the scheduler's to count. Completion is found by polling (a flag read on the
+sim engine, one ``cudaEventQuery`` on cuda), never by blocking the event loop; the poll loop
+sleeps whenever polling cannot find anything new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol, cast
+
+import structlog
+
+from .engines.base import Completion, Engine, LaneKey, Memory, Path
+from .log import error_fields
+from .errors import NotFound, PriodError
+from .scheduler import Chunk, Finished, Scheduler
+
+__all__ = ["CopyTarget", "InFlight", "Pump", "reanchor_dues"]
+
+log = structlog.get_logger("priod.pump")
+
+TIMER_MIN_S = 100e-6
+"""Shortest timer sleep: an overdue chunk is not re-polled more often than this."""
+PUMP_ROUNDS = 16
+"""Submit-and-collect rounds in one `kick`; the poll loop carries on with any that remain."""
+
+
+class CopyTarget(Protocol):
+    """What a request's payload tells the pump: where its bytes come from and go to."""
+
+    @property
+    def dst_mem(self) -> Memory: ...
+    @property
+    def src_mem(self) -> Memory: ...
+    @property
+    def dst_offset(self) -> int: ...
+    @property
+    def src_offset(self) -> int: ...
+
+
+@dataclass(eq=False, slots=True)
+class InFlight:
+    """A chunk handed to the engine, and when it should be done: a hint for the poller's sleep."""
+
+    chunk: Chunk
+    completion: Completion
+    submitted: float
+    due: float
+
+
+def reanchor_dues(waiting: list[InFlight], since: float, bandwidth: float) -> None:
+    """Bring forward the due times of one lane's DMA chunks still in flight (in submission
+    order) once one of them has been seen complete.
+
+    That chunk was still running at the previous poll (``since``), and a lane's DMA chunks run
+    one after another, so the next one started no earlier than ``since`` (or its own
+    submission) and each later one as its predecessor ended. Estimating from the previous poll
+    rather than from when the completion was noticed keeps each notice's lateness out of the
+    next estimate: chained, those delays grow until the lane runs dry between chunks (on the
+    H200 that cost 4-5% of bulk bandwidth). Due times only move earlier; the estimate made at
+    submission, with every byte ahead counted whole, is the upper bound.
+    """
+    start = since
+    for entry in waiting:
+        start = max(start, entry.submitted) + entry.chunk.nbytes / bandwidth
+        entry.due = min(entry.due, start)
+
+
+class _Timer(threading.Thread):
+    """Calls ``wake`` (thread-safe) at a requested time, to within the kernel's timer slack
+    (tens of microseconds), where the event loop's own timers are 1 ms coarse."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        super().__init__(name="priod-poll-timer", daemon=True)
+        self._wake = wake
+        self._cv = threading.Condition()
+        self._at: float | None = None
+        self._stopped = False
+
+    def wake_at(self, at: float) -> None:
+        with self._cv:
+            if self._at is None or at < self._at:
+                self._at = at
+                self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def run(self) -> None:
+        with self._cv:
+            while not self._stopped:
+                if self._at is None:
+                    self._cv.wait()
+                    continue
+                delay = self._at - time.perf_counter()
+                if delay > 0:
+                    self._cv.wait(delay)
+                    continue
+                self._at = None
+                self._wake()
+
+
+class Pump:
+    """Feeds ``engine`` from ``scheduler`` and reports every request that ends to ``on_finished``.
+
+    Call `kick` after anything that may let the scheduler hand out a chunk (a copy queued, a
+    cancel, a reload); `run` is the poll loop, one task for the daemon's life.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        engine: Engine,
+        on_finished: Callable[[Finished], None],
+        *,
+        bulk_poll: Literal["spin", "timer"] = "timer",
+    ) -> None:
+        self.scheduler = scheduler
+        self.engine = engine
+        self._on_finished = on_finished
+        self._bulk_poll = bulk_poll
+        self._inflight: list[InFlight] = []
+        self._dma_tail: dict[LaneKey, float] = {}
+        """Per lane, when its last DMA chunk in flight should be done: the next one starts then."""
+        self._last_poll = 0.0
+        self._paced_by_polls = not engine.wakes_on_completion
+        """Due times pace the poller only on an engine that is polled (cuda); sim wakes us."""
+        self._bandwidth = {info.key: info.bandwidth for info in engine.lanes()}
+        self.lane_bytes = {info.key: 0 for info in engine.lanes()}
+        """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
+        self.polls = 0
+        """Engine polls so far: what polling costs, shown in status (spin vs timer)."""
+        self._timer: _Timer | None = None
+        self._wake: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def inflight_chunks(self) -> int:
+        return len(self._inflight)
+
+    def start(self) -> None:
+        """Hook the engine's completion wake-ups (and the timer thread) to this loop."""
+        loop = self._loop = asyncio.get_running_loop()
+        pending = threading.Event()
+
+        def wake_from_thread() -> None:
+            # Runs on the loop: clear first, then poll, so no completion is missed.
+            pending.clear()
+            self._wakeup()
+
+        def wake_from_engine_thread() -> None:
+            # One wake-up in flight is enough: a burst of completions costs one self-pipe write.
+            if not pending.is_set():
+                pending.set()
+                loop.call_soon_threadsafe(wake_from_thread)
+
+        self.engine.set_wakeup(wake_from_engine_thread)
+        if self._bulk_poll == "timer" and self._paced_by_polls:
+            self._timer = _Timer(wake_from_engine_thread)
+            self._timer.start()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+
+    # -- the scheduler side ----------------------------------------------------------------
+    def kick(self) -> None:
+        """Hand every chunk the scheduler releases to the engine.
+
+        Chunks an engine finished at once (a tiny copy on an idle sim lane) are collected here
+        and their room refilled, rather than a loop turn later: that turn is most of a small
+        copy's round trip.
+        """
+        for _ in range(PUMP_ROUNDS):
+            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll()):
+                break
+        else:
+            # Bounded, so other connections get the loop between rounds; carry on next turn.
+            assert self._loop is not None
+            self._loop.call_soon(self.kick)
+        self._wakeup()
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel at the next chunk boundary; True if it ended at once (nothing in flight)."""
+        try:
+            f = self.scheduler.cancel(request_id, time.perf_counter())
+        except NotFound:
+            return False  # already cancelled, its last chunk is still in flight
+        if f is None:
+            return False
+        self._on_finished(f)
+        return True
+
+    def drop_owner(self, owner: object) -> None:
+        """End every request of ``owner`` (a connection that left); chunks in flight finish."""
+        for f in self.scheduler.drop_owner(owner, time.perf_counter()):
+            self._on_finished(f)
+
+    # -- the engine side -------------------------------------------------------------------
+    def _submit(self, chunks: list[Chunk]) -> bool:
+        """Submit ``chunks`` to the engine; True if any was submitted."""
+        for chunk in chunks:
+            req = chunk.request
+            target = cast(CopyTarget, req.payload)
+            try:
+                completion = self.engine.submit(
+                    req.lane,
+                    chunk.path,
+                    target.dst_mem,
+                    target.dst_offset + chunk.offset,
+                    target.src_mem,
+                    target.src_offset + chunk.offset,
+                    chunk.nbytes,
+                    strict=chunk.strict,
+                )
+            except PriodError as exc:
+                log.error("submit_failed", **error_fields(exc))
+                for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):
+                    self._on_finished(f)
+                continue
+            now = time.perf_counter()
+            self._inflight.append(InFlight(chunk, completion, now, self._due(chunk, now)))
+        return bool(chunks)
+
+    def _due(self, chunk: Chunk, now: float) -> float:
+        """When the chunk just submitted should be done at the calibrated bandwidth.
+
+        An express chunk runs at once; a lane's DMA chunks run one after another, so a DMA
+        chunk starts when the one ahead of it should be done. `reanchor_dues` refines this as
+        the chunks ahead complete. The poller sleeps until the earliest due time (a hint, not a
+        promise).
+        """
+        lane = chunk.request.lane
+        took = chunk.nbytes / self._bandwidth.get(lane, 1e9)
+        if chunk.path is Path.EXPRESS:
+            return now + took
+        due = max(now, self._dma_tail.get(lane, 0.0)) + took
+        self._dma_tail[lane] = due
+        return due
+
+    def _wakeup(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _poll(self) -> bool:
+        """Query every chunk in flight once; True if any completed."""
+        since, self._last_poll = self._last_poll, time.perf_counter()
+        self.polls += 1
+        still: list[InFlight] = []
+        reanchor: set[LaneKey] = set()
+        completed = False
+        for entry in self._inflight:
+            chunk, completion = entry.chunk, entry.completion
+            error: Exception | None = None
+            try:
+                if not completion.done():
+                    still.append(entry)
+                    continue
+            except PriodError as exc:
+                error = exc
+            completion.release()
+            completed = True
+            lane = chunk.request.lane
+            if self._paced_by_polls and chunk.path is Path.DMA:
+                reanchor.add(lane)
+            if error is None:
+                self.lane_bytes[lane] += chunk.nbytes
+            for f in self.scheduler.chunk_done(chunk, time.perf_counter(), error):
+                self._on_finished(f)
+        self._inflight = still
+        for lane in reanchor:
+            waiting = [e for e in still if e.chunk.path is Path.DMA and e.chunk.request.lane == lane]
+            reanchor_dues(waiting, since, self._bandwidth.get(lane, 1e9))
+            self._dma_tail[lane] = waiting[-1].due if waiting else 0.0
+        return completed
+
+    async def run(self) -> None:
+        """Find completions by polling; never block the loop, and sleep when polling is useless.
+
+        - Nothing in flight: sleep until a submission wakes us (no CPU when idle).
+        - The engine wakes us on completions (sim): sleep until then, polling as a safety net.
+        - A strict-class chunk in flight: poll every loop turn (an urgent copy is waiting).
+        - Otherwise, with the earliest chunk due in 2 ms or more: sleep until 1 ms before it
+          (uvloop's timers are about 1 ms coarse). Due sooner: ``[server] bulk_poll`` decides:
+          "timer" sleeps on a timer thread until the chunk is due (sub-millisecond; on the H200
+          0.2 CPU s/s while bulk moves), "spin" polls every loop turn (about one core).
+        """
+        loop = asyncio.get_running_loop()
+        engine_wakes = not self._paced_by_polls
+        while True:
+            if self._inflight and self._poll():
+                self.kick()
+                continue
+            timeout: float | None = None  # None: no CPU at all until something wakes us
+            if self._inflight and engine_wakes:
+                timeout = 0.05  # the wakeup is a hint; polling stays the source of truth
+            elif self._inflight:
+                wait = min(e.due for e in self._inflight) - time.perf_counter()
+                if self.scheduler.strict_in_flight or (wait < 0.002 and self._timer is None):
+                    await asyncio.sleep(0)  # one loop turn: other connections are served between polls
+                    continue
+                if wait >= 0.002:
+                    timeout = wait - 0.001
+                else:
+                    assert self._timer is not None
+                    self._timer.wake_at(time.perf_counter() + max(wait, TIMER_MIN_S))
+            self._wake = loop.create_future()
+            handle = loop.call_later(timeout, self._wakeup) if timeout is not None else None
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+                if handle is not None:
+                    handle.cancel()
+
+    async def settle(self, deadline: float) -> None:
+        """Wait (until ``deadline``, monotonic) for the chunks in flight to finish."""
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)

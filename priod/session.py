@@ -1,0 +1,399 @@
+"""A session: one client connection, from its first frame to its last reply.
+
+    frame -> messages.decode_request -> handler -> reply frame
+    copy  -> checks (regions, bounds, limits) -> scheduler.enqueue -> pump.kick
+          ... pump -> `Session.copy_finished` -> reply frame, metrics, log line
+
+Requests are handled in arrival order, without awaiting, except region set-up (pinning takes
+milliseconds per GiB, so it runs on a worker thread while other sessions go on). Nothing a
+client sends can stop the daemon or touch another client's memory: every request is checked
+against the regions this session may use, every failure is answered with an error reply, and a
+session that breaks the protocol is closed alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from . import __version__
+from .config import Config
+from .engines.base import Engine, Memory, Path
+from .errors import ConnectionClosed, InvalidRequest, LimitExceeded, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
+from .log import error_fields
+from .messages import (
+    PROTOCOL_VERSION,
+    AllocDevice,
+    AllocHost,
+    Cancel,
+    CancelReply,
+    Copy,
+    CopyReply,
+    Empty,
+    ErrorReply,
+    Free,
+    Hello,
+    HelloReply,
+    Message,
+    Ping,
+    RegionReply,
+    RegisterDevice,
+    RegisterHost,
+    Request,
+    Share,
+    StatusReply,
+    StatusRequest,
+    decode_request,
+    request_id,
+)
+from .metrics import Metrics
+from .pump import Pump
+from .regions import Holdings, Region, RegionTable
+from .scheduler import Finished, Request as QueuedCopy, Scheduler
+from .transport import FramedSocket, Peer
+
+__all__ = ["Session", "Shared", "PendingCopy", "copy_finished"]
+
+log = structlog.get_logger("priod.session")
+
+_US = 1e6
+
+_CANCEL_WHY = {
+    "cancelled": "copy cancelled",
+    "shutting_down": "the daemon is stopping and cancelled this copy; retry once it is back",
+    "not_found": "a region this copy names was freed by its owner",
+}
+
+
+@dataclass(eq=False)
+class Shared:
+    """What every session reaches: the daemon's parts and its settings of the moment."""
+
+    cfg: Config
+    """Replaced on reload."""
+    engine: Engine
+    scheduler: Scheduler
+    pump: Pump
+    regions: RegionTable
+    metrics: Metrics
+    status: Callable[[], dict[str, Any]]
+    sessions: dict[int, Session] = field(default_factory=dict)
+    totals: dict[str, int] = field(default_factory=lambda: {"copies": 0, "bytes": 0, "refused": 0, "protocol_errors": 0})
+    stopping: bool = False
+    request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+
+@dataclass(eq=False, slots=True)
+class PendingCopy:
+    """A queued copy's payload: where its bytes go, and whom to answer."""
+
+    session: Session
+    client_id: int
+    dst: Region
+    dst_offset: int
+    src: Region
+    src_offset: int
+    cancel_code: str = "cancelled"
+
+    @property
+    def dst_mem(self) -> Memory:
+        return self.dst.mem
+
+    @property
+    def src_mem(self) -> Memory:
+        return self.src.mem
+
+
+def copy_finished(f: Finished) -> None:
+    """The pump's report that a copy ended: its session answers."""
+    payload = f.request.payload
+    assert isinstance(payload, PendingCopy)
+    payload.session.copy_finished(f, payload)
+
+
+def cancel_copy(pump: Pump, req: QueuedCopy, code: str) -> bool:
+    """Cancel ``req`` at its next chunk boundary, answering with ``code``; True if it ended at once."""
+    payload = req.payload
+    assert isinstance(payload, PendingCopy)
+    payload.cancel_code = code
+    return pump.cancel(req.id)
+
+
+class Session:
+    """One client connection: its pending copies, its regions, its replies."""
+
+    def __init__(self, session_id: int, sock: FramedSocket, peer: Peer, shared: Shared) -> None:
+        self.id = session_id
+        self.sock = sock
+        self.peer = peer
+        self.shared = shared
+        self.holdings = Holdings(peer.uid)
+        self.pending: dict[int, QueuedCopy] = {}
+        """Copies queued or in flight, by the client's request id."""
+        self.queued_bytes = 0
+        self.greeted = False
+        self.closed = False
+        self.copies = 0
+        # The per-copy log line runs thousands of times a second: resolve the logger once
+        # (not through structlog's lazy proxy on every call).
+        self._copy_log = structlog.get_logger("priod.session").bind()
+        self._handlers: dict[type, Callable[[Any, list[int]], Any]] = {
+            Hello: self._hello,
+            Ping: self._ping,
+            StatusRequest: self._status,
+            AllocHost: self._alloc_host,
+            RegisterHost: self._register_host,
+            AllocDevice: self._alloc_device,
+            RegisterDevice: self._register_device,
+            Free: self._free,
+            Share: self._share,
+            Cancel: self._cancel,
+        }
+        """Every request type but Copy, whose reply comes later (`copy_finished`)."""
+
+    # -- the connection --------------------------------------------------------------------
+    async def serve(self) -> None:
+        """Handle requests until the client leaves or breaks the protocol; then release all."""
+        shared = self.shared
+        try:
+            while True:
+                msg, fds = await self.sock.receive()
+                await self._handle(msg, fds)
+        except ConnectionClosed:
+            pass
+        except ProtocolError as exc:
+            shared.totals["protocol_errors"] += 1
+            log.warning("protocol_error", **error_fields(exc))
+            if not self.sock.closed:
+                self.sock.send(ErrorReply(exc.code, f"{exc}; the connection is closed").encode(0))
+        finally:
+            self.drop()
+            await self.flush_and_close(timeout=1.0)
+            log.info("client_disconnected", copies=self.copies)
+
+    async def flush_and_close(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.sock.drain(), timeout)
+        except (asyncio.TimeoutError, PriodError):
+            pass
+        self.sock.close()
+
+    def drop(self) -> None:
+        """Release what the session held; chunks in flight finish, nothing else is touched."""
+        if self.closed:
+            return
+        self.closed = self.holdings.closed = True
+        self.shared.sessions.pop(self.id, None)
+        self.shared.pump.drop_owner(self.id)
+        self.shared.regions.release_all(self.holdings)
+
+    def cancel_all(self, code: str) -> None:
+        """Cancel every pending copy (the daemon is stopping)."""
+        for req in list(self.pending.values()):
+            cancel_copy(self.shared.pump, req, code)
+
+    def figures(self) -> dict[str, Any]:
+        """This client's line in `priod status`."""
+        h = self.holdings
+        return {
+            "conn": self.id,
+            "pid": self.peer.pid,
+            "uid": self.peer.uid,
+            "regions": len(h.regions),
+            "pinned_bytes": h.pinned_bytes,
+            "device_bytes": h.device_bytes,
+            "pending": len(self.pending),
+            "queued_bytes": self.queued_bytes,
+            "copies": self.copies,
+            "output_buffered": self.sock.output_buffered,
+        }
+
+    # -- requests --------------------------------------------------------------------------
+    async def _handle(self, msg: Message, fds: list[int]) -> None:
+        req_id = request_id(msg)
+        try:
+            req = decode_request(msg, greeted=self.greeted, fds=len(fds))
+            if type(req) is Copy:
+                self._copy(req_id, req)
+                return
+            reply = self._handlers[type(req)](req, fds)
+            out_fds: list[int] = []
+            if asyncio.iscoroutine(reply):
+                reply, out_fds = await reply
+            if not self.closed:
+                self.sock.send(reply.encode(req_id), out_fds)
+            else:
+                for fd in out_fds:
+                    os.close(fd)
+        except RequestError as exc:
+            self._refuse(req_id, exc)
+        except ConnectionClosed:
+            raise
+        except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
+            log.exception("request_failed", op=msg.get("op"))
+            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
+        finally:
+            for fd in fds:  # the engine keeps its own mapping of a registered memfd
+                os.close(fd)
+
+    def _refuse(self, req_id: int, exc: PriodError) -> None:
+        self.shared.totals["refused"] += 1
+        self.shared.metrics.refused.labels(exc.code).inc()
+        if not self.closed:
+            self.sock.send(ErrorReply.of(exc).encode(req_id))
+
+    def _hello(self, req: Hello, fds: list[int]) -> HelloReply:
+        self.greeted = True
+        if req.client:
+            structlog.contextvars.bind_contextvars(client=req.client[:64])
+        cfg = self.shared.cfg
+        return HelloReply(
+            v=PROTOCOL_VERSION,
+            server="priod",
+            version=__version__,
+            backend=self.shared.engine.name,
+            max_frame_bytes=cfg.server.max_frame_bytes,
+            classes=[c.name for c in cfg.classes],
+            peer={"pid": self.peer.pid, "uid": self.peer.uid, "gid": self.peer.gid},
+        )
+
+    def _ping(self, req: Ping, fds: list[int]) -> Empty:
+        return Empty()
+
+    def _status(self, req: StatusRequest, fds: list[int]) -> StatusReply:
+        return StatusReply(self.shared.status())
+
+    # -- regions ---------------------------------------------------------------------------
+    async def _alloc_host(self, req: AllocHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
+        region, fd = await self.shared.regions.alloc_host(self.holdings, req.nbytes)
+        return _region_reply(region), [fd]
+
+    async def _register_host(self, req: RegisterHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
+        region = await self.shared.regions.register_host(self.holdings, req.nbytes, fds[0])
+        return _region_reply(region), []
+
+    async def _alloc_device(self, req: AllocDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
+        region, export, out_fds = await self.shared.regions.alloc_device(self.holdings, req.nbytes, req.device)
+        return _region_reply(region, export), out_fds
+
+    async def _register_device(self, req: RegisterDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
+        region = await self.shared.regions.register_device(self.holdings, req.handle, req.offset, req.nbytes, req.device)
+        return _region_reply(region), []
+
+    def _free(self, req: Free, fds: list[int]) -> Empty:
+        self.shared.regions.free(self.holdings, req.region)
+        return Empty()
+
+    def _share(self, req: Share, fds: list[int]) -> Empty:
+        self.shared.regions.share(self.holdings, req.region, req.uid)
+        return Empty()
+
+    # -- copies ----------------------------------------------------------------------------
+    def _copy(self, req_id: int, req: Copy) -> None:
+        now = time.perf_counter()
+        shared = self.shared
+        if shared.stopping:
+            raise ShuttingDown("the daemon is stopping and takes no new copies; retry once it is back")
+        if req_id in self.pending:
+            raise InvalidRequest(f"request id {req_id} is already pending on this connection; use a new id per request")
+        regions = shared.regions
+        dst = regions.usable(self.holdings, req.dst)
+        src = regions.usable(self.holdings, req.src)
+        nbytes = req.nbytes
+        for name, region, offset in (("dst", dst, req.dst_offset), ("src", src, req.src_offset)):
+            if offset + nbytes > region.nbytes:
+                raise InvalidRequest(
+                    f"{name}_offset {offset} + nbytes {nbytes} is outside region {region.id} of {region.nbytes} bytes; "
+                    "copy within the region's size"
+                )
+        lane = regions.lane_between(dst, src)
+        lim = shared.cfg.limits
+        if len(self.pending) >= lim.max_queued_requests:
+            raise LimitExceeded(f"this connection has {len(self.pending)} copies pending ([limits] max_queued_requests = {lim.max_queued_requests}); wait for replies before sending more")
+        if self.queued_bytes + nbytes > lim.max_queued_bytes:
+            raise LimitExceeded(f"{nbytes} more bytes would exceed [limits] max_queued_bytes = {lim.max_queued_bytes} pending on this connection; wait for replies before sending more")
+        payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
+        deadline = now + req.deadline_ms / 1e3 if req.deadline_ms is not None else None
+        queued = QueuedCopy(next(shared.request_ids), self.id, lane, req.priority, nbytes, now, deadline, payload)
+        shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
+        self.pending[req_id] = queued
+        self.queued_bytes += nbytes
+        dst.users.add(queued.id)
+        src.users.add(queued.id)
+        shared.pump.kick()
+
+    def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
+        queued = self.pending.get(req.target)
+        if queued is None:
+            raise NotFound(f"no copy with id {req.target} is pending on this connection; it may have finished already")
+        ended = cancel_copy(self.shared.pump, queued, "cancelled")
+        return CancelReply(req.target, "cancelled" if ended else "stopping")
+
+    def copy_finished(self, f: Finished, p: PendingCopy) -> None:
+        """Answer a copy that ended (done, cancelled or failed), then count and log it."""
+        req = f.request
+        shared = self.shared
+        if self.pending.get(p.client_id) is req:
+            del self.pending[p.client_id]
+            self.queued_bytes -= req.nbytes
+        shared.regions.copy_ended(req.id, p.dst, p.src)
+        end = req.last_done if req.last_done is not None else time.perf_counter()
+        first = req.first_submit if req.first_submit is not None else end
+        queued_s, total_s = first - req.arrival, end - req.arrival
+        outcome = f.outcome if f.outcome != "cancelled" else p.cancel_code
+        if f.outcome == "done":
+            self.copies += 1
+            shared.totals["copies"] += 1
+            shared.totals["bytes"] += req.nbytes
+        # The reply goes first: the client waits for it, while the metrics and the log line
+        # below wait for no one (they cost tens of microseconds, most of a small copy's time).
+        if not self.closed:
+            self.sock.send(_outcome_reply(f, p.cancel_code, queued_s, end - first, total_s).encode(p.client_id))
+        shared.metrics.copy_finished(
+            req.cls, outcome, req.lane.direction.value, f.bytes_done, queued_s, total_s, req.path is Path.EXPRESS, f.missed_deadline
+        )
+        self._copy_log.info(
+            "copy",
+            id=p.client_id,
+            conn=self.id,
+            client_pid=self.peer.pid,
+            uid=self.peer.uid,
+            priority=req.cls,
+            lane=str(req.lane),
+            path=req.path.value if req.path else None,
+            nbytes=req.nbytes,
+            bytes_done=f.bytes_done,
+            outcome=outcome,
+            queued_us=round(queued_s * _US, 1),
+            total_us=round(total_s * _US, 1),
+            **(error_fields(f.error) if f.error else {}),
+        )
+
+
+def _region_reply(region: Region, export: dict[str, Any] | None = None) -> RegionReply:
+    return RegionReply(region.id, region.nbytes, region.kind, region.device, export)
+
+
+def _outcome_reply(f: Finished, cancel_code: str, queued_s: float, transfer_s: float, total_s: float) -> CopyReply | ErrorReply:
+    """The reply that ends a copy: its timings when done, else why not and how far it got."""
+    req = f.request
+    if f.outcome == "done":
+        return CopyReply(
+            nbytes=req.nbytes,
+            queued_us=round(queued_s * _US, 3),
+            transfer_us=round(transfer_s * _US, 3),
+            total_us=round(total_s * _US, 3),
+            path=req.path.value if req.path else "dma",
+            missed_deadline=f.missed_deadline,
+        )
+    progress = f"after {f.bytes_done} of {req.nbytes} bytes"
+    if f.outcome == "failed":
+        return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done)
+    return ErrorReply(cancel_code, f"{_CANCEL_WHY[cancel_code]} {progress}", f.bytes_done)
