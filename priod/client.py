@@ -36,7 +36,6 @@ from .messages import (
     Cancel,
     Copy,
     CopyReply,
-    ErrorReply,
     Free,
     Hello,
     HelloReply,
@@ -249,7 +248,7 @@ class Client:
             cause = ConnectionClosed("connection closed by this client")
         except PriodError as exc:
             cause = exc
-        except Exception as exc:  # noqa: BLE001 - anything else also ends the connection
+        except Exception as exc:
             cause = ProtocolError(f"unexpected error reading replies: {exc!r}")
         closed = ConnectionClosed(f"connection to priod at {self.path} lost: {cause}")
         closed.__cause__ = cause

@@ -11,7 +11,7 @@ import asyncio
 from .client import Client
 from .testing import bulk_load, daemon_process, describe, urgent_probe
 
-__all__ = ["run_demo", "measure_mode"]
+__all__ = ["measure_mode", "run_demo"]
 
 
 async def _measure(path: str, seconds: float, urgent_bytes: int, bulk_bytes: int) -> dict[str, float]:

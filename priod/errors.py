@@ -8,19 +8,19 @@ Messages say what to do next, not only what went wrong.
 from __future__ import annotations
 
 __all__ = [
-    "PriodError",
+    "Cancelled",
     "ConfigError",
-    "ProtocolError",
-    "RequestError",
+    "ConnectionClosed",
+    "CudaError",
+    "EngineError",
     "InvalidRequest",
+    "LimitExceeded",
     "NotFound",
     "PermissionDenied",
-    "LimitExceeded",
-    "Cancelled",
-    "EngineError",
-    "CudaError",
+    "PriodError",
+    "ProtocolError",
+    "RequestError",
     "ShuttingDown",
-    "ConnectionClosed",
     "error_for_code",
 ]
 

@@ -22,29 +22,29 @@ from .errors import InvalidRequest, PriodError, error_for_code
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "Request",
-    "Hello",
-    "Ping",
-    "StatusRequest",
-    "AllocHost",
-    "RegisterHost",
-    "AllocDevice",
-    "RegisterDevice",
-    "Free",
-    "Share",
-    "Copy",
-    "Cancel",
     "REQUEST_TYPES",
-    "request_id",
-    "decode_request",
-    "HelloReply",
-    "RegionReply",
-    "CopyReply",
+    "AllocDevice",
+    "AllocHost",
+    "Cancel",
     "CancelReply",
-    "StatusReply",
+    "Copy",
+    "CopyReply",
     "Empty",
     "ErrorReply",
+    "Free",
+    "Hello",
+    "HelloReply",
+    "Ping",
+    "RegionReply",
+    "RegisterDevice",
+    "RegisterHost",
+    "Request",
+    "Share",
+    "StatusReply",
+    "StatusRequest",
+    "decode_request",
     "error_of",
+    "request_id",
 ]
 
 PROTOCOL_VERSION = 1
@@ -59,6 +59,7 @@ class _Wire:
 
     __slots__ = ()
     op: ClassVar[str] = ""
+    _field_table: ClassVar[tuple[tuple[str, tuple[type, ...], Any], ...]]
 
     @classmethod
     def _fields(cls) -> tuple[tuple[str, tuple[type, ...], Any], ...]:
@@ -70,7 +71,7 @@ class _Wire:
                 (f.name, _kinds(hints[f.name]), _MISSING if f.default is dataclasses.MISSING else f.default)
                 for f in dataclasses.fields(cls)  # type: ignore[arg-type]
             )
-            setattr(cls, "_field_table", table)
+            cls._field_table = table
         return table
 
     @classmethod
@@ -236,7 +237,7 @@ class Cancel(_Request):
     target: int
 
 
-Request = Union[Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel]
+Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | Cancel
 
 REQUEST_TYPES: dict[str, type[_Request]] = {
     t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel)

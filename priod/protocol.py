@@ -17,12 +17,12 @@ import msgpack
 from .errors import InvalidRequest, ProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "HEADER",
     "DEFAULT_MAX_FRAME",
+    "HEADER",
     "OPS",
-    "encode",
+    "PROTOCOL_VERSION",
     "FrameDecoder",
+    "encode",
     "error_reply",
     "require",
 ]
@@ -131,10 +131,7 @@ def require(msg: Message, key: str, kind: type | tuple[type, ...], *, default: A
             return default
         raise InvalidRequest(f"field '{key}' is missing from '{msg.get('op')}'; see docs/protocol.md")
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        ok = False
-    else:
-        ok = isinstance(value, kinds)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
     if not ok:
         names = " or ".join(k.__name__ for k in kinds)
         raise InvalidRequest(f"field '{key}' must be {names}, got {type(value).__name__}")

@@ -189,7 +189,7 @@ class Daemon:
 
     def reload(self, cfg: Config) -> None:
         """Apply new classes, weights, chunking and limits; connections and requests stay."""
-        self._notify("RELOADING=1\nMONOTONIC_USEC=%d" % (time.monotonic_ns() // 1000))
+        self._notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         self.scheduler.set_policy(cfg.policy())
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits
@@ -316,6 +316,6 @@ async def _close_refused(sock: FramedSocket) -> None:
         _msg, fds = await asyncio.wait_for(sock.receive(), 2.0)
         for fd in fds:
             os.close(fd)
-    except (asyncio.TimeoutError, PriodError):
+    except (TimeoutError, PriodError):
         pass
     sock.close()

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,6 @@ from .messages import (
     RegionReply,
     RegisterDevice,
     RegisterHost,
-    Request,
     Share,
     StatusReply,
     StatusRequest,
@@ -59,7 +58,7 @@ from .regions import Holdings, Region, RegionTable
 from .scheduler import Finished, Request as QueuedCopy, Scheduler
 from .transport import FramedSocket, Peer
 
-__all__ = ["Session", "Shared", "PendingCopy", "copy_finished"]
+__all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]
 
 log = structlog.get_logger("priod.session")
 
@@ -181,7 +180,7 @@ class Session:
     async def flush_and_close(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self.sock.drain(), timeout)
-        except (asyncio.TimeoutError, PriodError):
+        except (TimeoutError, PriodError):
             pass
         self.sock.close()
 
@@ -316,9 +315,15 @@ class Session:
         lane = regions.lane_between(dst, src)
         lim = shared.cfg.limits
         if len(self.pending) >= lim.max_queued_requests:
-            raise LimitExceeded(f"this connection has {len(self.pending)} copies pending ([limits] max_queued_requests = {lim.max_queued_requests}); wait for replies before sending more")
+            raise LimitExceeded(
+                f"this connection has {len(self.pending)} copies pending ([limits] max_queued_requests = {lim.max_queued_requests}); "
+                "wait for replies before sending more"
+            )
         if self.queued_bytes + nbytes > lim.max_queued_bytes:
-            raise LimitExceeded(f"{nbytes} more bytes would exceed [limits] max_queued_bytes = {lim.max_queued_bytes} pending on this connection; wait for replies before sending more")
+            raise LimitExceeded(
+                f"{nbytes} more bytes would exceed [limits] max_queued_bytes = {lim.max_queued_bytes} pending on this connection; "
+                "wait for replies before sending more"
+            )
         payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
         deadline = now + req.deadline_ms / 1e3 if req.deadline_ms is not None else None
         queued = QueuedCopy(next(shared.request_ids), self.id, lane, req.priority, nbytes, now, deadline, payload)

@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import MutableMapping
 
-__all__ = ["notify", "listen_fds", "watchdog_interval", "SD_LISTEN_FDS_START"]
+__all__ = ["SD_LISTEN_FDS_START", "listen_fds", "notify", "watchdog_interval"]
 
 SD_LISTEN_FDS_START = 3
 

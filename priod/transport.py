@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .errors import ConnectionClosed, ProtocolError
 from .protocol import DEFAULT_MAX_FRAME, FrameDecoder, Message, encode
 
-__all__ = ["Peer", "peer_credentials", "FramedSocket", "BlockingFramedSocket", "MAX_FDS_PER_FRAME"]
+__all__ = ["MAX_FDS_PER_FRAME", "BlockingFramedSocket", "FramedSocket", "Peer", "peer_credentials"]
 
 MAX_FDS_PER_FRAME = 4
 RECV_BYTES = 256 * 1024

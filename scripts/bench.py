@@ -33,8 +33,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -46,7 +44,6 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import psutil
 import uvloop
 
 # Runnable from a checkout without `pip install -e .`: the daemons (python -m priod) and the helper
@@ -55,11 +52,21 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
-from priod import __version__  # noqa: E402
-from priod.client import Client, SyncClient  # noqa: E402
-from priod.protocol import HEADER  # noqa: E402
-from priod.testing import DaemonProcess, daemon_process, wait_for_socket  # noqa: E402
-from priod.transport import BlockingFramedSocket, FramedSocket  # noqa: E402
+from priod import __version__
+from priod.client import Client, SyncClient
+from priod.protocol import HEADER
+from priod.testing import (
+    BulkProcess,
+    CpuMeter,
+    DaemonProcess,
+    cpu_model,
+    cpu_seconds,
+    daemon_process,
+    summarize,
+    urgent_copies,
+    wait_for_socket,
+)
+from priod.transport import BlockingFramedSocket, FramedSocket
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -85,20 +92,6 @@ class Plan:
         return cls(rtt_rounds=2, rtt_per_round=800, pipe_rounds=2, pipe_windows=20, idle_s=2.0, bulk_s=3.0, fifo_probes=8, priod_probes=80)
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"n": 0, "p50": float("nan"), "p99": float("nan"), "mean": float("nan"), "min": float("nan"), "max": float("nan")}
-    a = np.asarray(values, dtype=float)
-    return {
-        "n": int(a.size),
-        "p50": float(np.percentile(a, 50)),
-        "p99": float(np.percentile(a, 99)),
-        "mean": float(a.mean()),
-        "min": float(a.min()),
-        "max": float(a.max()),
-    }
-
-
 def _ratio(a: float, b: float) -> float:
     return a / b if b and np.isfinite(a) and np.isfinite(b) else float("nan")
 
@@ -107,7 +100,7 @@ def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# -- helper processes: echo server and bulk client ---------------------------------------------
+# -- helper process: the echo server (the bulk client is priod.testing.BulkProcess) -------------
 def copy_request(dst: int, src: int, nbytes: int, priority: str) -> dict[str, Any]:
     """The same map `priod.Client` sends for a copy (id added per request), so frames match in size."""
     return {"op": "copy", "dst": dst, "src": src, "nbytes": nbytes, "dst_offset": 0, "src_offset": 0, "priority": priority}
@@ -151,76 +144,6 @@ def run_echo_server(path: str) -> None:
     uvloop.run(main())
 
 
-def run_bulk_client(path: str, nbytes: int, pipeline: int, direction: str) -> None:
-    """Stream ``nbytes`` copies with ``pipeline`` outstanding until SIGUSR1; print one JSON line.
-
-    Prints ``ready`` after one warm-up copy (the first touch of fresh memfd pages costs far more
-    than a copy), and records each completion's CLOCK_MONOTONIC time, comparable across processes.
-    """
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGUSR1, stop.set)
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        client = await Client.connect(path, name="bench-bulk")
-        host = await client.alloc_host(nbytes)
-        dev = await client.alloc_device(nbytes)
-        if host.array is not None:
-            host.array[:] = 0x5A
-        dst, src = (dev, host) if direction == "h2d" else (host, dev)
-        await client.copy(dst, src, nbytes, priority="bulk")
-        print("ready", flush=True)
-        done: list[tuple[float, int]] = []
-        errors: list[str] = []
-        inflight = [client.start_copy(dst, src, nbytes, priority="bulk") for _ in range(pipeline)]
-        while inflight:
-            handle = inflight.pop(0)
-            try:
-                r = await handle
-                done.append((time.monotonic(), r.nbytes))
-            except Exception as exc:  # noqa: BLE001 - counted and reported
-                errors.append(f"{type(exc).__name__}: {exc}")
-            if not stop.is_set():
-                inflight.append(client.start_copy(dst, src, nbytes, priority="bulk"))
-        await client.close()
-        print(json.dumps({"done": done, "errors": errors}), flush=True)
-
-    uvloop.run(main())
-
-
-class BulkProcess:
-    """The bulk client, in a process of its own (as a real offloading job would be)."""
-
-    def __init__(self, socket_path: str, nbytes: int, pipeline: int, direction: str = "h2d") -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), "_bulk", socket_path, str(nbytes), str(pipeline), direction]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.nbytes = nbytes
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if line.strip() != "ready":
-            self.proc.kill()
-            raise RuntimeError(f"bulk client did not get ready (exit {self.proc.poll()}, said {line!r})")
-
-    def stop(self, timeout: float = 60.0) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        self.proc.send_signal(signal.SIGUSR1)
-        out, _ = self.proc.communicate(timeout=timeout)
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if not lines:
-            raise RuntimeError(f"bulk client exited {self.proc.returncode} without a result")
-        result: dict[str, Any] = json.loads(lines[-1])
-        return result
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def throughput_between(done: list[list[float]], t0: float, t1: float) -> dict[str, float]:
     """Bytes per second between the first and last completion inside [t0, t1].
 
@@ -233,52 +156,6 @@ def throughput_between(done: list[list[float]], t0: float, t1: float) -> dict[st
     seconds = inside[-1][0] - inside[0][0]
     moved = sum(n for _, n in inside[1:])
     return {"gbps": moved / seconds / 1e9, "copies": len(inside), "seconds": seconds}
-
-
-# -- CPU of the daemon process -----------------------------------------------------------------
-class CpuMeter:
-    """CPU seconds of a process (psutil), and of its main thread, which runs the event loop.
-
-    psutil reads clock ticks (10 ms); where Linux's ``/proc/<pid>/task/*/schedstat`` is readable
-    the same figures are also taken from it in nanoseconds, which is what "none measurable
-    when idle" needs.
-    """
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.proc = psutil.Process(pid)
-
-    def _schedstat(self) -> tuple[float, float] | None:
-        base = f"/proc/{self.pid}/task"
-        try:
-            total, loop = 0, 0
-            for tid in os.listdir(base):
-                with open(f"{base}/{tid}/schedstat") as fp:
-                    ns = int(fp.read().split()[0])
-                total += ns
-                if int(tid) == self.pid:
-                    loop = ns
-            return total / 1e9, loop / 1e9
-        except (OSError, ValueError):
-            return None
-
-    def sample(self) -> dict[str, float]:
-        t = self.proc.cpu_times()
-        try:
-            threads = {th.id: th.user_time + th.system_time for th in self.proc.threads()}
-        except (psutil.Error, OSError, NotImplementedError):  # some sandboxes hide per-thread times
-            threads = {}
-        s: dict[str, float] = {"wall": time.monotonic(), "cpu": t.user + t.system, "loop": threads.get(self.pid, float("nan"))}
-        precise = self._schedstat()
-        if precise is not None:
-            s["cpu_ns"], s["loop_ns"] = precise
-        return s
-
-    @staticmethod
-    def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-        out = {k: b[k] - a[k] for k in a if k in b}
-        out["seconds"] = out.pop("wall")
-        return out
 
 
 # -- status helpers ----------------------------------------------------------------------------
@@ -317,27 +194,15 @@ async def status_after_completion(client: Client, timeout: float = 5.0, poll_s: 
 # -- measurements ------------------------------------------------------------------------------
 async def urgent_probe(client: Client, size: int, count: int, interval_s: float) -> dict[str, Any]:
     """``count`` urgent h2d copies of ``size``, one at a time; every copy's bytes are checked."""
-    host = await client.alloc_host(size)
-    dev = await client.alloc_device(size)
-    lat: list[float] = []
-    queued: list[float] = []
-    transfer: list[float] = []
-    paths: dict[str, int] = {}
-    for i in range(count):
-        if host.array is not None:
-            host.array[:] = (i * 7 + 1) % 251
-        t0 = time.perf_counter()
-        r = await client.copy(dev, host, size, priority="urgent")
-        lat.append((time.perf_counter() - t0) * 1e6)
-        queued.append(r.queued_us)
-        transfer.append(r.transfer_us)
-        paths[r.path] = paths.get(r.path, 0) + 1
-        if dev.array is not None and host.array is not None and not np.array_equal(dev.array, host.array):
-            raise AssertionError(f"urgent copy {i} of {size} bytes: the destination differs from the source")
-        await asyncio.sleep(interval_s)
-    await client.free(host)
-    await client.free(dev)
-    return {"size": size, "latency_us": _stats(lat), "queued_us": _stats(queued), "transfer_us": _stats(transfer), "paths": paths, "raw_latency_us": lat}
+    p = await urgent_copies(client, size, count, interval_s=interval_s)
+    return {
+        "size": size,
+        "latency_us": summarize(p.latency_us),
+        "queued_us": summarize(p.queued_us),
+        "transfer_us": summarize(p.transfer_us),
+        "paths": p.paths,
+        "raw_latency_us": p.latency_us,
+    }
 
 
 def sync_rtt_echo(path: str, msg: dict[str, Any], n: int) -> list[float]:
@@ -419,7 +284,7 @@ def echo_server() -> Iterator[str]:
     path = os.path.join(tempfile.mkdtemp(prefix="priod-echo-"), "echo.sock")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "_echo", path])
     try:
-        wait_for_socket(path, 30.0, proc)  # type: ignore[arg-type]
+        wait_for_socket(path, 30.0, proc)
         yield path
     finally:
         proc.terminate()
@@ -429,7 +294,7 @@ def echo_server() -> Iterator[str]:
 async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     """(c): tiny-copy round trips against the echo floor, interleaved; then pipelined copies/s."""
     out: dict[str, Any] = {"rtt_bytes": args.rtt_bytes, "tiny_bytes": args.tiny_bytes, "window": args.window}
-    meter, me = CpuMeter(d.proc.pid), psutil.Process()
+    meter = CpuMeter(d.proc.pid)
     sync = SyncClient(d.socket_path, name="bench-rtt-sync")
     aclient = await Client.connect(d.socket_path, name="bench-rtt")
     try:
@@ -460,13 +325,13 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
             next_id += n
             for prio in ("normal", "urgent"):
                 series[f"priod_async_{prio}"] += await async_rtt_priod(aclient, a_dev, a_host, args.rtt_bytes, prio, n)
-        out["rtt_us"] = {k: _stats(v) for k, v in series.items()}
-        out["engine_transfer_us"] = {k: _stats(v) for k, v in transfer.items()}
+        out["rtt_us"] = {k: summarize(v) for k, v in series.items()}
+        out["engine_transfer_us"] = {k: summarize(v) for k, v in transfer.items()}
         # The daemon's own part of a round trip: what is left once the engine's time (first
         # chunk submitted to completion seen, as the daemon reports it) is taken out.
         for prio in ("normal", "urgent"):
             lat = series[f"priod_sync_{prio}"]  # paired one to one with transfer[prio]
-            out["rtt_us"][f"priod_sync_{prio}_minus_engine"] = _stats([a - b for a, b in zip(lat, transfer[prio])])
+            out["rtt_us"][f"priod_sync_{prio}_minus_engine"] = summarize([a - b for a, b in zip(lat, transfer[prio], strict=False)])
         # Pipelined: windows of `window` requests outstanding, tiny copies so the engine is not the limit.
         tiny = copy_request(t_dev.id, t_host.id, args.tiny_bytes, "normal")
         await pipelined_echo(efs, tiny, 4, args.window, next_id)
@@ -476,13 +341,13 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         for _ in range(plan.pipe_rounds):
             echo_rates.append(await pipelined_echo(efs, tiny, plan.pipe_windows, args.window, next_id))
             next_id += plan.pipe_windows * args.window
-            a, c0 = meter.sample(), me.cpu_times()
+            a, c0 = meter.sample(), cpu_seconds(os.getpid())
             priod_rates.append(await pipelined_priod(aclient, t_dev, t_host, args.tiny_bytes, "normal", plan.pipe_windows, args.window))
-            cpu, c1 = CpuMeter.delta(a, meter.sample()), me.cpu_times()
+            cpu, c1 = CpuMeter.delta(a, meter.sample()), cpu_seconds(os.getpid())
             n = plan.pipe_windows * args.window
             loop_us.append(cpu.get("loop_ns", cpu["loop"]) / n * 1e6)
             daemon_us.append(cpu.get("cpu_ns", cpu["cpu"]) / n * 1e6)
-            client_us.append((c1.user + c1.system - c0.user - c0.system) / n * 1e6)
+            client_us.append((c1 - c0) / n * 1e6)
         out["pipelined_per_s"] = {"echo": echo_rates, "priod": priod_rates, "echo_median": float(np.median(echo_rates)), "priod_median": float(np.median(priod_rates))}
         out["pipelined_cpu_us_per_copy"] = {"daemon_loop": float(np.median(loop_us)), "daemon": float(np.median(daemon_us)), "client": float(np.median(client_us))}
         efs.close()
@@ -518,7 +383,7 @@ async def measure_mode(mode: str, args: argparse.Namespace, plan: Plan, echo_pat
             out["idle_cpu"] = {**idle, "cpu_per_s": idle["cpu"] / idle["seconds"], "cpu_per_s_precise": idle.get("cpu_ns", float("nan")) / idle["seconds"]}
 
             _log(f"{mode}: bulk client ({args.bulk_mib} MiB h2d copies, {args.pipeline} outstanding) in its own process")
-            bulk = BulkProcess(d.socket_path, args.bulk_mib * MiB, args.pipeline)
+            bulk = BulkProcess(d.socket_path, args.bulk_mib * MiB, args.pipeline, name="bench-bulk")
             try:
                 bulk.wait_ready()
                 await asyncio.sleep(0.3)
@@ -676,22 +541,15 @@ def markdown_table(rows: list[tuple[str, str, str, str]]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    cpu_model = ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as fp:
-            for line in fp:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
     return {
         "nproc": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "priod": __version__,
         "numpy": np.__version__,
-        "uvloop": uvloop.__version__,
+        "uvloop": str(getattr(uvloop, "__version__", "")),
     }
 
 
@@ -741,15 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_echo"]:
         run_echo_server(argv[1])
         return 0
-    if argv[:1] == ["_bulk"]:
-        run_bulk_client(argv[1], int(argv[2]), int(argv[3]), argv[4])
-        return 0
     args = parse_args(argv)
     started = time.monotonic()
     res = uvloop.run(run(args))
     res["elapsed_s"] = time.monotonic() - started
     rows = build_rows(res, args)
-    res["table"] = [dict(zip(("figure", "measured", "target", "verdict"), r)) for r in rows]
+    res["table"] = [dict(zip(("figure", "measured", "target", "verdict"), r, strict=False)) for r in rows]
     res["table_markdown"] = markdown_table(rows)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench.json")

@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import priod  # noqa: E402
-from priod.testing import daemon_process  # noqa: E402
+import priod
+from priod.testing import daemon_process
 
 MiB = 1 << 20
 

@@ -53,7 +53,6 @@ import random
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -72,8 +71,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from priod.client import Client, Region, SyncClient  # noqa: E402
-from priod.errors import ConnectionClosed, PriodError  # noqa: E402
+from priod.client import Client, Region, SyncClient
+from priod.errors import ConnectionClosed, PriodError
+from priod.testing import (
+    daemon_pid,
+    daemon_process,
+    memory_and_fds,
+    percentile,
+    summarize,
+)
 
 MASK = (1 << 64) - 1
 BLOCK_WORDS = 1 << 17
@@ -537,11 +543,9 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                         break
                     stats.reconnects += 1
                 epoch_issued = 0
-                main: asyncio.Future[Any]
-                if prof.rate > 0:
-                    main = asyncio.ensure_future(open_loop(session))
-                else:
-                    main = asyncio.ensure_future(asyncio.gather(*(closed_loop(session, s) for s in range(prof.slots))))
+                main: asyncio.Future[Any] = asyncio.ensure_future(
+                    open_loop(session) if prof.rate > 0 else asyncio.gather(*(closed_loop(session, s) for s in range(prof.slots)))
+                )
                 remaining = end - time.perf_counter()
                 done, _ = await asyncio.wait({main}, timeout=max(0.0, remaining) + spec.get("drain_s", 30.0))
                 if not done:
@@ -587,34 +591,6 @@ def worker_main(spec_json: str) -> int:
 # -- the daemon, watched from outside -------------------------------------------------------
 
 
-def daemon_pid_of(path: str) -> int:
-    """The daemon's pid, from the kernel's record of our peer (SO_PEERCRED)."""
-    from priod.transport import peer_credentials
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return peer_credentials(s).pid
-    finally:
-        s.close()
-
-
-def proc_sample(pid: int) -> dict[str, float]:
-    """RSS (total, anonymous, shared) in MiB and open fds of ``pid``, read from /proc."""
-    out: dict[str, float] = {}
-    try:
-        with open(f"/proc/{pid}/status") as fp:
-            for line in fp:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssShmem", "Threads"):
-                    parts = value.split()
-                    out[key] = int(parts[0]) / 1024 if key != "Threads" else int(parts[0])
-        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return out
-
-
 class Monitor:
     """Samples the daemon: /proc figures, a ping's round trip, and status() totals."""
 
@@ -628,7 +604,7 @@ class Monitor:
             self.client = None
 
     def sample(self, t: float) -> dict[str, float]:
-        s: dict[str, float] = {"t": round(t, 3), **proc_sample(self.pid)}
+        s: dict[str, float] = {"t": round(t, 3), **memory_and_fds(self.pid)}
         if self.client is not None:
             try:
                 t0 = time.perf_counter()
@@ -654,8 +630,6 @@ class Monitor:
 def daemon_for(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """The socket and pid of the daemon under test: our own (--spawn-daemon) or a running one."""
     if args.spawn_daemon:
-        from priod.testing import daemon_process
-
         env = {"PRIOD_LOG__LEVEL": json.dumps(args.daemon_log_level)}
         for item in args.daemon_env:
             key, _, value = item.partition("=")
@@ -668,34 +642,32 @@ def daemon_for(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
         path = args.socket or os.environ.get("PRIOD_SOCKET") or ""
         if not path:
             raise SystemExit("loadtest: pass --socket PATH or --spawn-daemon")
-        yield path, daemon_pid_of(path)
+        yield path, daemon_pid(path)
 
 
 # -- aggregation ----------------------------------------------------------------------------
 
 
-def pct(values: list[float] | npt.NDArray[np.float64], q: float) -> float | None:
-    if len(values) == 0:
-        return None
-    return round(float(np.percentile(np.asarray(values, dtype=np.float64), q)), 1)
+LATENCY_KEYS = ("p50", "p99", "p99.9", "max", "mean")
+"""The figures of a latency summary in the report, microseconds to 0.1, None where there are none."""
 
 
 def lat_summary(values: list[float]) -> dict[str, float | None]:
-    arr = np.asarray(values, dtype=np.float64)
-    return {
-        "p50": pct(arr, 50),
-        "p99": pct(arr, 99),
-        "p99.9": pct(arr, 99.9),
-        "max": round(float(arr.max()), 1) if len(arr) else None,
-        "mean": round(float(arr.mean()), 1) if len(arr) else None,
-    }
+    return summarize(values, LATENCY_KEYS, ndigits=1, empty=None)
 
 
 def aggregate(results: list[dict[str, Any]], elapsed: float) -> dict[str, dict[str, Any]]:
     """Per-class figures from the clients' raw results."""
     classes: dict[str, dict[str, Any]] = {}
     for r in results:
-        c = classes.setdefault(r["cls"], {"clients": 0, "lat": [], "daemon": [], "requests": 0, "bytes": 0, "express": 0, "errors": {}, "bytes_corrupted": 0, "copies_corrupted": 0, "bytes_lost": 0, "bytes_unverified": 0, "bytes_verified": 0, "aux_bytes": 0, "late": 0, "directions": set()})
+        c = classes.setdefault(
+            r["cls"],
+            {
+                "clients": 0, "lat": [], "daemon": [], "requests": 0, "bytes": 0, "express": 0, "errors": {},
+                "bytes_corrupted": 0, "copies_corrupted": 0, "bytes_lost": 0, "bytes_unverified": 0, "bytes_verified": 0,
+                "aux_bytes": 0, "late": 0, "directions": set(),
+            },
+        )
         c["clients"] += 1
         c["directions"].add(r["direction"])
         c["lat"] += r["lat_us"]
@@ -732,11 +704,11 @@ def aggregate(results: list[dict[str, Any]], elapsed: float) -> dict[str, dict[s
 
 
 def throughput_series(results: list[dict[str, Any]], elapsed: float, bin_s: float) -> dict[str, Any]:
-    nbins = max(1, int(math.ceil(elapsed / bin_s)))
+    nbins = max(1, math.ceil(elapsed / bin_s))
     series: dict[str, list[float]] = {}
     for r in results:
         s = series.setdefault(r["cls"], [0.0] * nbins)
-        for t, n in zip(r["t_done"], r["sizes"]):
+        for t, n in zip(r["t_done"], r["sizes"], strict=False):
             s[min(nbins - 1, int(t / bin_s))] += n
     return {"bin_s": bin_s, "gbps": {k: [round(b / bin_s / 1e9, 4) for b in v] for k, v in series.items()}}
 
@@ -748,10 +720,10 @@ def window_latency(results: list[dict[str, Any]], elapsed: float, windows: int) 
     per: dict[str, list[list[float]]] = {}
     for r in results:
         w = per.setdefault(r["cls"], [[] for _ in range(windows)])
-        for t, lat in zip(r["t_done"], r["lat_us"]):
+        for t, lat in zip(r["t_done"], r["lat_us"], strict=False):
             w[min(windows - 1, int(t / width))].append(lat)
     for cls, ws in per.items():
-        out[cls] = [{"t": round((i + 0.5) * width, 2), "n": len(v), "p50": pct(v, 50), "p99": pct(v, 99)} for i, v in enumerate(ws)]
+        out[cls] = [{"t": round((i + 0.5) * width, 2), **summarize(v, ("n", "p50", "p99"), ndigits=1, empty=None)} for i, v in enumerate(ws)]
     return out
 
 
@@ -787,7 +759,14 @@ def soak_verdict(samples: list[dict[str, float]], windows: dict[str, list[dict[s
         if not all(key in s for s in steady):
             continue
         f, l_ = mean(first, key), mean(last, key)
-        out[key] = {"first": f, "last": l_, "growth": round(l_ - f, 2), "slope_per_min": slope_per_min(ts, [s[key] for s in steady]), "max": max(s[key] for s in steady), "unit": unit}
+        out[key] = {
+            "first": f,
+            "last": l_,
+            "growth": round(l_ - f, 2),
+            "slope_per_min": slope_per_min(ts, [s[key] for s in steady]),
+            "max": max(s[key] for s in steady),
+            "unit": unit,
+        }
     if "RssAnon" in out:
         allowed = max(args.soak_rss_mib, 0.05 * out["RssAnon"]["first"])
         if out["RssAnon"]["growth"] > allowed:
@@ -917,7 +896,7 @@ def progress_line(t: float, duration: float, per_cls: dict[str, dict[str, Any]],
     parts = []
     for cls, c in sorted(per_cls.items()):
         recent = c["recent"]
-        p99 = f"{np.percentile(recent, 99) / 1e3:.2f}ms" if recent else "-"
+        p99 = f"{percentile(recent, 99) / 1e3:.2f}ms" if recent else "-"
         gbps = (c["bytes"] - c["bytes_prev"]) / max(c["dt"], 1e-9) / 1e9
         parts.append(f"{cls} {c['ok']} ok {gbps:.2f}GB/s p99 {p99}")
     errs = sum(c["errors"] for c in per_cls.values())
@@ -930,12 +909,17 @@ def run(args: argparse.Namespace) -> int:
     clients = build_profiles(args)
     os.makedirs(args.out, exist_ok=True)
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]) if sys.argv[0] else "scripts/loadtest.py", *sys.argv[1:]])
-    print(f"loadtest: {len(clients)} clients, {args.duration:g} s" + (f", at most {args.requests} copies each" if args.requests else "") + (" (soak)" if args.soak else ""), file=sys.stderr)
+    print(
+        f"loadtest: {len(clients)} clients, {args.duration:g} s"
+        + (f", at most {args.requests} copies each" if args.requests else "")
+        + (" (soak)" if args.soak else ""),
+        file=sys.stderr,
+    )
     for i, p in enumerate(clients):
         print(f"  client {i}: {p.describe()}", file=sys.stderr)
     with daemon_for(args) as (path, pid):
         monitor = Monitor(path, pid)
-        backend = monitor.client.server.get("backend", args.backend) if monitor.client else args.backend
+        backend = monitor.client.server.backend if monitor.client else args.backend
         # The baseline once the daemon is quiet: the harness's readiness probe (our own daemon) or
         # another short-lived connection may still be closing, and would count as a leak later.
         before = monitor.sample(0.0)
@@ -952,7 +936,10 @@ def run(args: argparse.Namespace) -> int:
         q: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
         procs: list[subprocess.Popen[str]] = []
         for i, p in enumerate(clients):
-            spec = {"client": i, "profile": asdict(p), "socket": path, "seed": args.seed, "verify": args.verify, "requests": args.requests, "progress_s": args.progress_s, "drain_s": args.drain_s, "loop": args.loop}
+            spec = {
+                "client": i, "profile": asdict(p), "socket": path, "seed": args.seed, "verify": args.verify,
+                "requests": args.requests, "progress_s": args.progress_s, "drain_s": args.drain_s, "loop": args.loop,
+            }
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
             procs.append(proc)
             threading.Thread(target=_reader, args=(i, proc.stdout, q), daemon=True).start()
@@ -985,7 +972,7 @@ def run(args: argparse.Namespace) -> int:
                 pass
         verify_modes = sorted(set(ready.values()))
         per_cls: dict[str, dict[str, Any]] = {}
-        for i, p in enumerate(clients):
+        for p in clients:
             per_cls.setdefault(p.cls, {"ok": 0, "bytes": 0, "bytes_prev": 0, "errors": 0, "bad": 0, "recent": [], "dt": 1.0, "by_client": {}})
         hard_deadline = time.monotonic() + args.duration + args.drain_s + 60
         next_sample = time.time() + args.sample_s
@@ -1045,7 +1032,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
             after = monitor.sample(time.time() - start)
         monitor.close()
-        daemon_alive = proc_sample(pid) != {}
+        daemon_alive = memory_and_fds(pid) != {}
 
     res = [results[i] for i in sorted(results)]
     elapsed = max([r["elapsed_s"] for r in res] + [1e-9])
@@ -1140,7 +1127,10 @@ def print_summary(report: dict[str, Any]) -> None:
             f"  {c['errors'] or 0} / {c['bytes_corrupted']} / {c['bytes_lost']}"
         )
     t = report["totals"]
-    print(f"total: {t['requests']} copies, {t['bytes'] / 1e9:.2f} GB at {t['gbps']:.2f} GB/s; verified {t['bytes_verified'] / 1e9:.2f} GB, corrupted {t['bytes_corrupted']}, lost {t['bytes_lost']}")
+    print(
+        f"total: {t['requests']} copies, {t['bytes'] / 1e9:.2f} GB at {t['gbps']:.2f} GB/s; "
+        f"verified {t['bytes_verified'] / 1e9:.2f} GB, corrupted {t['bytes_corrupted']}, lost {t['bytes_lost']}"
+    )
     res = report["daemon"]["resources"]
     print(f"daemon: fds {res['fds_before']} -> {res['fds_after']}, clients {res['clients_before']} -> {res['clients_after']}")
     if "soak" in report:

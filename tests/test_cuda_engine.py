@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -177,7 +177,7 @@ def _ipc_child(conn: Connection) -> None:
 class TestOnGpu:
     """The engine on a real GPU."""
 
-    pytestmark = [
+    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [
         pytest.mark.gpu,
         pytest.mark.skipif(not HAVE_GPU, reason="needs an NVIDIA GPU with cuda-bindings"),
     ]

@@ -407,11 +407,15 @@ async def test_engine_error_fails_only_that_request(faulty: DaemonProcess) -> No
         for name, dst, src, k, off, prio in faults + jobs:
             handles[name] = c.start_copy(dst, src, k, dst_offset=off, src_offset=off, priority=prio)
         outcomes = await asyncio.wait_for(asyncio.gather(*handles.values(), return_exceptions=True), 60)
-        by_name = dict(zip(handles, outcomes))
+        by_name = dict(zip(handles, outcomes, strict=False))
         for name in ("fault-express", "fault-dma"):
             exc = by_name[name]
             assert isinstance(exc, priod.EngineError), (name, exc)
-            with pytest.raises(priod.EngineError, match=rf"^copy failed after 0 of {FAULT_NBYTES} bytes: injected engine fault on a chunk of {FAULT_NBYTES} bytes \(\[sim\] fault_on_nbytes\); the copy did not complete$"):
+            with pytest.raises(
+                priod.EngineError,
+                match=rf"^copy failed after 0 of {FAULT_NBYTES} bytes: injected engine fault on a chunk of {FAULT_NBYTES} bytes "
+                r"\(\[sim\] fault_on_nbytes\); the copy did not complete$",
+            ):
                 raise exc
         with pytest.raises(priod.EngineError, match=rf"^copy failed after {chunk} of {chunk + FAULT_NBYTES} bytes: injected engine fault on a chunk of {FAULT_NBYTES} bytes"):
             raise by_name["fault-last-chunk"]  # type: ignore[misc]
@@ -484,7 +488,10 @@ async def test_daemon_restart_under_load_fails_clearly_and_reconnects(how: str) 
             for i, c in enumerate(clients):
                 await c.reconnect(wait_s=30)
                 old_h, old_d = regions[i]
-                with pytest.raises(priod.InvalidRequest, match=r"^<priod.Region \d+ device 4194304 bytes> belongs to an earlier connection; allocate it again after reconnect\(\)$"):
+                with pytest.raises(
+                    priod.InvalidRequest,
+                    match=r"^<priod.Region \d+ device 4194304 bytes> belongs to an earlier connection; allocate it again after reconnect\(\)$",
+                ):
                     await c.copy(old_d, old_h)
                 h, d = await c.alloc_host(MiB), await c.alloc_device(MiB)
                 assert h.array is not None and d.array is not None

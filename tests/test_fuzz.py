@@ -29,6 +29,7 @@ from priod.errors import ProtocolError
 from priod.protocol import HEADER, OPS, FrameDecoder, encode
 from priod.testing import DaemonProcess, daemon_process
 from priod.transport import MAX_FDS_PER_FRAME
+import itertools
 
 SCALE = max(1, int(os.environ.get("PRIOD_FUZZ_SCALE", "1")))
 FAST = settings(max_examples=150 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -179,7 +180,7 @@ def test_decoder_round_trips_any_split(msgs: list[dict[str, Any]], cuts: list[in
     (compared re-encoded, so a NaN equals itself)."""
     stream = b"".join(encode(m) for m in msgs)
     points = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
-    chunks = [stream[a:b] for a, b in zip(points, points[1:])]
+    chunks = [stream[a:b] for a, b in itertools.pairwise(points)]
     got = _feed_all(FrameDecoder(max_frame=1 << 20), chunks)
     assert [encode(m) for m in got] == [encode(m) for m in msgs]
 

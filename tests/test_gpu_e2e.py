@@ -61,7 +61,7 @@ def test_every_direction_bytes_checked(gpu_daemon: DaemonProcess, priority: str)
             view2.close()
 
 
-def _cupy_client(path: str, q: "mp.Queue[str]") -> None:
+def _cupy_client(path: str, q: mp.Queue[str]) -> None:
     """A second process: registers its own CuPy buffer and copies into it."""
     import cupy as cp
 
@@ -81,7 +81,7 @@ def _cupy_client(path: str, q: "mp.Queue[str]") -> None:
                 buf[:] = 0
             c.free(region)
         q.put("ok")
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
+    except Exception as exc:
         q.put(f"{type(exc).__name__}: {exc}")
 
 
@@ -116,7 +116,7 @@ def _bulk_round_trips(path: str, n: int, rounds: int, errors: list[str]) -> None
                 c.copy(back, d, priority="bulk")
                 if not np.array_equal(back.array, src.array):
                     errors.append(f"bulk round trip {i} differs")
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
 
 

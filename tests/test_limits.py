@@ -114,7 +114,9 @@ async def test_queued_requests_limit_refuses_at_once(limited: DaemonProcess) -> 
         handles = [c.start_copy(dev, host, priority="bulk") for _ in range(12)]  # 260 ms each
         st = await c.status()
         assert st["clients"][0]["pending"] == 8
-        assert await replies_in_order(handles[8:]) == ["LimitExceeded: this connection has 8 copies pending ([limits] max_queued_requests = 8); wait for replies before sending more"] * 4
+        assert await replies_in_order(handles[8:]) == [
+            "LimitExceeded: this connection has 8 copies pending ([limits] max_queued_requests = 8); wait for replies before sending more"
+        ] * 4
         assert not any(h.done() for h in handles[:8])  # refused while all 8 were still pending
         assert (await c.status())["clients"][0]["pending"] == 8
         await cancel_all(handles[:8])

@@ -26,16 +26,16 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "Completion",
+    "DeviceExport",
+    "DeviceMemory",
     "Direction",
-    "Path",
+    "Engine",
+    "HostMemory",
+    "LaneInfo",
     "LaneKey",
     "Memory",
-    "HostMemory",
-    "DeviceMemory",
-    "DeviceExport",
-    "Completion",
-    "Engine",
-    "LaneInfo",
+    "Path",
     "map_fd",
     "release_mapping",
 ]

@@ -8,7 +8,11 @@ the daemon's read, request, arrival, submit, completion and reply times into eac
 
 Prints the median of each step for 64 KiB urgent h2d copies under a 1 GiB bulk stream.
 """
-import sys, time, os, multiprocessing as mp, numpy as np
+import sys
+import time
+import os
+import multiprocessing as mp
+import numpy as np
 sys.path.insert(0, os.getcwd())
 import priod
 from priod.testing import daemon_process
@@ -16,7 +20,7 @@ def bulk(path, stop):
     with priod.SyncClient(path, name="bulk") as c:
         h, d = c.alloc_host(1 << 30), c.alloc_device(1 << 30)
         while not stop.is_set(): c.copy(d, h, priority="bulk")
-names = "send>read read>recv recv>arrival arrival>submit submit>done done>send send>client".split()
+names = ["send>read", "read>recv", "recv>arrival", "arrival>submit", "submit>done", "done>send", "send>client"]
 if __name__ == "__main__":
     backend = sys.argv[1]
     for mode in sys.argv[2].split(","):

@@ -1,0 +1,71 @@
+"""Helpers shipped for tests, the demo and the benchmark scripts. They use only public APIs.
+
+- `priod.testing.daemon`: a daemon in its own process (`daemon_process`), waiting for a socket,
+  the pid behind a socket.
+- `priod.testing.load`: synthetic clients: a bulk load (in this process or its own), urgent probes.
+- `priod.testing.stats`: percentiles and latency summaries.
+- `priod.testing.procfs`: a process's CPU time, memory and open fds, read from ``/proc``.
+- `priod.testing.fakes`: `ManualEngine` (an engine whose copies finish on command) and
+  `framed_pair` (connected framed sockets), for tests of the daemon's parts.
+
+Every public name is importable from ``priod.testing`` itself.
+"""
+
+from __future__ import annotations
+
+from .daemon import DaemonProcess, daemon_pid, daemon_process, wait_for_socket
+from .fakes import (
+    ManualChunk,
+    ManualDeviceMemory,
+    ManualEngine,
+    blocking_framed_pair,
+    framed_pair,
+    memfd,
+)
+from .load import (
+    BulkLoad,
+    BulkProcess,
+    UrgentProbe,
+    bulk_load,
+    urgent_copies,
+    urgent_probe,
+)
+from .procfs import (
+    CpuMeter,
+    cpu_model,
+    cpu_seconds,
+    memory_and_fds,
+    open_fds,
+    schedstat_seconds,
+    thread_cpu_seconds,
+)
+from .stats import describe, percentile, summarize
+
+__all__ = [
+    "BulkLoad",
+    "BulkProcess",
+    "CpuMeter",
+    "DaemonProcess",
+    "ManualChunk",
+    "ManualDeviceMemory",
+    "ManualEngine",
+    "UrgentProbe",
+    "blocking_framed_pair",
+    "bulk_load",
+    "cpu_model",
+    "cpu_seconds",
+    "daemon_pid",
+    "daemon_process",
+    "describe",
+    "framed_pair",
+    "memfd",
+    "memory_and_fds",
+    "open_fds",
+    "percentile",
+    "schedstat_seconds",
+    "summarize",
+    "thread_cpu_seconds",
+    "urgent_copies",
+    "urgent_probe",
+    "wait_for_socket",
+]

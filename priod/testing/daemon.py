@@ -1,0 +1,109 @@
+"""A daemon under test in its own process: start ``priod serve`` on a private socket, wait until
+it listens, stop it; and find the pid of a daemon that is already running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from ..transport import peer_credentials
+
+__all__ = ["DaemonProcess", "daemon_pid", "daemon_process", "wait_for_socket"]
+
+
+def wait_for_socket(path: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
+    """Return once something accepts connections on ``path``.
+
+    Raises RuntimeError if ``proc`` (the process meant to listen) exits first, TimeoutError
+    after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {proc.returncode} before listening on {path}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.02)
+        finally:
+            s.close()
+    raise TimeoutError(f"no daemon listening on {path} after {timeout} s")
+
+
+def daemon_pid(path: str) -> int:
+    """The pid of the process listening on ``path``, from the kernel's record of the peer (SO_PEERCRED)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return peer_credentials(s).pid
+    finally:
+        s.close()
+
+
+@dataclass
+class DaemonProcess:
+    """``priod serve`` running in a child process on a private socket."""
+
+    proc: subprocess.Popen[bytes]
+    socket_path: str
+    log_path: str
+
+    def log(self) -> str:
+        """Everything the daemon wrote to stdout and stderr so far."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as fp:
+            return fp.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` (SIGKILL after ``timeout`` s) and return the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextmanager
+def daemon_process(
+    env: Mapping[str, str] | None = None,
+    *,
+    backend: str = "sim",
+    config: str | None = None,
+    args: tuple[str, ...] = (),
+    socket_path: str | None = None,
+    start_timeout: float = 60.0,
+) -> Iterator[DaemonProcess]:
+    """Start a daemon, wait until it listens, stop it (SIGTERM) on exit.
+
+    ``env`` adds settings as ``PRIOD_<SECTION>__<KEY>`` variables; ``PRIOD_*`` variables of this
+    process are not passed on.
+    """
+    tmp = tempfile.mkdtemp(prefix="priod-")
+    path = socket_path or os.path.join(tmp, "priod.sock")
+    log_path = os.path.join(tmp, "daemon.log")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PRIOD_")}
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "priod", "serve", "--socket", path, "--backend", backend, *args]
+    if config:
+        cmd += ["--config", config]
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env)
+    d = DaemonProcess(proc, path, log_path)
+    try:
+        wait_for_socket(path, start_timeout, proc)
+        yield d
+    finally:
+        d.stop()
