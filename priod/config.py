@@ -259,6 +259,10 @@ def _validate(cfg: Config) -> None:
     for name in ("h2d_gbps", "d2h_gbps", "d2d_gbps"):
         need(getattr(sim, name) > 0, f"[sim] {name} must be > 0 (GB/s)")
     need(0 < sim.express_share <= 1, f"[sim] express_share = {sim.express_share} is invalid; set 0 < express_share <= 1")
+    need(
+        0 <= sim.cotenant_stall_us < float("inf"),
+        f"[sim] cotenant_stall_us = {sim.cotenant_stall_us} is invalid; set cotenant_stall_us to a finite number >= 0 (microseconds; 0: no co-tenant computes)",
+    )
     need(0 <= cfg.metrics.port <= 65535, f"[metrics] port = {cfg.metrics.port} is invalid; 0 turns metrics off")
     need(cfg.service.shutdown_timeout_s > 0, "[service] shutdown_timeout_s must be > 0")
 

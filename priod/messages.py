@@ -94,7 +94,7 @@ class _Wire:
         return out
 
     def _fields_dict(self) -> Message:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name, _, _ in self._fields()}
 
 
 def _kinds(hint: Any) -> tuple[type, ...]:
@@ -223,6 +223,22 @@ class Copy(_Request):
     priority: str = "normal"
     deadline_ms: float | None = None
 
+    def encode(self, req_id: int) -> Message:
+        # Written out: this runs once per copy on the client (a generic encode costs ~3 us more).
+        msg: Message = {
+            "id": req_id,
+            "op": "copy",
+            "dst": self.dst,
+            "src": self.src,
+            "nbytes": self.nbytes,
+            "dst_offset": self.dst_offset,
+            "src_offset": self.src_offset,
+            "priority": self.priority,
+        }
+        if self.deadline_ms is not None:
+            msg["deadline_ms"] = self.deadline_ms
+        return msg
+
     def check(self) -> None:
         _need_size(self.nbytes, "copy")
         _need_offset("dst_offset", self.dst_offset)
@@ -331,6 +347,23 @@ class CopyReply(_Reply):
     path: str
     """``dma`` or ``express``."""
     missed_deadline: bool = False
+
+    def encode(self, req_id: int) -> Message:
+        # Written out: once per copy on the daemon's loop.
+        return {
+            "id": req_id,
+            "ok": True,
+            "nbytes": self.nbytes,
+            "queued_us": self.queued_us,
+            "transfer_us": self.transfer_us,
+            "total_us": self.total_us,
+            "path": self.path,
+            "missed_deadline": self.missed_deadline,
+        }
+
+    @classmethod
+    def decode(cls, msg: Message) -> Self:
+        return cls(msg["nbytes"], msg["queued_us"], msg["transfer_us"], msg["total_us"], msg["path"], msg.get("missed_deadline", False))
 
 
 @dataclass(frozen=True, slots=True)

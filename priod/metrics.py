@@ -38,6 +38,12 @@ class Metrics:
         self.queue_depth = Gauge("priod_queue_depth", "Queued copy requests by lane and class", ["lane", "priority"], registry=r)
         self.inflight = Gauge("priod_inflight_bytes", "Bytes submitted to the engine and not yet complete", ["lane", "path"], registry=r)
         self.busy = Gauge("priod_engine_busy_fraction", "Fraction of time the lane's copy engine was busy", ["lane"], registry=r)
+        self.urgent_path_latency = Gauge(
+            "priod_urgent_path_latency_seconds",
+            "Recent latency of each urgent path (smoothed, submission to completion seen), by lane and size bucket; the lower is chosen",
+            ["lane", "path", "size_bytes"],
+            registry=r,
+        )
         self.clients = Gauge("priod_clients", "Connected clients", registry=r)
         self.pinned = Gauge("priod_pinned_bytes", "Host bytes mapped and pinned for clients", registry=r)
         Info("priod_build", "priod version", registry=r).info({"version": __version__})

@@ -63,6 +63,13 @@ class SchedulerSettings:
     aging_ms: float = 200.0
     """A non-strict request queued this long gets chunks through even while strict work waits."""
     express: bool = True
+    urgent_block_us: float = 150.0
+    """While urgent copies are recent on a lane: the bound that replaces ``max_block_us`` there
+    (smaller chunks, so an urgent DMA copy waits for less bulk). 0: keep ``max_block_us``."""
+    urgent_window_ms: float = 100.0
+    """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
+    explore_ms: float = 2000.0
+    """An urgent path not chosen for a size is tried again after this long (see choice.py)."""
 
     def with_classes(self, classes: tuple[ClassSpec, ...]) -> Policy:
         """The `Policy` of these settings and ``classes`` (the ``[classes]`` tables)."""
@@ -100,6 +107,9 @@ def validate_policy(policy: Policy) -> None:
         f"[scheduler] min_chunk_bytes = {policy.min_chunk_bytes} is invalid; set min_chunk_bytes >= {ALIGN}",
     )
     need(policy.aging_ms > 0, f"[scheduler] aging_ms = {policy.aging_ms} is invalid; set it > 0")
+    need(policy.urgent_block_us >= 0, f"[scheduler] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
+    need(policy.urgent_window_ms >= 0, f"[scheduler] urgent_window_ms = {policy.urgent_window_ms} is invalid; set it >= 0")
+    need(policy.explore_ms > 0, f"[scheduler] explore_ms = {policy.explore_ms} is invalid; set it > 0")
 
     classes = policy.classes
     need(bool(classes), "[classes] is empty; define at least one class, like [classes.bulk] weight = 1")
@@ -123,16 +133,23 @@ class LaneParams:
     express_min: int
     express_max: int
     """0: no express path on this lane (or express turned off)."""
+    urgent_chunk_bytes: int = 0
+    """Chunk size while urgent copies are recent (``urgent_block_us``); 0: ``chunk_bytes``."""
+    urgent_inflight_bytes: int = 0
 
 
 def lane_params(info: LaneInfo, policy: SchedulerSettings) -> LaneParams:
-    """Derive chunk size and in-flight bound from ``max_block_us`` and the lane's bandwidth.
+    """Derive chunk size and in-flight bound from ``max_block_us`` (and ``urgent_block_us``)
+    and the lane's bandwidth.
 
     ``inflight = bandwidth * max_block_us`` (at least ``depth`` minimum chunks), split into
     ``depth`` chunks, each a multiple of 4 KiB.
     """
-    inflight = int(info.bandwidth * policy.max_block_us / 1e6)
-    chunk = max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN
-    chunk = max(chunk, ALIGN)
+    def chunk_for(block_us: float) -> int:
+        inflight = int(info.bandwidth * block_us / 1e6)
+        return max(ALIGN, max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN)
+
+    chunk = chunk_for(policy.max_block_us)
+    short = chunk_for(min(policy.urgent_block_us, policy.max_block_us)) if policy.urgent_block_us else chunk
     express_max = info.express_max if policy.express else 0
-    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max)
+    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max, short, short * policy.depth)

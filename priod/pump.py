@@ -291,7 +291,8 @@ class Pump:
 
         - Nothing in flight: sleep until a submission wakes us (no CPU when idle).
         - The engine wakes us on completions (sim): sleep until then, polling as a safety net.
-        - A strict-class chunk in flight: poll every loop turn (an urgent copy is waiting).
+        - A strict-class chunk in flight, or urgent copies recent (small bulk chunks): poll every
+          loop turn.
         - Otherwise, with the earliest chunk due in 2 ms or more: sleep until 1 ms before it
           (uvloop's timers are about 1 ms coarse). Due sooner: ``[server] bulk_poll`` decides:
           "timer" sleeps on a timer thread until the chunk is due (sub-millisecond; on the H200
@@ -308,7 +309,9 @@ class Pump:
                 timeout = 0.05  # the wakeup is a hint; polling stays the source of truth
             elif self._inflight:
                 wait = min(e.due for e in self._inflight) - time.perf_counter()
-                if self.scheduler.strict_in_flight or (wait < 0.002 and self._timer is None):
+                # Poll every turn while an urgent chunk is in flight, and while a lane runs its
+                # short bound: its small bulk chunks end every ~100 us, too often for a timer.
+                if self.scheduler.strict_in_flight or self.scheduler.urgent_recent(time.perf_counter()) or (wait < 0.002 and self._timer is None):
                     await asyncio.sleep(0)  # one loop turn: other connections are served between polls
                     continue
                 if wait >= 0.002:

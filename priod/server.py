@@ -11,6 +11,7 @@ answers `status()`; the work of a request happens in the session, the region tab
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import socket
@@ -273,9 +274,12 @@ class Daemon:
                     "inflight_bytes": ls.inflight_bytes,
                     "strict_inflight_bytes": ls.strict_inflight_bytes,
                     "express_inflight_bytes": ls.express_inflight_bytes,
+                    "urgent_chunk_bytes": ls.urgent_chunk_bytes,
+                    "urgent_inflight_bound": ls.urgent_inflight_bound,
                 }
                 for ls in st.lanes
             ],
+            "urgent_paths": [dataclasses.asdict(e) for e in self.scheduler.path_estimates()],
             "inflight_chunks": self.pump.inflight_chunks,
             "polls": self.pump.polls,
             "lane_bytes": {str(lane): n for lane, n in sorted(self.pump.lane_bytes.items())},
@@ -304,6 +308,10 @@ class Daemon:
         if isinstance(busy, dict):
             for lane, frac in busy.items():
                 m.busy.labels(lane).set(float(frac))
+        for e in self.scheduler.path_estimates():
+            for path, us in (("express", e.express_us), ("dma", e.dma_us)):
+                if us is not None:
+                    m.urgent_path_latency.labels(e.lane, path, str(e.size_bytes)).set(us / 1e6)
         m.clients.set(len(self.sessions))
         m.pinned.set(sum(s.holdings.pinned_bytes for s in self.sessions.values()))
 

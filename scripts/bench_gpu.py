@@ -2,54 +2,72 @@
 """GPU benchmark: urgent copies under a saturating bulk stream, side by side in one run.
 
 Rows, per direction set (h2d, d2h, both at once):
-  idle     each urgent size alone on an idle GPU, in-process cudaMemcpyAsync (the reference)
-  naive    in-process: bulk 2 GiB copies on a low-priority stream, urgent copies on a
-           high-priority stream (what priority streams promise, and do not give for copies)
-  dma      through priod, express lane off: chunked bulk, urgent submitted first
-  express  through priod, express lane on
-Columns: urgent p50/p99 (client-observed, us) and each as a ratio to idle; the daemon's own p50
-(arrival to completion seen, so the rest is the process round trip); bulk GB/s and its ratio to
-raw cudaMemcpyAsync (the set's directions at once) measured in the same run; link: bulk plus urgent
-bytes over raw (the urgent copies share the link, so bulk alone cannot keep all of it).
-The priod rows run once per polling mode (--bulk-poll, default timer,spin), side by side.
+  idle        each urgent size alone on an idle GPU, in-process cudaMemcpyAsync (the reference)
+  naive       in-process: bulk 2 GiB copies on a low-priority stream, urgent copies on a
+              high-priority stream (what priority streams promise, and do not give for copies)
+  anchor      other-process bulk, no daemon: the measuring process issues the urgent
+              cudaMemcpyAsync while a second process copies 2 GiB back to back in the set's
+              directions. Copy engines time-slice between CUDA contexts, so this is the cheapest
+              thing a user can do instead of running priod: the row priod has to beat.
+  priod-idle  through priod with its defaults (express lane on), no bulk at all
+  dma         through priod, express lane off: chunked bulk, urgent submitted first
+  express     through priod, express lane on
+The anchor and priod rows run once per co-tenant (--cotenant, default none,gemm): "gemm" is a
+process of its own, with its own CUDA context as an inference job has, running bf16 GEMMs of
+--gemm-n back to back for the whole row (for priod rows it starts once the daemon listens, as a
+job would after a system service). The priod rows also run once per polling mode (--bulk-poll,
+default timer,spin); rows of modes after the first are named e.g. express/spin.
 
-    python scripts/bench_gpu.py --out out/bench_gpu          # about 3 minutes on an H200
+Columns: co-tenant; urgent p50/p99 (client-observed, us), each as a ratio to idle and, for priod
+rows, to the anchor row with the same co-tenant (xA: < 1 means priod wins); the daemon's own p50
+(arrival to completion seen, so the rest is the process round trip); the daemon's CPU per urgent
+copy (priod-idle: all its CPU while the copies ran; dma/express: beyond what bulk alone costs, an
+estimate); bulk GB/s and its ratio to raw cudaMemcpyAsync (the set's directions at once) measured
+in the same run; link: bulk plus urgent bytes over raw (the urgent copies share the link, so bulk
+alone cannot keep all of it).
 
-Needs a GPU, cuda-bindings and CuPy (for the in-process rows). Writes results.json and
-latency.png under --out and prints the table last.
+    python scripts/bench_gpu.py --out out/bench_gpu          # about 10 minutes on an H200
+    python scripts/bench_gpu.py --sets h2d --count 20 --bulk-poll timer   # a quick look
+
+Needs a GPU, cuda-bindings and CuPy (in-process and anchor rows), PyTorch for the gemm co-tenant.
+Writes results.json (after every row) and latency.png under --out and prints the table last.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import priod  # noqa: E402
-from priod.testing import daemon_process  # noqa: E402
+import priod
+from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_seconds
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB)
+URGENT_INTERVAL_S = 0.005
+"""Pause after each urgent copy of the anchor and priod rows (the same for both, so they compare)."""
+COTENANTS = ("none", "gemm")
+SPAWN = mp.get_context("spawn")
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def pct(v: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(v), q)) if v else float("nan")
-
-
-# -- in-process rows (CuPy) ----------------------------------------------------------------------
 def _dump_stacks_later() -> None:
     """With PRIOD_BENCH_DUMP_S set, print every thread's stack after that many seconds (a hang's where)."""
     import faulthandler
@@ -58,62 +76,153 @@ def _dump_stacks_later() -> None:
         faulthandler.dump_traceback_later(float(os.environ["PRIOD_BENCH_DUMP_S"]), exit=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What one row runs: the set's directions, its bulk, how many urgent copies, and the co-tenant."""
+
+    directions: tuple[str, ...]
+    bulk_bytes: int
+    count: int
+    warm_s: float
+    cotenant: str = "none"
+    gemm_n: int = 8192
+
+
+# -- child processes ---------------------------------------------------------------------------------
+@contextmanager
+def child(target: Callable[..., None], *args: Any) -> Iterator[BaseProcess]:
+    """``target(*args)`` in a spawned process: joined on the way out, killed at once if the caller failed.
+
+    Take its result off its queue inside the block: a child that has put something waits for it to be read.
+    """
+    p = SPAWN.Process(target=target, args=args)
+    p.start()
+    try:
+        yield p
+    except BaseException:
+        p.kill()
+        raise
+    finally:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def get_result(q: Any, procs: list[BaseProcess], timeout: float = 600) -> Any:
+    """The next result on ``q``, or an error as soon as every child has died without one."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=2)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                raise RuntimeError(f"children exited ({[p.exitcode for p in procs]}) before reporting") from None
+    raise TimeoutError(f"no result in {timeout} s")
+
+
+def wait_ready(ready: Any, procs: list[BaseProcess], what: str, timeout: float = 180) -> None:
+    """Return once ``ready`` (an Event) is set; an error as soon as a child in ``procs`` has died."""
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.5):
+        if not all(p.is_alive() for p in procs):
+            raise RuntimeError(f"{what} exited ({[p.exitcode for p in procs]}) before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout} s")
+
+
+# -- copies in a CUDA context of this process's own (CuPy) ------------------------------------------------
+class CudaCopies:
+    """cudaMemcpyAsync between pinned host memory and device memory in this process's CUDA context.
+
+    CuPy allocates; the copies go through cuda-bindings' runtime API, as the daemon's do. Holds one
+    pinned host buffer and one device buffer for urgent copies, and a high-priority stream for them.
+    """
+
+    def __init__(self) -> None:
+        import cupy as cp
+
+        from priod.engines.cuda._driver import bindings, check
+
+        self.cp, self.check = cp, check
+        self.rt, _ = bindings()
+        self.low_priority, high = check(self.rt.cudaDeviceGetStreamPriorityRange())
+        self.kinds = {"h2d": self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, "d2h": self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost}
+        self.urgent_stream = cp.cuda.Stream(non_blocking=True, priority=high)
+        self.urgent_host = cp.cuda.alloc_pinned_memory(max(SIZES))
+        self.urgent_dev = cp.cuda.alloc(max(SIZES))
+
+    def stream(self) -> Any:
+        """A new low-priority stream (for bulk)."""
+        return self.cp.cuda.Stream(non_blocking=True, priority=self.low_priority)
+
+    def buffers(self, nbytes: int) -> tuple[Any, Any]:
+        """(pinned host, device) allocations of ``nbytes``."""
+        return self.cp.cuda.alloc_pinned_memory(nbytes), self.cp.cuda.alloc(nbytes)
+
+    def copy(self, direction: str, host: int, dev: int, n: int, stream: Any) -> None:
+        dst, src = (dev, host) if direction == "h2d" else (host, dev)
+        self.check(self.rt.cudaMemcpyAsync(dst, src, n, self.kinds[direction], stream.ptr))
+
+    def urgent_once(self, direction: str, n: int) -> float:
+        """One urgent copy of ``n`` bytes on the high-priority stream, waited for; microseconds."""
+        t0 = time.perf_counter()
+        self.copy(direction, self.urgent_host.ptr, self.urgent_dev.ptr, n, self.urgent_stream)
+        self.urgent_stream.synchronize()
+        return (time.perf_counter() - t0) * 1e6
+
+    def urgent_series(self, direction: str, n: int, count: int, interval_s: float = 0.0, warm: int = 5) -> list[float]:
+        """``warm`` unmeasured copies, then ``count`` measured ones, all ``interval_s`` apart.
+
+        The warm-up copies keep the interval too: against bulk in another context, a copy right
+        after back-to-back ones waits out a whole time slice (~1 ms), which is the warm-up's doing.
+        """
+        lat = []
+        for i in range(warm + count):
+            t = self.urgent_once(direction, n)
+            if i >= warm:
+                lat.append(t)
+            if interval_s:
+                time.sleep(interval_s)
+        return lat
+
+
+# -- in-process rows: idle, naive, and the raw bandwidth ------------------------------------------------------
 def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) -> None:
     """idle and naive rows, and raw bandwidth, in a child process of its own."""
     _dump_stacks_later()
-    import cupy as cp
+    cc = CudaCopies()
+    low = [cc.stream() for _ in directions]
+    bulk = {d: cc.buffers(bulk_bytes) for d in directions}
 
-    from priod.engines.cuda._driver import bindings
-
-    rt, _ = bindings()
-
-    def ck(r: Any) -> Any:
-        if r[0] != rt.cudaError_t.cudaSuccess:
-            raise RuntimeError(r[0])
-        return r[1] if len(r) == 2 else r[1:]
-
-    lo, hi = ck(rt.cudaDeviceGetStreamPriorityRange())
-    low = [cp.cuda.Stream(non_blocking=True, priority=lo) for _ in directions]
-    high = cp.cuda.Stream(non_blocking=True, priority=hi)
-    hbulk = {d: cp.cuda.alloc_pinned_memory(bulk_bytes) for d in directions}
-    dbulk = {d: cp.cuda.alloc(bulk_bytes) for d in directions}
-    hu = cp.cuda.alloc_pinned_memory(max(SIZES))
-    du = cp.cuda.alloc(max(SIZES))
-    kind = {"h2d": rt.cudaMemcpyKind.cudaMemcpyHostToDevice, "d2h": rt.cudaMemcpyKind.cudaMemcpyDeviceToHost}
-
-    def copy(direction: str, host: int, dev: int, n: int, stream: Any) -> None:
-        dst, src = (dev, host) if direction == "h2d" else (host, dev)
-        ck((rt.cudaMemcpyAsync(dst, src, n, kind[direction], stream.ptr)[0], None))
-
-    def urgent_once(direction: str, n: int) -> float:
-        t0 = time.perf_counter()
-        copy(direction, hu.ptr, du.ptr, n, high)
-        high.synchronize()
-        return (time.perf_counter() - t0) * 1e6
+    def bulk_copy(i: int, d: str) -> None:
+        host, dev = bulk[d]
+        cc.copy(d, host.ptr, dev.ptr, bulk_bytes, low[i])
 
     out: dict[str, Any] = {"idle": {}, "naive": {}, "raw_gbps": {}}
     log("in-process: idle")
     for d in ("h2d", "d2h"):
         for n in SIZES:
-            [urgent_once(d, n) for _ in range(5)]
-            out["idle"][f"{d}/{n}"] = sorted(urgent_once(d, n) for _ in range(count))
+            out["idle"][f"{d}/{n}"] = sorted(cc.urgent_series(d, n, count))
     # raw: whole bulk copies in every direction of the set at once (for "both", the two
     # directions share the host's PCIe and memory, so each alone would overstate the reference)
     for i, d in enumerate(directions):
-        copy(d, hbulk[d].ptr, dbulk[d].ptr, bulk_bytes, low[i])
+        bulk_copy(i, d)
     for s in low:
         s.synchronize()
     marks = []
     for i, d in enumerate(directions):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start, end = cc.cp.cuda.Event(), cc.cp.cuda.Event()
         start.record(low[i])
         for _ in range(3):
-            copy(d, hbulk[d].ptr, dbulk[d].ptr, bulk_bytes, low[i])
+            bulk_copy(i, d)
         end.record(low[i])
         marks.append((d, start, end))
     for d, start, end in marks:
         end.synchronize()
-        out["raw_gbps"][d] = 3 * bulk_bytes / (cp.cuda.get_elapsed_time(start, end) / 1e3) / 1e9
+        out["raw_gbps"][d] = 3 * bulk_bytes / (cc.cp.cuda.get_elapsed_time(start, end) / 1e3) / 1e9
     log(f"in-process: raw {out['raw_gbps']}; naive")
     # naive: keep the low-priority streams busy with whole bulk copies, urgent on the high one
     for d in directions:
@@ -123,10 +232,10 @@ def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) 
             for k in range(count):
                 if k % 2 == 0:  # keep at least one whole bulk copy queued per direction
                     for i, bd in enumerate(directions):
-                        copy(bd, hbulk[bd].ptr, dbulk[bd].ptr, bulk_bytes, low[i])
+                        bulk_copy(i, bd)
                         moved += bulk_bytes
                 time.sleep(0.002)
-                lat.append(urgent_once(d, n))
+                lat.append(cc.urgent_once(d, n))
             for s in low:
                 s.synchronize()
             elapsed = time.perf_counter() - t0
@@ -138,9 +247,140 @@ def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) 
     q.put(out)
 
 
+# -- the co-tenant: another process computing on the GPU -----------------------------------------------------
+def gemm_cotenant(n: int, ready: Any, stop: Any, q: Any) -> None:
+    """bf16 ``n`` x ``n`` GEMMs back to back in this process's own CUDA context until ``stop``.
+
+    One batch always waits queued behind the one running, so the SMs never idle between
+    synchronizations; reports how many ran and the TFLOP/s they made.
+    """
+    _dump_stacks_later()
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    torch.matmul(a, b, out=c)  # cuBLAS set-up, outside the figures
+    torch.cuda.synchronize()
+    ready.set()
+    per_batch, gemms, prev = 4, 0, None
+    t0 = time.perf_counter()
+    while not stop.is_set():
+        for _ in range(per_batch):
+            torch.matmul(a, b, out=c)
+        gemms += per_batch
+        ev = torch.cuda.Event()
+        ev.record()
+        if prev is not None:
+            prev.synchronize()
+        prev = ev
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    q.put({"gemms": gemms, "seconds": seconds, "tflops": 2 * n**3 * gemms / seconds / 1e12})
+
+
+@contextmanager
+def cotenant(kind: str, gemm_n: int) -> Iterator[dict[str, Any]]:
+    """Run the co-tenant ``kind`` (none or gemm) for the block; yields a dict that gets its figures on the way out."""
+    info: dict[str, Any] = {"kind": kind}
+    if kind == "none":
+        yield info
+        return
+    info["gemm_n"] = gemm_n
+    ready, stop, q = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    with child(gemm_cotenant, gemm_n, ready, stop, q) as p:
+        wait_ready(ready, [p], "the GEMM co-tenant")
+        log(f"co-tenant: {gemm_n}^3 bf16 GEMMs running")
+        yield info
+        stop.set()
+        info.update(get_result(q, [p], 120))
+
+
+# -- the anchor row: bulk in another process, no daemon ------------------------------------------------
+def dma_bulk_process(directions: tuple[str, ...], nbytes: int, ready: Any, stop: Any, q: Any) -> None:
+    """The anchor's bulk: ``nbytes`` cudaMemcpyAsync copies back to back in every direction, two
+    queued at a time, in this process's own CUDA context until ``stop``; reports when each one
+    finished (CLOCK_MONOTONIC, comparable across processes) per direction."""
+    _dump_stacks_later()
+    cc = CudaCopies()
+    streams = {d: cc.stream() for d in directions}
+    bufs = {d: cc.buffers(nbytes) for d in directions}
+
+    def submit(d: str) -> Any:
+        host, dev = bufs[d]
+        cc.copy(d, host.ptr, dev.ptr, nbytes, streams[d])
+        ev = cc.cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(streams[d])
+        return ev
+
+    for d in directions:  # the first pass over fresh memory is slow: keep it out of the figures
+        submit(d).synchronize()
+    ready.set()
+    pending: dict[str, list[Any]] = {d: [] for d in directions}
+    done: dict[str, list[tuple[float, int]]] = {d: [] for d in directions}
+    while True:
+        stopping = stop.is_set()
+        for d in directions:
+            while pending[d] and pending[d][0].done:
+                pending[d].pop(0)
+                done[d].append((time.monotonic(), nbytes))
+            while not stopping and len(pending[d]) < 2:
+                pending[d].append(submit(d))
+        if stopping and not any(pending.values()):
+            break
+        time.sleep(0.0005)  # a copy takes ~40 ms: this only blurs when one ended
+    q.put(done)
+
+
+def anchor_urgent(directions: tuple[str, ...], count: int, q: Any) -> None:
+    """The anchor's measuring process: urgent copies per direction and size, as the idle row makes them."""
+    _dump_stacks_later()
+    cc = CudaCopies()
+    t0 = time.monotonic()
+    lat = {f"{d}/{n}": cc.urgent_series(d, n, count, URGENT_INTERVAL_S) for d in directions for n in SIZES}
+    q.put({"lat": lat, "window": (t0, time.monotonic())})
+
+
+def window_gbps(done: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """GB/s of the copies that ended within [t0, t1], from the first such end to the last (NaN with fewer than two)."""
+    inside = [(t, n) for t, n in done if t0 <= t <= t1]
+    if len(inside) < 2:
+        return math.nan
+    return sum(n for _, n in inside[1:]) / (inside[-1][0] - inside[0][0]) / 1e9
+
+
+def urgent_bytes(lat: dict[str, Any], direction: str) -> int:
+    """Bytes the urgent copies of ``lat`` (``"<direction>/<size>"``: latencies) moved in ``direction``."""
+    return sum(int(k.split("/")[1]) * len(v) for k, v in lat.items() if k.startswith(direction + "/"))
+
+
+def anchor_row(load: Load) -> dict[str, Any]:
+    """Urgent cudaMemcpyAsync in one process while another copies bulk, no daemon; the co-tenant runs throughout."""
+    log(f"anchor row {load.directions} co-tenant {load.cotenant}")
+    ready, stop, bulk_q, urgent_q = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue(), SPAWN.Queue()
+    with child(dma_bulk_process, load.directions, load.bulk_bytes, ready, stop, bulk_q) as bulk:
+        wait_ready(ready, [bulk], "the bulk process")
+        with cotenant(load.cotenant, load.gemm_n) as ct, child(anchor_urgent, load.directions, load.count, urgent_q) as urgent:
+            measured = get_result(urgent_q, [urgent])
+        stop.set()
+        done = get_result(bulk_q, [bulk], 120)
+    t0, t1 = measured["window"]
+    return {
+        "row": "anchor",
+        "label": "anchor",
+        "cotenant": ct,
+        "loaded": measured["lat"],
+        "loaded_s": t1 - t0,
+        "bulk_gbps": {d: window_gbps(done[d], t0, t1) for d in load.directions},
+        "urgent_gbps": {d: urgent_bytes(measured["lat"], d) / (t1 - t0) / 1e9 for d in load.directions},
+        "bulk_process_gbps": {d: window_gbps(done[d], 0.0, math.inf) for d in load.directions},
+    }
+
+
 # -- priod rows ------------------------------------------------------------------------------------
 def bulk_client(path: str, direction: str, nbytes: int, stop: Any, q: Any) -> None:
     _dump_stacks_later()
+
     async def run() -> None:
         c = await priod.connect(path, name=f"bulk-{direction}")
         h, d = await c.alloc_host(nbytes), await c.alloc_device(nbytes)
@@ -166,12 +406,22 @@ def run_async(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def urgent_client(path: str, directions: tuple[str, ...], count: int, interval_s: float = 0.005, spin_us: float = 2000) -> dict[str, Any]:
+def daemon_cpu(pid: int) -> float:
+    """The daemon's CPU seconds so far, all threads (schedstat's nanoseconds where the kernel has them, else clock ticks)."""
+    precise = schedstat_seconds(pid)
+    return precise[0] if precise is not None else cpu_seconds(pid)
+
+
+def urgent_client(path: str, directions: tuple[str, ...], count: int, cpu_pid: int, interval_s: float = URGENT_INTERVAL_S, spin_us: float = 2000, warm: int = 5) -> dict[str, Any]:
     """Urgent copies one at a time from a blocking client that busy-polls for its reply
-    (``spin_us``), as a latency-critical caller would; client-observed latency per copy."""
+    (``spin_us``), as a latency-critical caller would; client-observed latency per copy, and the
+    daemon's (``cpu_pid``) CPU seconds and the wall seconds over each size's copies. ``warm``
+    unmeasured copies per size go first, as in the in-process and anchor rows (the first copy of a
+    size after the daemon starts, or after the size changes, is slower than the rest)."""
     out: dict[str, Any] = {}
     paths: dict[str, set[str]] = {}
     daemon: dict[str, list[tuple[float, float, float]]] = {}  # the daemon's own queued/transfer/total
+    cpu: dict[str, tuple[float, float]] = {}
     with priod.SyncClient(path, name="urgent", spin_us=spin_us) as c:
         h, d = c.alloc_host(max(SIZES)), c.alloc_device(max(SIZES))
         assert h.array is not None
@@ -179,107 +429,107 @@ def urgent_client(path: str, directions: tuple[str, ...], count: int, interval_s
         for direction in directions:
             dst, src = (d, h) if direction == "h2d" else (h, d)
             for n in SIZES:
+                key = f"{direction}/{n}"
                 lat = []
+                for _ in range(warm):
+                    c.copy(dst, src, n, priority="urgent")
+                    time.sleep(interval_s)
+                c0, w0 = daemon_cpu(cpu_pid), time.perf_counter()
                 for _ in range(count):
                     t0 = time.perf_counter()
                     r = c.copy(dst, src, n, priority="urgent")
                     lat.append((time.perf_counter() - t0) * 1e6)
-                    key = f"{direction}/{n}"
                     paths.setdefault(key, set()).add(r.path)
                     daemon.setdefault(key, []).append((r.queued_us, r.transfer_us, r.total_us))
                     time.sleep(interval_s)
-                out[f"{direction}/{n}"] = lat
+                cpu[key] = (daemon_cpu(cpu_pid) - c0, time.perf_counter() - w0)
+                out[key] = lat
     out["_paths"] = {k: sorted(v) for k, v in paths.items()}
     out["_daemon_us"] = daemon
+    out["_cpu_s"] = cpu
     return out
 
 
-def priod_row(
-    directions: tuple[str, ...], express: bool, bulk_bytes: int, count: int, warm_s: float, backend: str = "cuda", bulk_poll: str = "spin"
-) -> dict[str, Any]:
+def cpu_per_copy_us(probe: dict[str, Any], count: int, baseline_cpu_s_per_s: float = 0.0) -> dict[str, float]:
+    """The daemon's CPU microseconds per urgent copy, per size, beyond ``baseline_cpu_s_per_s`` (what it spends anyway)."""
+    return {key: (cpu - baseline_cpu_s_per_s * wall) / count * 1e6 for key, (cpu, wall) in probe["_cpu_s"].items()}
+
+
+def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str = "cuda") -> dict[str, Any]:
+    """priod-idle (urgent copies only), then urgent copies under bulk from one client process per direction."""
     env = {
         "PRIOD_SCHEDULER__EXPRESS": "true" if express else "false",
         "PRIOD_LOG__LEVEL": '"warning"',
         "PRIOD_SERVER__BULK_POLL": f'"{bulk_poll}"',
     }
-    ctx = mp.get_context("spawn")
-    log(f"priod row {directions} express={express}: starting daemon ({backend})")
-    with daemon_process(env, backend=backend, start_timeout=120) as dmn:
-        q: Any = ctx.Queue()
-        # idle through priod first (no bulk), then under load
-        idle = urgent_client(dmn.socket_path, directions, max(10, count // 4))
-        stop = ctx.Event()
-        procs = [ctx.Process(target=bulk_client, args=(dmn.socket_path, d, bulk_bytes, stop, q)) for d in directions]
+    log(f"priod row {load.directions} express={express} bulk_poll={bulk_poll} co-tenant {load.cotenant}: starting daemon ({backend})")
+    with daemon_process(env, backend=backend, start_timeout=120) as dmn, cotenant(load.cotenant, load.gemm_n) as ct:
+        pid = dmn.proc.pid
+        idle = urgent_client(dmn.socket_path, load.directions, load.count, pid)
+        stop, q = SPAWN.Event(), SPAWN.Queue()
         log("idle via priod done; starting bulk clients")
-        for p in procs:
-            p.start()
-        with priod.SyncClient(dmn.socket_path) as sc:
+        with ExitStack() as stack, priod.SyncClient(dmn.socket_path) as sc:
+            procs = [stack.enter_context(child(bulk_client, dmn.socket_path, d, load.bulk_bytes, stop, q)) for d in load.directions]
             # warm: every bulk client has pinned its regions and its bytes are flowing
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(sc.status()["lane_bytes"][f"gpu0/{d}"] for d in directions):
+            while time.monotonic() < deadline and not all(sc.status()["lane_bytes"][f"gpu0/{d}"] for d in load.directions):
                 time.sleep(0.05)
-            time.sleep(warm_s)
+            time.sleep(load.warm_s)
             # bulk alone for a second, then under urgent load: bytes per lane from the daemon,
             # counted per chunk, so the figure does not depend on where 2 GiB copies end
-            t1, b1, c1 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(dmn.proc.pid)
-            loaded = urgent_client(dmn.socket_path, directions, count)
-            t2, st, c2 = time.perf_counter(), sc.status(), daemon_cpu(dmn.proc.pid)
+            t1, b1, c1 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(pid)
+            loaded = urgent_client(dmn.socket_path, load.directions, load.count, pid)
+            t2, st, c2 = time.perf_counter(), sc.status(), daemon_cpu(pid)
             b2 = st["lane_bytes"]
             # then bulk alone, measured after the loaded phase (so both see a warmed pipeline)
             s3 = sc.status()
-            t3, b3, c3 = time.perf_counter(), s3["lane_bytes"], daemon_cpu(dmn.proc.pid)
+            t3, b3, c3 = time.perf_counter(), s3["lane_bytes"], daemon_cpu(pid)
             time.sleep(1.0)
             s4 = sc.status()
-            t4, b4, c4 = time.perf_counter(), s4["lane_bytes"], daemon_cpu(dmn.proc.pid)
-        log("urgent under load done")
-        stop.set()
-        alone, results, urgent_rate = {}, {}, {}
-        for d in directions:
-            lane = f"gpu0/{d}"
-            urgent_bytes = sum(int(k.split("/")[1]) * len(v) for k, v in loaded.items() if k.startswith(d + "/"))
-            alone[d] = (b4[lane] - b3[lane]) / (t4 - t3) / 1e9
-            results[d] = (b2[lane] - b1[lane] - urgent_bytes) / (t2 - t1) / 1e9
-            urgent_rate[d] = urgent_bytes / (t2 - t1) / 1e9
-        for _ in procs:
-            get_result(q, procs, 120)
-        for p in procs:
-            p.join(timeout=60)
-        status = st
-        moved_alone = sum(b4[f"gpu0/{d}"] - b3[f"gpu0/{d}"] for d in directions)
-        cpu = {
-            "loaded_cpu_s_per_s": (c2 - c1) / (t2 - t1),
-            "bulk_alone_cpu_s_per_s": (c4 - c3) / (t4 - t3),
-            "bulk_alone_cpu_s_per_gb": (c4 - c3) / max(moved_alone / 1e9, 1e-9),
-            "bulk_alone_polls_per_s": (s4.get("polls", 0) - s3.get("polls", 0)) / (t4 - t3),
-        }
-    return {"idle_via_priod": idle, "loaded": loaded, "bulk_gbps": results, "urgent_gbps": urgent_rate, "loaded_s": t2 - t1, "bulk_alone_gbps": alone, "daemon_cpu": cpu, "lanes": status["lanes"], "engine": status["engine"]}
+            t4, b4, c4 = time.perf_counter(), s4["lane_bytes"], daemon_cpu(pid)
+            log("urgent under load done")
+            stop.set()
+            for _ in procs:
+                get_result(q, procs, 120)
+    alone, results, urgent_rate = {}, {}, {}
+    for d in load.directions:
+        lane = f"gpu0/{d}"
+        moved_urgent = urgent_bytes(loaded, d)
+        alone[d] = (b4[lane] - b3[lane]) / (t4 - t3) / 1e9
+        results[d] = (b2[lane] - b1[lane] - moved_urgent) / (t2 - t1) / 1e9
+        urgent_rate[d] = moved_urgent / (t2 - t1) / 1e9
+    moved_alone = sum(b4[f"gpu0/{d}"] - b3[f"gpu0/{d}"] for d in load.directions)
+    cpu = {
+        "loaded_cpu_s_per_s": (c2 - c1) / (t2 - t1),
+        "bulk_alone_cpu_s_per_s": (c4 - c3) / (t4 - t3),
+        "bulk_alone_cpu_s_per_gb": (c4 - c3) / max(moved_alone / 1e9, 1e-9),
+        "bulk_alone_polls_per_s": (s4.get("polls", 0) - s3.get("polls", 0)) / (t4 - t3),
+    }
+    per_copy = {"idle": cpu_per_copy_us(idle, load.count), "loaded": cpu_per_copy_us(loaded, load.count, cpu["bulk_alone_cpu_s_per_s"])}
+    return {
+        "row": "express" if express else "dma",
+        "bulk_poll": bulk_poll,
+        "cotenant": ct,
+        "idle_via_priod": idle,
+        "loaded": loaded,
+        "bulk_gbps": results,
+        "urgent_gbps": urgent_rate,
+        "loaded_s": t2 - t1,
+        "bulk_alone_gbps": alone,
+        "daemon_cpu": cpu,
+        "cpu_per_copy_us": per_copy,
+        "lanes": st["lanes"],
+        "engine": st["engine"],
+    }
 
 
-def daemon_cpu(pid: int) -> float:
-    """The daemon's user + system CPU seconds so far (psutil if present, else /proc)."""
-    try:
-        import psutil
-
-        t = psutil.Process(pid).cpu_times()
-        return float(t.user + t.system)
-    except ImportError:
-        with open(f"/proc/{pid}/stat") as fp:
-            fields = fp.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def get_result(q: Any, procs: list[Any], timeout: float = 600) -> Any:
-    """The next result on ``q``, or an error as soon as every child has died without one."""
-    import queue
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return q.get(timeout=2)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                raise RuntimeError(f"children exited ({[p.exitcode for p in procs]}) before reporting") from None
-    raise TimeoutError(f"no result in {timeout} s")
+# -- main ------------------------------------------------------------------------------------
+def csv_choices(ap: argparse.ArgumentParser, value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    """``value`` split at commas; a usage error unless every item is in ``allowed``."""
+    items = value.split(",")
+    if not items or not set(items) <= set(allowed):
+        ap.error(f"{flag} takes {', '.join(allowed)} (comma-separated)")
+    return items
 
 
 def main() -> int:
@@ -295,32 +545,44 @@ def main() -> int:
         "(rows of modes after the first are named e.g. express/spin); the default measures the shipped "
         "mode (timer) and spin side by side",
     )
+    ap.add_argument(
+        "--cotenant",
+        default="none,gemm",
+        help="what else runs on the GPU during the anchor and priod rows, comma-separated: none, or gemm "
+        "(a process of its own running bf16 GEMMs back to back); each row runs once per item",
+    )
+    ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
     args = ap.parse_args()
     _dump_stacks_later()
     os.makedirs(args.out, exist_ok=True)
     bulk = int(args.bulk_gib * GiB)
-    modes = args.bulk_poll.split(",")
-    if not set(modes) <= {"spin", "timer"}:
-        ap.error("--bulk-poll takes spin, timer or both (comma-separated)")
-    ctx = mp.get_context("spawn")
+    modes = csv_choices(ap, args.bulk_poll, ("timer", "spin"), "--bulk-poll")
+    cotenants = csv_choices(ap, args.cotenant, COTENANTS, "--cotenant")
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "sets": {}}
-    for name in args.sets.split(","):
-        directions = ("h2d", "d2h") if name == "both" else (name,)
-        q: Any = ctx.Queue()
-        p = ctx.Process(target=inprocess, args=(directions, bulk, args.count, q))
-        p.start()
-        inproc = get_result(q, [p])
-        p.join()
-        entry: dict[str, Any] = {"inprocess": inproc}
-        for i, mode in enumerate(modes):
-            for row, express in (("dma", False), ("express", True)):
-                label = row if i == 0 else f"{row}/{mode}"
-                entry[label] = priod_row(directions, express, bulk, args.count, warm_s=args.warm_s, bulk_poll=mode)
-                entry[label]["bulk_poll"] = mode
-        results["sets"][name] = entry
+
+    def save() -> None:
         with open(os.path.join(args.out, "results.json"), "w") as fp:
             json.dump(results, fp, indent=1)
+
+    for name in args.sets.split(","):
+        base = Load(("h2d", "d2h") if name == "both" else (name,), bulk, args.count, args.warm_s, gemm_n=args.gemm_n)
+        q: Any = SPAWN.Queue()
+        with child(inprocess, base.directions, bulk, args.count, q) as p:
+            inproc = get_result(q, [p])
+        rows: list[dict[str, Any]] = []
+        results["sets"][name] = {"inprocess": inproc, "rows": rows}
+        # each row kind runs with every co-tenant in turn, so the pairs compared sit close in time
+        for cot in cotenants:
+            rows.append(anchor_row(dataclasses.replace(base, cotenant=cot)))
+            save()
+        for i, mode in enumerate(modes):
+            for express in (False, True):
+                for cot in cotenants:
+                    r = priod_row(dataclasses.replace(base, cotenant=cot), express, bulk_poll=mode)
+                    r["label"] = r["row"] if i == 0 else f"{r['row']}/{mode}"
+                    rows.append(r)
+                    save()
     table = render(results)
     plot(results, os.path.join(args.out, "latency.png"))
     with open(os.path.join(args.out, "table.txt"), "w") as fp:
@@ -329,60 +591,108 @@ def main() -> int:
     return 0
 
 
+# -- the table ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Line:
+    """One line of the table: a row's urgent latencies for one size, and what goes beside them."""
+
+    row: str
+    cotenant: str
+    lat: list[float]
+    bulk_gbps: float | None = None
+    urgent_gbps: float | None = None
+    daemon_us: float | None = None
+    cpu_us: float | None = None
+    anchor: list[float] | None = None
+    """The anchor row's latencies with the same co-tenant (priod rows only)."""
+
+
 def mean_of(per_direction: dict[str, float]) -> float | None:
     return float(np.mean(list(per_direction.values()))) if per_direction else None
 
 
-def priod_rows(s: dict[str, Any]) -> list[str]:
-    return [k for k in s if k != "inprocess"]
+def daemon_p50(probe: dict[str, Any], key: str) -> float:
+    return percentile([total for _, _, total in probe["_daemon_us"][key]], 50)
+
+
+def table_lines(s: dict[str, Any], key: str) -> list[Line]:
+    """idle, naive, then per co-tenant: anchor, priod-idle (from the express rows' daemons), the priod rows."""
+    inproc = s["inprocess"]
+    naive = inproc["naive"][key]
+    lines = [Line("idle", "none", inproc["idle"][key]), Line("naive", "none", naive["lat"], naive["bulk_gbps"], naive.get("urgent_gbps"))]
+    for cot in dict.fromkeys(r["cotenant"]["kind"] for r in s["rows"]):
+        rows = [r for r in s["rows"] if r["cotenant"]["kind"] == cot]
+        anchor = next((r["loaded"][key] for r in rows if r["row"] == "anchor"), None)
+        priod_rows = [r for r in rows if r["row"] != "anchor"]
+        for r in rows:
+            if r["row"] == "anchor":
+                lines.append(Line("anchor", cot, r["loaded"][key], mean_of(r["bulk_gbps"]), mean_of(r["urgent_gbps"])))
+        for r in priod_rows:
+            if r["row"] == "express":
+                idle = r["idle_via_priod"]
+                label = r["label"].replace("express", "priod-idle")
+                lines.append(Line(label, cot, idle[key], daemon_us=daemon_p50(idle, key), cpu_us=r["cpu_per_copy_us"]["idle"][key], anchor=anchor))
+        for r in priod_rows:
+            loaded = r["loaded"]
+            lines.append(
+                Line(r["label"], cot, loaded[key], mean_of(r["bulk_gbps"]), mean_of(r["urgent_gbps"]), daemon_p50(loaded, key), r["cpu_per_copy_us"]["loaded"][key], anchor)
+            )
+    return lines
+
+
+def fmt(v: float | None, spec: str, width: int) -> str:
+    """``v`` formatted, or blanks where there is no figure."""
+    return f"{v:{width}{spec}}" if v is not None and math.isfinite(v) else " " * width
 
 
 def render(results: dict[str, Any]) -> str:
-    """The table: per urgent size, each row's latency against idle, the daemon's own share of
-    it, and what bulk kept of the link (bulk alone, and bulk plus the urgent bytes)."""
-    lines = []
-    hdr = (
-        f"{'set':<5} {'urgent':<10} {'row':<13} {'p50 us':>9} {'x idle':>7} {'p99 us':>9} {'x idle':>7} {'daemon':>7} "
-        f"{'bulk GB/s':>10} {'x raw':>6} {'link':>6}  target p99<=2*idle+50us"
-    )
-    lines.append(hdr)
+    """The table: per urgent size, each row's latency against idle and against the anchor, the
+    daemon's own share of it and its CPU, and what bulk kept of the link."""
+    out = [
+        f"{'set':<5} {'urgent':<10} {'row':<16} {'cot':<4} {'p50 us':>9} {'x idle':>7} {'p99 us':>9} {'x idle':>7} {'p50 xA':>6} {'p99 xA':>6} "
+        f"{'daemon':>7} {'cpu/cp':>6} {'bulk GB/s':>10} {'x raw':>6} {'link':>6}  target p99<=2*idle+50us"
+    ]
     for name, s in results["sets"].items():
         inproc = s["inprocess"]
-        raw = float(np.mean([inproc["raw_gbps"][d] for d in inproc["raw_gbps"]]))
-        for key in [k for k in s["express"]["loaded"] if not k.startswith("_")]:
+        raw = float(np.mean(list(inproc["raw_gbps"].values())))
+        for key in inproc["naive"]:
             direction, n = key.split("/")
-            idle = inproc["idle"][key]
-            i50 = pct(idle, 50)
             label = f"{direction} {int(n) // KiB} KiB" if int(n) < MiB else f"{direction} {int(n) // MiB} MiB"
-            naive = inproc["naive"][key]
-            rows = [("idle", idle, None, None, None), ("naive", naive["lat"], naive["bulk_gbps"], naive.get("urgent_gbps"), None)]
-            for row in priod_rows(s):
-                r = s[row]
-                daemon_total = [t for _, _, t in r["loaded"]["_daemon_us"][key]]
-                rows.append((row, r["loaded"][key], mean_of(r["bulk_gbps"]), mean_of(r.get("urgent_gbps", {})), pct(daemon_total, 50)))
-            for row, lat, gbps, urgent_gbps, daemon in rows:
-                p50, p99 = pct(lat, 50), pct(lat, 99)
-                met = "" if row in ("idle", "naive") else ("met" if p99 <= 2 * i50 + 50 else "not met")
-                g = f"{gbps:10.1f} {gbps / raw:6.3f}" if gbps else f"{'':>10} {'':>6}"
-                link = f"{(gbps + urgent_gbps) / raw:6.3f}" if gbps and urgent_gbps is not None else f"{'':>6}"
-                dm = f"{daemon:7.0f}" if daemon is not None else f"{'':>7}"
-                lines.append(f"{name:<5} {label:<10} {row:<13} {p50:9.1f} {p50 / i50:7.1f} {p99:9.1f} {p99 / i50:7.1f} {dm} {g} {link}  {met}")
-        lines.append(f"{name:<5} raw cudaMemcpyAsync GB/s (the set's directions at once): " + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items()))
-        for row in priod_rows(s):
-            cpu = s[row].get("daemon_cpu")
-            if cpu:
-                lines.append(
-                    f"{name:<5} daemon CPU ({row}, bulk_poll {s[row].get('bulk_poll', 'spin')}): {cpu['loaded_cpu_s_per_s']:.2f} CPU s/s under urgent load, "
-                    f"{cpu['bulk_alone_cpu_s_per_s']:.2f} CPU s/s, {cpu['bulk_alone_cpu_s_per_gb']:.4f} CPU s/GB and "
-                    f"{cpu.get('bulk_alone_polls_per_s', 0):,.0f} polls/s with bulk alone"
+            i50 = percentile(inproc["idle"][key], 50)
+            for ln in table_lines(s, key):
+                p50, p99 = percentile(ln.lat, 50), percentile(ln.lat, 99)
+                xa50 = p50 / percentile(ln.anchor, 50) if ln.anchor else None
+                xa99 = p99 / percentile(ln.anchor, 99) if ln.anchor else None
+                gbps = ln.bulk_gbps
+                link = (gbps + ln.urgent_gbps) / raw if gbps is not None and ln.urgent_gbps is not None else None
+                met = "" if ln.daemon_us is None else ("met" if p99 <= 2 * i50 + 50 else "not met")
+                out.append(
+                    f"{name:<5} {label:<10} {ln.row:<16} {ln.cotenant:<4} {p50:9.1f} {p50 / i50:7.1f} {p99:9.1f} {p99 / i50:7.1f} "
+                    f"{fmt(xa50, '.2f', 6)} {fmt(xa99, '.2f', 6)} {fmt(ln.daemon_us, '.0f', 7)} {fmt(ln.cpu_us, '.0f', 6)} "
+                    f"{fmt(gbps, '.1f', 10)} {fmt(gbps / raw if gbps is not None else None, '.3f', 6)} {fmt(link, '.3f', 6)}  {met}"
                 )
-            alone = s[row].get("bulk_alone_gbps", {})
-            lines.append(
-                f"{name:<5} bulk through priod, no urgent load ({row}) GB/s: "
-                + ", ".join(f"{d} {v:.1f} (x raw {v / inproc['raw_gbps'][d]:.3f})" for d, v in alone.items())
-            )
-    lines.append("daemon: the daemon's own p50 (arrival to completion seen); link: (bulk + urgent bytes) / raw")
-    return "\n".join(lines)
+        out.append(f"{name:<5} raw cudaMemcpyAsync GB/s (the set's directions at once): " + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items()))
+        out += [f"{name:<5} {row_summary(r, inproc['raw_gbps'])}" for r in s["rows"]]
+    out.append(
+        "xA: ratio to the anchor row (other-process bulk, no daemon) with the same co-tenant, < 1: priod wins; daemon: the daemon's own p50 "
+        "(arrival to completion seen); cpu/cp: daemon CPU us per urgent copy (under load: beyond bulk alone); link: (bulk + urgent bytes) / raw"
+    )
+    return "\n".join(out)
+
+
+def row_summary(r: dict[str, Any], raw_gbps: dict[str, float]) -> str:
+    """One line per anchor or priod row: its bulk without urgent load, the daemon's CPU, the co-tenant's rate."""
+    ct = r["cotenant"]
+    tenant = f"; co-tenant {ct['gemm_n']}^3 GEMMs {ct['tflops']:.0f} TFLOP/s" if "tflops" in ct else ""
+    head = f"{r['label']} ({ct['kind']}):"
+    if r["row"] == "anchor":
+        return f"{head} bulk process GB/s over its whole run " + ", ".join(f"{d} {v:.1f}" for d, v in r["bulk_process_gbps"].items()) + tenant
+    cpu = r["daemon_cpu"]
+    alone = ", ".join(f"{d} {v:.1f} (x raw {v / raw_gbps[d]:.3f})" for d, v in r["bulk_alone_gbps"].items())
+    return (
+        f"{head} bulk_poll {r['bulk_poll']}; daemon CPU {cpu['loaded_cpu_s_per_s']:.2f} s/s under urgent load; with bulk alone "
+        f"{cpu['bulk_alone_cpu_s_per_s']:.2f} s/s, {cpu['bulk_alone_cpu_s_per_gb']:.4f} s/GB, {cpu['bulk_alone_polls_per_s']:,.0f} polls/s, GB/s {alone}{tenant}"
+    )
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -400,18 +710,16 @@ def plot(results: dict[str, Any], path: str) -> None:
             ax = axes[r][c]
             direction = "d2h" if name == "d2h" else "h2d"
             key = f"{direction}/{n}"
-            series = {"idle": s["inprocess"]["idle"][key], "naive": s["inprocess"]["naive"][key]["lat"]}
-            series.update({f"priod {row}": s[row]["loaded"][key] for row in priod_rows(s)})
-            for label, v in series.items():
-                v = sorted(v)
-                ax.plot(v, np.linspace(0, 1, len(v)), label=label)
+            for ln in table_lines(s, key):
+                v = sorted(ln.lat)
+                ax.plot(v, np.linspace(0, 1, len(v)), label=f"{ln.row} ({ln.cotenant})", linestyle="--" if ln.cotenant == "gemm" else "-")
             ax.set_xscale("log")
             ax.set_title(f"{name}: urgent {key}")
             ax.set_xlabel("latency (us)")
             ax.grid(alpha=0.3)
             if c == 0:
                 ax.set_ylabel("CDF")
-                ax.legend(fontsize=8)
+                ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -107,7 +107,7 @@ def test_short_run_verifies_every_byte(tmp_path: Path) -> None:
         assert (c["bytes_corrupted"], c["bytes_lost"], c["bytes_unverified"], c["errors"]) == (0, 0, 0, {}), cls
         lat = c["latency_us"]
         assert 0 < lat["p50"] <= lat["p99"] <= lat["p99.9"] <= lat["max"], cls
-    assert report["classes"]["urgent"]["express_fraction"] > 0.5  # urgent copies take the express path on sim
+    assert report["classes"]["urgent"]["express_fraction"] > 0  # both urgent paths are measured and used where faster (choice.py)
     assert report["verify"] == ["mapped"]
     res = report["daemon"]["resources"]
     assert res["fds_after"] == res["fds_before"] and res["clients_after"] == res["clients_before"]

@@ -63,7 +63,8 @@ def test_urgent_is_bounded_and_10x_faster_than_fifo() -> None:
     fifo, _, _ = _run({"PRIOD_SCHEDULER__MODE": '"fifo"'})
     dma, dma_paths, lane = _run({"PRIOD_SCHEDULER__EXPRESS": "false"})
     express, express_paths, _ = _run({})
-    assert set(dma_paths) == {"dma"} and set(express_paths) == {"express"}
+    # With express on, the daemon measures both paths (choice.py) and keeps the faster one.
+    assert set(dma_paths) == {"dma"} and "express" in express_paths
     own_transfer_us = URGENT / (lane["bandwidth_gbps"] * 1e9) * 1e6
     bound_us = 1000 + own_transfer_us + SLACK_US
     assert statistics.median(dma) <= bound_us, (dma, bound_us)

@@ -30,7 +30,8 @@ INFO0 = LaneInfo(L0, bandwidth=16_384_000, express_min=512, express_max=4096)
 INFO1 = LaneInfo(L1, bandwidth=16_384_000, express_min=0, express_max=0)
 CHUNK = 8192
 BOUND = 16384
-POLICY = Policy(min_chunk_bytes=4096)
+POLICY = Policy(min_chunk_bytes=4096, urgent_block_us=0)
+"""The long bound throughout (the short one after urgent copies is tested on its own below)."""
 
 
 def req(
@@ -106,8 +107,8 @@ def make(policy: Policy = POLICY) -> tuple[Scheduler, Sim]:
 def test_lane_params_from_bandwidth() -> None:
     """55 GB/s, 1000 us, depth 2 gives 27.5 MB chunks rounded down to 4 KiB, two in flight."""
     info = LaneInfo(L0, bandwidth=55e9, express_min=4096, express_max=1 << 20)
-    p = lane_params(info, Policy(max_block_us=1000.0, depth=2))
-    assert p == LaneParams(27_496_448, 2 * 27_496_448, 4096, 1 << 20)
+    p = lane_params(info, Policy(max_block_us=1000.0, depth=2, urgent_block_us=150.0))
+    assert p == LaneParams(27_496_448, 2 * 27_496_448, 4096, 1 << 20, 4_124_672, 2 * 4_124_672)
     assert p.chunk_bytes % 4096 == 0
 
 
@@ -121,7 +122,7 @@ def test_lane_params_floor_and_express_off() -> None:
 def test_scheduler_lane_params_and_unknown_lane() -> None:
     """Scheduler.lane_params answers per lane and names the known lanes for an unknown one."""
     s, _ = make()
-    assert s.lane_params(L0) == LaneParams(CHUNK, BOUND, 512, 4096)
+    assert s.lane_params(L0) == LaneParams(CHUNK, BOUND, 512, 4096, CHUNK, BOUND)
     assert s.lane_params(L1).express_max == 0
     with pytest.raises(InvalidRequest, match=r"^no lane gpu5/h2d; the lanes are gpu0/d2h, gpu0/h2d$"):
         s.lane_params(LaneKey(5, Direction.H2D))
@@ -238,7 +239,7 @@ def test_express_path_within_range() -> None:
         (511, L0, POLICY),  # below express_min: DMA is faster
         (4097, L0, POLICY),  # above express_max
         (4096, L1, POLICY),  # the lane has no express path
-        (4096, L0, Policy(min_chunk_bytes=4096, express=False)),
+        (4096, L0, Policy(min_chunk_bytes=4096, express=False, urgent_block_us=0)),
     ],
 )
 def test_urgent_outside_express_range_uses_dma(nbytes: int, lane: LaneKey, policy: Policy) -> None:
@@ -325,7 +326,7 @@ def test_random_traffic_keeps_the_promise(ops: list[tuple[object, ...]]) -> None
             w = o[1]
             assert isinstance(w, int)
             classes = (ClassSpec("urgent", strict=True), ClassSpec("high", w), ClassSpec("normal", 4), ClassSpec("bulk"))
-            s.set_policy(Policy(min_chunk_bytes=4096, classes=classes))
+            s.set_policy(Policy(min_chunk_bytes=4096, urgent_block_us=0, classes=classes))
         sim.pump(now)
         for lane in (L0, L1):
             assert sim.bytes_in_flight(lane, strict=False) <= BOUND
@@ -392,7 +393,7 @@ def test_deficit_resets_when_a_class_runs_dry() -> None:
 
 def test_aging_prevents_starvation_under_urgent_flood() -> None:
     """Under a continuous urgent flood, bulk gets one chunk per aging_ms and eventually finishes."""
-    policy = Policy(min_chunk_bytes=4096, aging_ms=200.0)
+    policy = Policy(min_chunk_bytes=4096, aging_ms=200.0, urgent_block_us=0)
     s = Scheduler(policy, [LaneInfo(L0, 16_384_000, 0, 0)])
     sim = Sim(s)
     s.enqueue(req(1, "bulk", nbytes=4 * CHUNK), 0.0)
@@ -555,8 +556,8 @@ def test_set_policy_keeps_queued_requests() -> None:
     s.enqueue(req(2, "normal", nbytes=4 * CHUNK), 0.0)
     sim.pump(0.0)
     classes = (ClassSpec("urgent", strict=True), ClassSpec("high", 8), ClassSpec("bulk", 2), ClassSpec("scavenger", 1))
-    s.set_policy(Policy(min_chunk_bytes=4096, max_block_us=2000.0, classes=classes))
-    assert s.lane_params(L0) == LaneParams(2 * CHUNK, 2 * BOUND, 512, 4096)
+    s.set_policy(Policy(min_chunk_bytes=4096, max_block_us=2000.0, urgent_block_us=0, classes=classes))
+    assert s.lane_params(L0) == LaneParams(2 * CHUNK, 2 * BOUND, 512, 4096, 2 * CHUNK, 2 * BOUND)
     r2 = s.get(2)
     assert r2 is not None and r2.cls == "scavenger"
     stats = lane_stats(s, L0)

@@ -5,6 +5,9 @@ and moves each one whole before the next (non-preemptive, like the hardware), pa
 configured bandwidth; and an express thread beside it that does not wait for that queue but
 shares the link: while both run, the express copy gets ``express_share`` of the bandwidth and
 the copy engine the rest (findings.md section 4: a copy kernel got about a third of the link).
+A co-tenant (another process computing on the GPU) is modelled too: the express path is a
+kernel on the SMs, so with ``cotenant_stall_us`` set each express chunk first waits for the
+co-tenant's compute time slice, without holding the link; the copy engines do not wait.
 "Device memory" is a sealed memfd the client can map too, so tests read what landed.
 
 The bytes are moved by numpy in slices, and the thread sleeps between slices to keep to the
@@ -15,8 +18,10 @@ see on a copy engine, only slower.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +69,12 @@ class SimSettings:
     express_min_bytes: int = 4096
     fault_on_nbytes: int = 0
     """Fault injection for tests: a chunk of exactly this many bytes fails. 0: never."""
+    cotenant_stall_us: float = 0.0
+    """A co-tenant process computes on the GPU: each express chunk first waits for its compute
+    time slice, a delay drawn uniformly from [0.5, 1.0] x this many microseconds (H200 with
+    8192^3 bf16 GEMMs in another process: 1,500-2,200 us; 0: the SMs are idle). The wait holds
+    no bandwidth and delays neither the DMA path nor other lanes. Changed at run time with
+    `SimEngine.set_cotenant_stall`."""
 
 
 def sealed_memfd(name: str, nbytes: int) -> int:
@@ -101,10 +112,12 @@ class SimCompletion(Completion):
 
 
 class _Job:
-    __slots__ = ("completion", "dst", "fail", "nbytes", "src")
+    __slots__ = ("completion", "dst", "fail", "nbytes", "src", "stall_s")
 
-    def __init__(self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool) -> None:
+    def __init__(self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool, stall_s: float = 0.0) -> None:
         self.dst, self.src, self.nbytes, self.completion, self.fail = dst, src, nbytes, completion, fail
+        self.stall_s = stall_s
+        """Co-tenant compute wait before the copy starts (express only), drawn at submission."""
 
 
 class _Link:
@@ -135,6 +148,9 @@ class _Worker(threading.Thread):
         # worker), so their difference is the queue's length without a lock.
         self.submitted = 0
         self.completed = 0
+        # Co-tenant waits served (express only); written by the worker alone.
+        self.stalled = 0
+        self.stalled_seconds = 0.0
 
     def run_inline(self, job: _Job) -> bool:
         """Run a tiny job on the caller's thread if this engine is idle; False if it must queue.
@@ -143,7 +159,7 @@ class _Worker(threading.Thread):
         (about 150 us on a small VM): a real copy engine finishes a 4 KiB copy in 7-10 us.
         Only when nothing is queued or running, so FIFO order is kept.
         """
-        if self.submitted != self.completed or job.nbytes / self.link.rate(self.path) > INLINE_MAX_S:
+        if job.stall_s > 0 or self.submitted != self.completed or job.nbytes / self.link.rate(self.path) > INLINE_MAX_S:
             return False
         started = time.perf_counter()
         job.dst[:] = job.src
@@ -162,6 +178,8 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
+            if job.stall_s > 0:
+                self._stall(job.stall_s)
             started = time.perf_counter()
             if self.path is Path.DMA:
                 self.link.dma_busy = True
@@ -178,6 +196,19 @@ class _Worker(threading.Thread):
                 self.completed += 1
             job = None  # drop the views now, so a freed region's mapping can close
             self._wakeup()()
+
+    def _stall(self, seconds: float) -> None:
+        """Wait for the co-tenant's time slice: the kernel is launched but not running, so the
+        link is not marked busy (DMA beside it keeps the whole bandwidth) and no bytes move."""
+        began = time.perf_counter()
+        until = began + seconds
+        while (delay := until - time.perf_counter()) > 0:
+            time.sleep(delay)
+        # The copy starts when the slice came, not when the sleep happened to end; and the
+        # overshoot credit in _move must not count the wait as time the bytes were moving.
+        self._last_due = max(self._last_due, until)
+        self.stalled_seconds += time.perf_counter() - began
+        self.stalled += 1
 
     def _move(self, job: _Job) -> None:
         # A chunk queued behind the previous one starts when that one was due, not when its
@@ -205,9 +236,15 @@ class SimEngine(Engine):
     name = "sim"
     wakes_on_completion = True
 
-    def __init__(self, cfg: SimSettings | None = None) -> None:
+    def __init__(self, cfg: SimSettings | None = None, *, seed: int | None = None) -> None:
+        """``seed`` seeds this engine's own random draws (the co-tenant waits), for tests that
+        want the same waits every run; None: seeded from the OS."""
         self.cfg = cfg or SimSettings()
         self._wake: Callable[[], None] = lambda: None
+        self._cotenant_lock = threading.Lock()
+        self._cotenant_rng = random.Random(seed)
+        self._cotenant_stall_s = 0.0
+        self.set_cotenant_stall(self.cfg.cotenant_stall_us)
         rates = {Direction.H2D: self.cfg.h2d_gbps, Direction.D2H: self.cfg.d2h_gbps, Direction.D2D: self.cfg.d2d_gbps}
         self._links: dict[LaneKey, _Link] = {}
         self._workers: dict[tuple[LaneKey, Path], _Worker] = {}
@@ -269,6 +306,7 @@ class SimEngine(Engine):
             nbytes,
             completion,
             fail=nbytes == self.cfg.fault_on_nbytes,
+            stall_s=self._draw_stall() if path is Path.EXPRESS and self._cotenant_stall_s > 0 else 0.0,
         )
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
@@ -279,11 +317,30 @@ class SimEngine(Engine):
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wake = wakeup
 
+    def set_cotenant_stall(self, us: float) -> None:
+        """Switch the co-tenant compute model: express chunks submitted from now on each wait
+        uniform [0.5, 1.0] x ``us`` microseconds for a time slice before copying (0: off).
+
+        Thread-safe (a test may call it from any thread while copies run); chunks already
+        submitted keep the wait they drew. Raises ValueError unless ``us`` is finite and >= 0.
+        """
+        if not (math.isfinite(us) and us >= 0):
+            raise ValueError(f"cotenant stall = {us} us is invalid; pass a finite number >= 0 (0: the SMs are idle)")
+        with self._cotenant_lock:
+            self._cotenant_stall_s = float(us) * 1e-6
+
+    def _draw_stall(self) -> float:
+        with self._cotenant_lock:
+            return self._cotenant_rng.uniform(0.5, 1.0) * self._cotenant_stall_s
+
     def statistics(self) -> dict[str, object]:
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         return {
             "engine": "sim",
             "busy_fraction": {str(k): round(link.busy_seconds / elapsed, 4) for k, link in sorted(self._links.items())},
+            "cotenant_stall_us": round(self._cotenant_stall_s * 1e6, 3),
+            "cotenant_stalled_chunks": sum(w.stalled for w in self._workers.values()),
+            "cotenant_stalled_seconds": round(sum(w.stalled_seconds for w in self._workers.values()), 6),
         }
 
     def busy_seconds(self) -> dict[str, float]:

@@ -1,0 +1,142 @@
+"""Urgent copies take the path that is faster now, and bulk shrinks its chunks while urgent
+copies are about.
+
+The co-tenant is the sim engine's model of another process computing on the GPU: express
+chunks wait for its time slice, DMA does not (tests/test_sim_cotenant.py tests the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+
+import priod
+from priod.choice import PathChooser
+from priod.config import load_config
+from priod.engines.base import Direction, LaneInfo, LaneKey, Path
+from priod.engines.sim import SimEngine
+from priod.errors import ConfigError
+from priod.policy import Policy
+from priod.scheduler import Request, Scheduler
+from priod.server import Daemon
+
+LANE = LaneKey(0, Direction.H2D)
+
+
+# -- the chooser (pure) ---------------------------------------------------------------------------
+def test_chooser_tries_both_then_keeps_the_faster_and_looks_again_later() -> None:
+    c = PathChooser(explore_s=1.0)
+    assert c.choose(LANE, 65536, now=0.0) is Path.EXPRESS  # no figures yet: the calibrated default
+    c.observe(LANE, Path.EXPRESS, 65536, 2e-3, now=0.0)
+    assert c.choose(LANE, 65536, now=0.01) is Path.DMA  # the other path has no figure yet
+    c.observe(LANE, Path.DMA, 65536, 1e-4, now=0.01)
+    assert [c.choose(LANE, 65536, now=0.02 + i * 0.01) for i in range(5)] == [Path.DMA] * 5
+    assert c.choose(LANE, 65536, now=1.5) is Path.EXPRESS  # express not tried for a second: once
+    assert c.choose(LANE, 65536, now=1.51) is Path.DMA
+    (est,) = c.estimates()
+    assert (est.size_bytes, est.express_us, est.dma_us, est.choice) == (65536, 2000.0, 100.0, "dma")
+    c.observe(LANE, Path.EXPRESS, 65536, 5e-5, now=1.6)  # express recovered: a stale figure is replaced
+    assert c.choose(LANE, 65536, now=1.7) is Path.EXPRESS
+
+
+def test_chooser_keeps_sizes_and_lanes_apart() -> None:
+    c = PathChooser()
+    c.observe(LANE, Path.EXPRESS, 65536, 1e-3, now=0.0)
+    c.observe(LANE, Path.DMA, 65536, 1e-4, now=0.0)
+    assert c.choose(LANE, 65536, now=0.0) is Path.DMA
+    assert c.choose(LANE, 16 << 20, now=0.0) is Path.EXPRESS  # another size bucket: no figures
+    assert c.choose(LaneKey(0, Direction.D2H), 65536, now=0.0) is Path.EXPRESS
+
+
+# -- the short bound (pure) -----------------------------------------------------------------------
+def test_bulk_chunks_shrink_while_urgent_copies_are_recent() -> None:
+    """Bulk runs long chunks until an urgent copy arrives on the lane, short ones for
+    urgent_window_ms after it, and long ones again once the window has passed."""
+    info = LaneInfo(LANE, bandwidth=55e9, express_min=4096, express_max=0)
+    s = Scheduler(Policy(max_block_us=1000.0, urgent_block_us=150.0, urgent_window_ms=100.0), [info])
+    long_chunk, short_chunk = s.lane_params(LANE).chunk_bytes, s.lane_params(LANE).urgent_chunk_bytes
+    assert short_chunk * 5 < long_chunk
+
+    def bulk_chunks(i: int, now: float) -> list[int]:
+        s.enqueue(Request(i, "c", LANE, "bulk", 256 << 20, now), now)
+        chunks = s.next_chunks(now)
+        for c in chunks:
+            s.chunk_done(c, now)
+        s.cancel(i, now)
+        return [c.nbytes for c in chunks]
+
+    assert bulk_chunks(1, 0.0) == [long_chunk, long_chunk]
+    s.enqueue(Request(2, "c", LANE, "urgent", 65536, 1.0), 1.0)
+    for c in s.next_chunks(1.0):
+        s.chunk_done(c, 1.0001)
+    assert s.urgent_recent(1.05)
+    assert bulk_chunks(3, 1.05) == [short_chunk, short_chunk]
+    assert not s.urgent_recent(1.2)
+    assert bulk_chunks(4, 1.2) == [long_chunk, long_chunk]
+
+
+# -- the daemon reacting to a co-tenant -----------------------------------------------------------
+async def _urgent_paths(daemon: Daemon, c: Any, dev: Any, host: Any, n: int) -> list[str]:
+    paths = []
+    for i in range(n):
+        host.array[:4096] = i % 251
+        r = await c.copy(dev, host, 4096 * 4, priority="urgent")
+        assert int(dev.array[0]) == i % 251, "urgent bytes did not land"
+        paths.append(r.path)
+    return paths
+
+
+async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> None:
+    """Urgent copies under bulk on the same lane. A co-tenant starts computing (express chunks
+    wait 20-40 ms): within a few copies the daemon sends urgent copies by DMA. It stops: after
+    explore_ms the daemon looks at express again and its figure is fresh. Every byte is checked."""
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    cfg = load_config(None, environ={}).replace(
+        server={"socket": path}, scheduler={"explore_ms": 300.0}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
+    )
+    engine = SimEngine(cfg.sim)
+    daemon = Daemon(cfg, engine)
+    await daemon.start()
+    try:
+        async with priod.connect(path) as c:
+            host, dev = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
+            bulk_host, bulk_dev = await c.alloc_host(64 << 20), await c.alloc_device(64 << 20)
+            assert host.array is not None and dev.array is not None
+            stop = False
+
+            async def stream() -> None:
+                while not stop:
+                    await c.copy(bulk_dev, bulk_host, priority="bulk")
+
+            streamer = asyncio.ensure_future(stream())
+            await asyncio.sleep(0.05)
+            calm = await _urgent_paths(daemon, c, dev, host, 6)
+            engine.set_cotenant_stall(40_000)
+            busy = await _urgent_paths(daemon, c, dev, host, 12)
+            engine.set_cotenant_stall(0)
+            await asyncio.sleep(0.4)  # past explore_ms: the next copy looks at express again
+            after = await _urgent_paths(daemon, c, dev, host, 6)
+            status = await c.status()
+            stop = True
+            await streamer
+    finally:
+        await daemon.stop()
+    assert calm[0] == "express", calm
+    assert busy[-4:] == ["dma"] * 4, busy  # at most a few slow copies before the switch
+    assert "express" in after, after  # looked at again once explore_ms had passed
+    est = next(e for e in status["urgent_paths"] if e["lane"] == "gpu0/h2d" and e["size_bytes"] == 16384)
+    assert est["express_us"] < 10_000, est  # the stalled figure (20-40 ms) was replaced, not averaged in
+    assert est["express_chosen"] >= 2 and est["dma_chosen"] >= 4
+
+
+def test_short_bound_settings_are_validated() -> None:
+    with pytest.raises(ConfigError, match=r"^\[scheduler\] urgent_block_us = -1.0 is invalid"):
+        load_config(None, environ={"PRIOD_SCHEDULER__URGENT_BLOCK_US": "-1.0"})
+    with pytest.raises(ConfigError, match=r"^\[scheduler\] explore_ms = 0.0 is invalid"):
+        load_config(None, environ={"PRIOD_SCHEDULER__EXPLORE_MS": "0.0"})
+    assert np.isfinite(load_config(None, environ={}).scheduler.urgent_block_us)
