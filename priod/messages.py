@@ -223,6 +223,26 @@ class Copy(_Request):
     priority: str = "normal"
     deadline_ms: float | None = None
 
+    @classmethod
+    def decode(cls, msg: Message) -> Self:
+        # The common case written out (once per copy on the daemon's loop: 0.6 us instead of
+        # 2.4); anything unusual goes the general way, which names what is wrong.
+        get = msg.get
+        dst, src, nbytes = get("dst"), get("src"), get("nbytes")
+        dst_offset, src_offset = get("dst_offset", 0), get("src_offset", 0)
+        priority, deadline_ms = get("priority", "normal"), get("deadline_ms")
+        if (
+            type(dst) is int
+            and type(src) is int
+            and type(nbytes) is int
+            and type(dst_offset) is int
+            and type(src_offset) is int
+            and type(priority) is str
+            and (deadline_ms is None or type(deadline_ms) is float)
+        ):
+            return cls(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms)
+        return cls(**cls._read(msg))
+
     def encode(self, req_id: int) -> Message:
         # Written out: this runs once per copy on the client (a generic encode costs ~3 us more).
         msg: Message = {

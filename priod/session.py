@@ -14,10 +14,11 @@ session that breaks the protocol is closed alone.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,9 @@ __all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]
 log = structlog.get_logger("priod.session")
 
 _US = 1e6
+REQUESTS_PER_TURN = 64
+"""Requests of one connection handled in one loop turn; the rest wait a turn, so a client
+that sends thousands at once cannot hold the loop from the others."""
 
 _CANCEL_WHY = {
     "cancelled": "copy cancelled",
@@ -140,6 +144,12 @@ class Session:
         self.greeted = False
         self.closed = False
         self.copies = 0
+        self._setup: asyncio.Task[None] | None = None
+        """A region set-up under way; the requests behind it wait."""
+        self._draining = False
+        self._again = False
+        self._ended: asyncio.Future[ProtocolError | None]
+        self._context: contextvars.Context
         # The per-copy log line runs thousands of times a second: resolve the logger once
         # (not through structlog's lazy proxy on every call).
         self._copy_log = structlog.get_logger("priod.session").bind()
@@ -159,23 +169,81 @@ class Session:
 
     # -- the connection --------------------------------------------------------------------
     async def serve(self) -> None:
-        """Handle requests until the client leaves or breaks the protocol; then release all."""
-        shared = self.shared
+        """Handle requests until the client leaves or breaks the protocol; then release all.
+
+        Requests are handled in the transport's read callback (`_on_ready`), in arrival order;
+        this coroutine only waits for the end. A request that sets up a region runs as a task,
+        and the requests behind it wait for it (a copy may name the region it makes).
+        """
+        loop = asyncio.get_running_loop()
+        self._ended = loop.create_future()
+        self._context = contextvars.copy_context()  # the connection's log context, for callbacks
+        self.sock.set_listener(self._on_ready)
+        self._on_ready()
         try:
-            while True:
-                msg, fds = await self.sock.receive()
-                await self._handle(msg, fds)
-        except ConnectionClosed:
-            pass
-        except ProtocolError as exc:
-            shared.totals["protocol_errors"] += 1
-            log.warning("protocol_error", **error_fields(exc))
-            if not self.sock.closed:
-                self.sock.send(ErrorReply(exc.code, f"{exc}; the connection is closed").encode(0))
+            exc = await self._ended
+            if isinstance(exc, ProtocolError):
+                self.shared.totals["protocol_errors"] += 1
+                log.warning("protocol_error", **error_fields(exc))
+                if not self.sock.closed:
+                    self.sock.send(ErrorReply(exc.code, f"{exc}; the connection is closed").encode(0))
         finally:
+            self.sock.set_listener(None)
+            if self._setup is not None:
+                self._setup.cancel()
             self.drop()
             await self.flush_and_close(timeout=1.0)
             log.info("client_disconnected", copies=self.copies)
+
+    def _on_ready(self) -> None:
+        if self._draining:
+            self._again = True  # called from inside _drain (a reply was sent): it goes on
+            return
+        self._context.run(self._drain)
+
+    def _drain(self) -> None:
+        """Handle the requests the transport has, up to a bound per loop turn (other clients
+        are served between), unless a region set-up is under way."""
+        self._draining = True
+        try:
+            for _ in range(REQUESTS_PER_TURN):
+                if self._setup is not None or self._ended.done():
+                    return
+                try:
+                    item = self.sock.take()
+                except ConnectionClosed:
+                    self._end(None)
+                    return
+                except ProtocolError as exc:
+                    self._end(exc)
+                    return
+                if item is None:
+                    if not self._again:
+                        return
+                    self._again = False
+                    continue
+                try:
+                    setup = self._handle(*item)
+                except ConnectionClosed:
+                    self._end(None)
+                    return
+                if setup is not None:
+                    self._setup = asyncio.ensure_future(setup)  # in this context: keeps the log context
+                    self._setup.add_done_callback(self._setup_done)
+            asyncio.get_running_loop().call_soon(self._on_ready)
+        finally:
+            self._draining = False
+
+    def _setup_done(self, task: asyncio.Task[None]) -> None:
+        self._setup = None
+        if not task.cancelled() and isinstance(task.exception(), ConnectionClosed):
+            self._end(None)
+        else:
+            self._on_ready()
+
+    def _end(self, exc: ProtocolError | None) -> None:
+        if not self._ended.done():
+            self._ended.set_result(exc)
 
     async def flush_and_close(self, timeout: float) -> None:
         try:
@@ -215,22 +283,19 @@ class Session:
         }
 
     # -- requests --------------------------------------------------------------------------
-    async def _handle(self, msg: Message, fds: list[int]) -> None:
+    def _handle(self, msg: Message, fds: list[int]) -> Coroutine[Any, Any, None] | None:
+        """Answer one request now, or return the coroutine that will (region set-up)."""
         req_id = request_id(msg)
         try:
             req = decode_request(msg, greeted=self.greeted, fds=len(fds))
             if type(req) is Copy:
-                self._copy(req_id, req)
-                return
+                self._copy(req_id, req)  # answered when it ends (copy_finished)
+                return None
             reply = self._handlers[type(req)](req, fds)
-            out_fds: list[int] = []
             if asyncio.iscoroutine(reply):
-                reply, out_fds = await reply
-            if not self.closed:
-                self.sock.send(reply.encode(req_id), out_fds)
-            else:
-                for fd in out_fds:
-                    os.close(fd)
+                owned, fds = fds, []
+                return self._answer_later(req_id, msg.get("op"), reply, owned)
+            self._reply(req_id, reply, [])
         except RequestError as exc:
             self._refuse(req_id, exc)
         except ConnectionClosed:
@@ -240,6 +305,29 @@ class Session:
             self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
         finally:
             for fd in fds:  # the engine keeps its own mapping of a registered memfd
+                os.close(fd)
+        return None
+
+    async def _answer_later(self, req_id: int, op: object, pending: Coroutine[Any, Any, tuple[Any, list[int]]], fds: list[int]) -> None:
+        try:
+            reply, out_fds = await pending
+            self._reply(req_id, reply, out_fds)
+        except RequestError as exc:
+            self._refuse(req_id, exc)
+        except (ConnectionClosed, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            log.exception("request_failed", op=op)
+            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _reply(self, req_id: int, reply: Any, fds: list[int]) -> None:
+        if not self.closed:
+            self.sock.send(reply.encode(req_id), fds)
+        else:
+            for fd in fds:
                 os.close(fd)
 
     def _refuse(self, req_id: int, exc: PriodError) -> None:

@@ -26,7 +26,7 @@ estimate); bulk GB/s and its ratio to raw cudaMemcpyAsync (the set's directions 
 in the same run; link: bulk plus urgent bytes over raw (the urgent copies share the link, so bulk
 alone cannot keep all of it).
 
-    python scripts/bench_gpu.py --out out/bench_gpu          # about 10 minutes on an H200
+    python scripts/bench_gpu.py --out out/bench_gpu          # about 6 minutes on an H200
     python scripts/bench_gpu.py --sets h2d --count 20 --bulk-poll timer   # a quick look
 
 Needs a GPU, cuda-bindings and CuPy (in-process and anchor rows), PyTorch for the gemm co-tenant.

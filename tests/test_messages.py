@@ -1,0 +1,116 @@
+"""The typed messages: each request and reply survives encode then decode, and every field is
+checked once, at decode, with an error that says what to do."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import pytest
+
+from priod.errors import Cancelled, InvalidRequest, LimitExceeded
+from priod.messages import (
+    REQUEST_TYPES,
+    AllocDevice,
+    AllocHost,
+    Cancel,
+    CancelReply,
+    Copy,
+    CopyReply,
+    Empty,
+    ErrorReply,
+    Free,
+    Hello,
+    HelloReply,
+    Ping,
+    RegionReply,
+    RegisterDevice,
+    RegisterHost,
+    Request,
+    Share,
+    StatusReply,
+    StatusRequest,
+    decode_request,
+    error_of,
+)
+
+REQUESTS: list[Request] = [
+    Hello(1, "me"),
+    Ping(),
+    StatusRequest(),
+    AllocHost(4096),
+    RegisterHost(4096),
+    AllocDevice(4096, 1),
+    RegisterDevice(b"\x01" * 64, 4096, 128, 0),
+    Free(3),
+    Share(3, 1000),
+    Copy(1, 2, 4096, 8, 16, "urgent", 2.5),
+    Copy(1, 2, 4096),
+    Cancel(7),
+]
+
+
+@pytest.mark.parametrize("req", REQUESTS, ids=lambda r: type(r).__name__)
+def test_every_request_survives_the_wire(req: Request) -> None:
+    wire = msgpack.unpackb(msgpack.packb(req.encode(42)), raw=False)
+    assert wire["id"] == 42 and wire["op"] == req.op
+    fds = 1 if isinstance(req, RegisterHost) else 0
+    assert decode_request(wire, fds=fds) == req
+
+
+def test_every_op_has_a_type() -> None:
+    assert set(REQUEST_TYPES) == {"hello", "ping", "status", "alloc_host", "register_host", "alloc_device", "register_device", "free", "share", "copy", "cancel"}
+
+
+def test_replies_survive_the_wire() -> None:
+    replies: list[tuple[Any, Any]] = [
+        (HelloReply(1, "priod", "0.1.0", "sim", 1 << 20, ["urgent", "bulk"], {"pid": 1, "uid": 2, "gid": 3}), HelloReply),
+        (RegionReply(5, 4096, "device", 0, {"kind": "memfd", "offset": 0}), RegionReply),
+        (RegionReply(6, 4096, "host"), RegionReply),
+        (CopyReply(4096, 1.5, 2.5, 4.0, "dma", True), CopyReply),
+        (CancelReply(9, "stopping"), CancelReply),
+        (StatusReply({"lanes": []}), StatusReply),
+        (Empty(), Empty),
+    ]
+    for reply, kind in replies:
+        wire = msgpack.unpackb(msgpack.packb(reply.encode(3)), raw=False)
+        assert wire["id"] == 3 and wire["ok"] is True and error_of(wire) is None
+        assert kind.decode(wire) == reply
+
+
+def test_an_error_reply_becomes_the_exception_it_stands_for() -> None:
+    wire = ErrorReply("cancelled", "copy cancelled after 4096 of 8192 bytes", 4096).encode(3)
+    assert wire == {"id": 3, "ok": False, "error": {"code": "cancelled", "message": "copy cancelled after 4096 of 8192 bytes", "bytes_done": 4096}}
+    exc = error_of(wire)
+    assert isinstance(exc, Cancelled) and exc.bytes_done == 4096
+    assert isinstance(error_of(ErrorReply.of(LimitExceeded("too much")).encode(1)), LimitExceeded)
+
+
+@pytest.mark.parametrize(
+    ("msg", "fds", "greeted", "error"),
+    [
+        ({"op": "ping"}, 0, True, r"^every request needs an integer 'id' between 1 and 2\*\*63-1"),
+        ({"id": True, "op": "ping"}, 0, True, r"^every request needs an integer 'id'"),
+        ({"id": 1, "op": "explode"}, 0, True, r"^unknown op 'explode'; known ops: "),
+        ({"id": 1, "op": "ping"}, 0, False, r"^send 'hello' with your protocol version before any other request$"),
+        ({"id": 1, "op": "hello", "v": 2}, 0, False, r"^protocol version 2 is not supported; this daemon speaks version 1"),
+        ({"id": 1, "op": "ping"}, 1, True, r"^'ping' takes no file descriptors, but 1 came with it; they were closed$"),
+        ({"id": 1, "op": "register_host", "nbytes": 4096}, 0, True, r"^'register_host' takes exactly one memfd with the frame, got 0$"),
+        ({"id": 1, "op": "copy", "dst": 1, "src": 2}, 0, True, r"^field 'nbytes' is missing from 'copy'; see docs/protocol.md$"),
+        ({"id": 1, "op": "copy", "dst": 1, "src": True, "nbytes": 4}, 0, True, r"^field 'src' must be int, got bool$"),
+        ({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 0}, 0, True, r"^nbytes = 0 is invalid; copy at least 1 byte$"),
+        ({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "src_offset": -1}, 0, True, r"^src_offset = -1 is invalid; it must be >= 0$"),
+        ({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": math.nan}, 0, True, r"^deadline_ms = nan is invalid; give a finite number"),
+        ({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": -math.inf}, 0, True, r"^deadline_ms = -inf is invalid"),
+        ({"id": 1, "op": "alloc_device", "nbytes": 4096, "device": "0"}, 0, True, r"^field 'device' must be int, got str$"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_fix(msg: dict[str, object], fds: int, greeted: bool, error: str) -> None:
+    with pytest.raises(InvalidRequest, match=error):
+        decode_request(msg, greeted=greeted, fds=fds)
+
+
+def test_a_whole_number_deadline_is_a_float_and_none_means_no_deadline() -> None:
+    assert decode_request({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": 5}) == Copy(1, 2, 4, deadline_ms=5.0)
+    assert decode_request({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": None}) == Copy(1, 2, 4)
