@@ -289,7 +289,8 @@ class Pump:
     async def run(self) -> None:
         """Find completions by polling; never block the loop, and sleep when polling is useless.
 
-        - Nothing in flight: sleep until a submission wakes us (no CPU when idle).
+        - Nothing in flight: sleep until a submission wakes us (no CPU when idle), except on a
+          polled engine while urgent copies are recent: then turn the loop, awake.
         - The engine wakes us on completions (sim): sleep until then, polling as a safety net.
         - A strict-class chunk in flight, or urgent copies recent (small bulk chunks): poll every
           loop turn.
@@ -305,6 +306,11 @@ class Pump:
                 self.kick()
                 continue
             timeout: float | None = None  # None: no CPU at all until something wakes us
+            if not self._inflight and not engine_wakes and self.scheduler.urgent_recent(time.perf_counter()):
+                # Urgent copies are about: keep the loop awake (one core) so the next one is read
+                # at once instead of after a wake-up from epoll, for urgent_window_ms.
+                await asyncio.sleep(0)
+                continue
             if self._inflight and engine_wakes:
                 timeout = 0.05  # the wakeup is a hint; polling stays the source of truth
             elif self._inflight:
