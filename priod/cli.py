@@ -69,8 +69,9 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
             return
         daemon.reload(new)
 
-    loop.add_signal_handler(signal.SIGTERM, lambda: spawn(daemon.stop()))
-    loop.add_signal_handler(signal.SIGINT, lambda: spawn(daemon.stop()))
+    stop_requested = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop_requested.set)
+    loop.add_signal_handler(signal.SIGINT, stop_requested.set)
     loop.add_signal_handler(signal.SIGHUP, reload)
 
     async def keepalive() -> None:
@@ -84,10 +85,22 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
 
     systemd.notify(f"READY=1\nSTATUS=serving on {cfg.socket_path} ({engine.name} engine)")
     spawn(keepalive())
-    await daemon.wait_stopped()
-    for t in list(tasks):
+    # Stop from here, not from a task of the signal handler's: an exception in stop must end
+    # the process with a non-zero status, not die unseen in a task while the daemon hangs on.
+    stopped = asyncio.ensure_future(daemon.wait_stopped())
+    requested = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait({stopped, requested}, return_when=asyncio.FIRST_COMPLETED)
+    rc = 0
+    if not stopped.done():
+        try:
+            await daemon.stop()
+        except Exception as exc:
+            log.exception("stop_failed", error=f"{type(exc).__name__}: {exc}")
+            print(f"priod: stopping failed ({type(exc).__name__}: {exc}); exiting anyway", file=sys.stderr)
+            rc = 1
+    for t in (stopped, requested, *tasks):
         t.cancel()
-    return 0
+    return rc
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -36,9 +36,12 @@ from .messages import (
     Cancel,
     Copy,
     CopyReply,
+    ErrorReply,
     Free,
     Hello,
     HelloReply,
+    Kick,
+    OpenMailbox,
     Message,
     Ping,
     RegionReply,
@@ -50,9 +53,15 @@ from .messages import (
     StatusRequest,
     error_of,
 )
-from .transport import BlockingFramedSocket, FramedSocket
+from .mailbox import ClientMailbox
+from .protocol import REPLY_LIMITS
+from .transport import BlockingFramedSocket, FramedSocket, peer_credentials
 
 __all__ = ["Client", "CopyHandle", "CopyOptions", "CopyResult", "Region", "SyncClient", "connect"]
+
+BUSY_WAIT_S = 0.5
+"""How long a connect retries while the daemon's listen backlog is full (EAGAIN), at least:
+a burst of connections fills it for a moment, and a client should not fail for that."""
 
 
 CopyResult = CopyReply
@@ -122,6 +131,22 @@ def _no_permission(path: str) -> PermissionDenied:
     )
 
 
+def _no_daemon(path: str, exc: OSError) -> ConnectionClosed:
+    return ConnectionClosed(f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path")
+
+
+def _check_owner(sock: socket.socket, path: str, expect_uid: int | None) -> None:
+    """Refuse a daemon that does not run as ``expect_uid`` (SO_PEERCRED: who called listen())."""
+    if expect_uid is None:
+        return
+    uid = peer_credentials(sock).uid
+    if uid != expect_uid:
+        raise PermissionDenied(
+            f"the socket {path} is served by a process of uid {uid}, not of uid {expect_uid} as expected (expect_uid); "
+            "another user may have taken the socket path: check which process listens there before sending it your data"
+        )
+
+
 def _copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOptions) -> Copy:
     if nbytes is None:
         nbytes = min(dst.nbytes - options.get("dst_offset", 0), src.nbytes - options.get("src_offset", 0))
@@ -137,6 +162,10 @@ def _cuda_register_request(obj: Any) -> RegisterDevice:
 
 Reply = tuple[Message, list[int]]
 """A reply as it arrived, and the fds that came beside it (the receiver owns them)."""
+
+
+MAILBOX_UNPROMPTED_S = 300e-6
+"""How long a mailbox copy waits for the daemon to notice it before the client kicks anyway."""
 
 
 def _close(fds: list[int]) -> None:
@@ -175,9 +204,11 @@ class CopyHandle:
 class Client:
     """An asyncio connection to the daemon. Many requests may be in flight at once."""
 
-    def __init__(self, path: str, name: str = "") -> None:
+    def __init__(self, path: str, name: str = "", expect_uid: int | None = None) -> None:
         self.path = path
         self.name = name
+        self.expect_uid = expect_uid
+        """Connect only to a daemon whose process runs as this uid (checked on every connect)."""
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._sock: FramedSocket | None = None
@@ -195,20 +226,30 @@ class Client:
         return self._server
 
     @classmethod
-    async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0) -> Client:
-        """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up."""
-        client = cls(path or default_socket_path(), name)
+    async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> Client:
+        """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
+
+        ``expect_uid``: refuse (`PermissionDenied`) a daemon whose process does not run as this
+        uid, so a socket path that another user took over never gets this client's requests.
+        """
+        client = cls(path or default_socket_path(), name, expect_uid)
         await client._open(wait_s)
         return client
 
     async def _open(self, wait_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
+        deadline = start + wait_s
+        busy_deadline = start + max(wait_s, BUSY_WAIT_S)
+        busy_sleep = 0.002
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
-                await loop.sock_connect(sock, self.path)
+                # A Unix stream connect completes at once or fails; it is never "in progress".
+                # With the daemon's listen backlog full it fails with EAGAIN, which asyncio's
+                # sock_connect takes for EINPROGRESS and then reports as connected.
+                sock.connect(self.path)
+                _check_owner(sock, self.path, self.expect_uid)
                 break
             except PermissionError as exc:
                 sock.close()
@@ -216,11 +257,26 @@ class Client:
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
-                    raise ConnectionClosed(f"no priod daemon at {self.path} ({exc.strerror}); start one with 'priod serve' or pass its socket path") from exc
+                    raise _no_daemon(self.path, exc) from exc
                 await asyncio.sleep(0.05)
+            except BlockingIOError as exc:
+                sock.close()
+                if time.monotonic() >= busy_deadline:
+                    raise ConnectionClosed(
+                        f"priod at {self.path} accepted no connection for {time.monotonic() - start:.2f} s: its listen backlog "
+                        "is full (EAGAIN), so it is overloaded or stuck; retry later, or pass a longer wait_s"
+                    ) from exc
+                await asyncio.sleep(busy_sleep)
+                busy_sleep = min(busy_sleep * 2, 0.05)
+            except PermissionDenied:
+                sock.close()
+                raise
+            except OSError as exc:
+                sock.close()
+                raise ConnectionClosed(f"cannot connect to priod at {self.path}: {exc}") from exc
         self.generation += 1
         self._closed_exc = None
-        self._sock = FramedSocket(sock, max_output=1 << 30)
+        self._sock = FramedSocket(sock, max_output=1 << 30, limits=REPLY_LIMITS)
         self._reader = asyncio.ensure_future(self._read_replies(self._sock))
         msg, _ = await self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
         self._server = HelloReply.decode(msg)
@@ -356,6 +412,14 @@ class Client:
                     pass
             raise
 
+    async def open_mailbox(self) -> ClientMailbox:
+        """This connection's mailbox page (mailbox.py), for a caller that drives it itself."""
+        _, got = await self._request(OpenMailbox())
+        try:
+            return ClientMailbox(got[0])
+        finally:
+            _close(got)
+
     async def status(self) -> dict[str, Any]:
         msg, _ = await self._request(StatusRequest())
         return StatusReply.decode(msg).status
@@ -388,13 +452,13 @@ class Client:
 class _Connecting:
     """What `connect` returns: await it for a `Client`, or use it with ``async with``."""
 
-    def __init__(self, path: str | None, name: str, wait_s: float) -> None:
-        self._args = (path, name, wait_s)
+    def __init__(self, path: str | None, name: str, wait_s: float, expect_uid: int | None) -> None:
+        self._args = (path, name, wait_s, expect_uid)
         self._client: Client | None = None
 
     def __await__(self) -> Generator[Any, None, Client]:
-        path, name, wait_s = self._args
-        return Client.connect(path, name=name, wait_s=wait_s).__await__()
+        path, name, wait_s, expect_uid = self._args
+        return Client.connect(path, name=name, wait_s=wait_s, expect_uid=expect_uid).__await__()
 
     async def __aenter__(self) -> Client:
         self._client = await self
@@ -405,27 +469,44 @@ class _Connecting:
             await self._client.close()
 
 
-def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0) -> _Connecting:
-    """Connect to the daemon at ``path`` (default: $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock)."""
-    return _Connecting(path, name, wait_s)
+def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> _Connecting:
+    """Connect to the daemon at ``path`` (default: $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock);
+    with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`)."""
+    return _Connecting(path, name, wait_s, expect_uid)
 
 
 class SyncClient:
     """The same API, blocking, for code without an event loop. One request at a time."""
 
-    def __init__(self, path: str | None = None, *, name: str = "", timeout: float | None = None, spin_us: float = 0.0) -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        name: str = "",
+        timeout: float | None = None,
+        spin_us: float = 0.0,
+        mailbox: bool = False,
+        expect_uid: int | None = None,
+    ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
-        sleeping (lower latency for urgent copies, at the cost of a core while waiting)."""
+        sleeping (lower latency for urgent copies, at the cost of a core while waiting).
+        ``mailbox``: copies go through shared memory instead of the socket (mailbox.py), the
+        shortest round trip there is; worth it for urgent copies, with ``spin_us`` set.
+        ``expect_uid``: refuse (`PermissionDenied`) a daemon whose process does not run as this uid."""
         self.path = path or default_socket_path()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(self.path)
+            sock.connect(self.path)  # blocking: waits while the daemon's listen backlog is full
+            _check_owner(sock, self.path, expect_uid)
         except PermissionError as exc:
             sock.close()
             raise _no_permission(self.path) from exc
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
-            raise ConnectionClosed(f"no priod daemon at {self.path} ({exc.strerror}); start one with 'priod serve' or pass its socket path") from exc
+            raise _no_daemon(self.path, exc) from exc
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(timeout)
         self._sock = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
         self._ids = itertools.count(1)
@@ -433,6 +514,24 @@ class SyncClient:
         msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
         self.server = HelloReply.decode(msg)
         """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
+        self._timeout = timeout
+        self._spin_s = spin_us / 1e6
+        self._mailbox = self.open_mailbox() if mailbox else None
+
+    def open_mailbox(self) -> ClientMailbox:
+        """This connection's mailbox page (mailbox.py); `copy` uses it when ``mailbox=True``."""
+        _, got = self._request(OpenMailbox())
+        try:
+            return ClientMailbox(got[0])
+        finally:
+            _close(got)
+
+    def kick(self) -> None:
+        """Ask the daemon to look at this connection's mailbox now (no reply comes)."""
+        try:
+            self._sock.send(Kick().encode(next(self._ids)))
+        except OSError as exc:
+            raise ConnectionClosed(f"the daemon at {self.path} closed the connection ({exc.strerror})") from exc
 
     def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
         req_id = next(self._ids)
@@ -487,8 +586,38 @@ class SyncClient:
 
     def copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
         """Copy and wait for it (see `Client.start_copy`)."""
-        msg, _ = self._request(_copy_request(dst, src, nbytes, options))
+        request = _copy_request(dst, src, nbytes, options)
+        if self._mailbox is not None and len(request.priority.encode()) <= 32:
+            return self._copy_by_mailbox(self._mailbox, request)
+        msg, _ = self._request(request)
         return CopyReply.decode(msg)
+
+    def _copy_by_mailbox(self, mailbox: ClientMailbox, request: Copy) -> CopyResult:
+        mailbox.submit(request)
+        started = time.perf_counter()
+        # The daemon may fall asleep between our look at its awake time and its next look at
+        # the mailbox (nothing orders our store against its load): kick at once if it is not
+        # awake, and in any case if nothing has happened after a short while, and then again.
+        next_kick = started if not mailbox.daemon_awake() else started + MAILBOX_UNPROMPTED_S
+        spin_until = started + self._spin_s
+        next_check = started + 0.01
+        while (result := mailbox.result()) is None:
+            now = time.perf_counter()
+            if now >= next_kick:
+                self.kick()
+                next_kick = now + 0.01
+            if now < spin_until:
+                continue
+            time.sleep(20e-6)
+            if now >= next_check:  # asleep between looks: make sure the daemon is still there
+                next_check = now + 0.01
+                if self._sock.peer_closed():
+                    raise ConnectionClosed(f"the daemon at {self.path} closed the connection while a copy was in its mailbox")
+                if self._timeout is not None and now - started > self._timeout:
+                    raise ConnectionClosed(f"no result in the mailbox after {self._timeout} s ([timeout] of this SyncClient)")
+        if isinstance(result, ErrorReply):
+            raise result.exception()
+        return result
 
     def status(self) -> dict[str, Any]:
         msg, _ = self._request(StatusRequest())
@@ -498,6 +627,8 @@ class SyncClient:
         self._request(Ping())
 
     def close(self) -> None:
+        if self._mailbox is not None:
+            self._mailbox.close()
         self._sock.close()
         for region in self._regions:
             region.unmap()

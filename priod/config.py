@@ -54,6 +54,11 @@ class ServerConfig:
     loop turn (about one core while bulk moves, for a little less urgent latency)."""
     allow_uids: tuple[int, ...] = ()
     allow_gids: tuple[int, ...] = ()
+    hello_timeout_s: float = 5.0
+    """A connection that has not sent its hello this long after connecting is closed."""
+    idle_timeout_s: float = 600.0
+    """A connection with no regions and no copies pending that sends nothing this long is
+    closed. 0: never."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,19 @@ class LimitsConfig:
     max_regions: int = 1024
     max_queued_requests: int = 4096
     max_queued_bytes: int = 64 << 30
+    # Per uid, over all its connections (uid 0 and the daemon's own uid included, except for
+    # the connection count).
+    max_connections_per_uid: int = 64
+    max_pinned_bytes_per_uid: int = 64 << 30
+    max_device_bytes_per_uid: int = 256 << 30
+    max_regions_per_uid: int = 4096
+    max_queued_requests_per_uid: int = 16384
+    max_queued_bytes_per_uid: int = 256 << 30
+    # The whole daemon. 0: derived (see config/priod.toml).
+    max_pinned_total_bytes: int = 0
+    max_device_total_bytes: int = 0
+    max_regions_total: int = 0
+    max_shares_per_region: int = 64
 
 
 @dataclass(frozen=True)
@@ -230,13 +248,15 @@ def _classes(raw: Any) -> tuple[ClassSpec, ...]:
     out = []
     for name, spec in raw.items():
         if not isinstance(spec, Mapping):
-            raise ConfigError(f"[classes.{name}] must be a table with 'weight' and optionally 'strict'")
-        unknown = set(spec) - {"weight", "strict"}
+            raise ConfigError(f"[classes.{name}] must be a table with 'weight' and optionally 'strict', 'uids', 'gids'")
+        unknown = set(spec) - {"weight", "strict", "uids", "gids"}
         if unknown:
-            raise ConfigError(f"unknown setting(s) {sorted(unknown)} in [classes.{name}]; known: ['strict', 'weight']")
+            raise ConfigError(f"unknown setting(s) {sorted(unknown)} in [classes.{name}]; known: ['gids', 'strict', 'uids', 'weight']")
         weight = _coerce(f"[classes.{name}] weight", int, spec.get("weight", 1))
         strict = _coerce(f"[classes.{name}] strict", bool, spec.get("strict", False))
-        out.append(ClassSpec(name, weight, strict))
+        uids = _coerce(f"[classes.{name}] uids", tuple[int, ...], spec.get("uids", []))
+        gids = _coerce(f"[classes.{name}] gids", tuple[int, ...], spec.get("gids", []))
+        out.append(ClassSpec(name, weight, strict, uids, gids))
     return tuple(out)
 
 
@@ -251,9 +271,16 @@ def _validate(cfg: Config) -> None:
     need(sv.max_output_bytes >= sv.max_frame_bytes, "[server] max_output_bytes must be >= max_frame_bytes")
     need(0 <= sv.socket_mode <= 0o777, f"[server] socket_mode = {sv.socket_mode:o} is invalid; use an octal mode like 0o660")
     need(sv.max_clients >= 1, "[server] max_clients must be >= 1")
+    need(0 < sv.hello_timeout_s < float("inf"), f"[server] hello_timeout_s = {sv.hello_timeout_s} is invalid; set a finite number of seconds > 0")
+    need(0 <= sv.idle_timeout_s < float("inf"), f"[server] idle_timeout_s = {sv.idle_timeout_s} is invalid; set a finite number of seconds >= 0 (0: never)")
     lim = cfg.limits
     for name in ("max_pinned_bytes", "max_device_bytes", "max_regions", "max_queued_requests", "max_queued_bytes"):
         need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
+    per_uid = ("max_connections_per_uid", "max_pinned_bytes_per_uid", "max_device_bytes_per_uid", "max_regions_per_uid", "max_queued_requests_per_uid")
+    for name in (*per_uid, "max_queued_bytes_per_uid"):
+        need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
+    for name in ("max_pinned_total_bytes", "max_device_total_bytes", "max_regions_total", "max_shares_per_region"):
+        need(getattr(lim, name) >= 0, f"[limits] {name} must be >= 0")
     sim = cfg.sim
     need(sim.devices >= 1, f"[sim] devices = {sim.devices} is invalid; set devices >= 1")
     for name in ("h2d_gbps", "d2h_gbps", "d2d_gbps"):
@@ -271,5 +298,5 @@ def _as_raw(cfg: Config) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for name in _SECTIONS:
         raw[name] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
-    raw["classes"] = {c.name: {"weight": c.weight, "strict": c.strict} for c in cfg.classes}
+    raw["classes"] = {c.name: {"weight": c.weight, "strict": c.strict, "uids": list(c.uids), "gids": list(c.gids)} for c in cfg.classes}
     return raw

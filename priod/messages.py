@@ -34,6 +34,9 @@ __all__ = [
     "Free",
     "Hello",
     "HelloReply",
+    "Kick",
+    "MailboxReply",
+    "OpenMailbox",
     "Ping",
     "RegionReply",
     "RegisterDevice",
@@ -49,6 +52,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 MAX_ID = (1 << 63) - 1
+MAX_DEADLINE_MS = 3_600_000
+"""A copy's ``deadline_ms`` is within [0, this]: one hour (Copy.check)."""
 
 Message = dict[str, Any]
 _MISSING: Any = object()
@@ -263,8 +268,16 @@ class Copy(_Request):
         _need_size(self.nbytes, "copy")
         _need_offset("dst_offset", self.dst_offset)
         _need_offset("src_offset", self.src_offset)
-        if self.deadline_ms is not None and not math.isfinite(self.deadline_ms):
-            raise InvalidRequest(f"deadline_ms = {self.deadline_ms} is invalid; give a finite number of milliseconds, or leave it out")
+        deadline_ms = self.deadline_ms
+        if deadline_ms is not None:
+            if not math.isfinite(deadline_ms):
+                raise InvalidRequest(f"deadline_ms = {deadline_ms} is invalid; give a finite number of milliseconds, or leave it out")
+            # A deadline orders only its own connection's copies (scheduler.py), but an absurd
+            # one is a client bug or an attempt to jump a queue: refuse it. One hour at most.
+            if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
+                raise InvalidRequest(
+                    f"deadline_ms = {deadline_ms} is invalid; give 0 <= deadline_ms <= {MAX_DEADLINE_MS} (milliseconds from now), or leave it out"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,10 +286,25 @@ class Cancel(_Request):
     target: int
 
 
-Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | Cancel
+@dataclass(frozen=True, slots=True)
+class OpenMailbox(_Request):
+    """Ask for a mailbox (mailbox.py): its page comes back as one fd beside the reply."""
+
+    op: ClassVar[str] = "open_mailbox"
+
+
+@dataclass(frozen=True, slots=True)
+class Kick(_Request):
+    """Look at this connection's mailbox now. The one request without a reply: the answer is
+    the mailbox's result."""
+
+    op: ClassVar[str] = "kick"
+
+
+Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | Cancel | OpenMailbox | Kick
 
 REQUEST_TYPES: dict[str, type[_Request]] = {
-    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel)
+    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel, OpenMailbox, Kick)
 }
 """Every operation a client may send; anything else is refused with ``bad_request``."""
 
@@ -396,6 +424,13 @@ class CancelReply(_Reply):
 @dataclass(frozen=True, slots=True)
 class StatusReply(_Reply):
     status: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MailboxReply(_Reply):
+    """A mailbox of ``nbytes``: map the fd beside this reply (mailbox.py has the layout)."""
+
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)

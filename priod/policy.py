@@ -8,6 +8,7 @@ Nothing here knows about files, sockets or engines beyond `engines.base.LaneInfo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -35,11 +36,26 @@ Mode = Literal["priod", "fifo"]
 
 @dataclass(frozen=True)
 class ClassSpec:
-    """A priority class. ``strict`` classes are served before anything else (``urgent``)."""
+    """A priority class. ``strict`` classes are served before anything else (``urgent``).
+
+    ``uids`` and ``gids`` say who may use it: both empty, everyone; else a client whose uid is
+    in ``uids`` or whose gid is in ``gids`` (uid 0 always may). Others are refused with
+    ``permission`` at enqueue.
+    """
 
     name: str
     weight: int = 1
     strict: bool = False
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+
+    def allows(self, uid: int | None, gid: int | None, groups: tuple[int, ...] = ()) -> bool:
+        """Whether a client may use this class (``uid`` None: unknown, allowed)."""
+        if uid is None or uid == 0 or not (self.uids or self.gids):
+            return True
+        if uid in self.uids or (gid is not None and gid in self.gids):
+            return True
+        return any(g in self.gids for g in groups)
 
 
 DEFAULT_CLASSES: tuple[ClassSpec, ...] = (
@@ -70,6 +86,17 @@ class SchedulerSettings:
     """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
     explore_ms: float = 2000.0
     """An urgent path not chosen for a size is tried again after this long (see choice.py)."""
+    urgent_budget_bytes_per_s: float = float(8 << 30)
+    """Per client (uid) and lane: the long-run rate of strict-class (urgent) bytes, a token
+    bucket. Past its budget a client's urgent copies are served as the highest-weight
+    non-strict class (``high``). The rate is the lower of this and ``urgent_budget_share``."""
+    urgent_budget_share: float = 0.25
+    """The same rate as a share of the lane's bandwidth (what binds on slow lanes)."""
+    urgent_burst_bytes: int = 64 << 20
+    """The token bucket's depth: urgent bytes a client may send at once after a quiet spell.
+    An urgent copy larger than this is always served as ``high``."""
+    urgent_inflight_bytes: int = 64 << 20
+    """Per client and lane: strict bytes admitted and not yet finished (queued or in flight)."""
 
     def with_classes(self, classes: tuple[ClassSpec, ...]) -> Policy:
         """The `Policy` of these settings and ``classes`` (the ``[classes]`` tables)."""
@@ -110,6 +137,21 @@ def validate_policy(policy: Policy) -> None:
     need(policy.urgent_block_us >= 0, f"[scheduler] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
     need(policy.urgent_window_ms >= 0, f"[scheduler] urgent_window_ms = {policy.urgent_window_ms} is invalid; set it >= 0")
     need(policy.explore_ms > 0, f"[scheduler] explore_ms = {policy.explore_ms} is invalid; set it > 0")
+    rate = policy.urgent_budget_bytes_per_s
+    need(
+        0 < rate < math.inf,
+        f"[scheduler] urgent_budget_bytes_per_s = {rate} is invalid; set a finite number of bytes per second > 0",
+    )
+    share = policy.urgent_budget_share
+    need(0 < share <= 1, f"[scheduler] urgent_budget_share = {share} is invalid; set 0 < urgent_budget_share <= 1 (of a lane's bandwidth)")
+    need(
+        policy.urgent_burst_bytes >= ALIGN,
+        f"[scheduler] urgent_burst_bytes = {policy.urgent_burst_bytes} is invalid; set urgent_burst_bytes >= {ALIGN}",
+    )
+    need(
+        policy.urgent_inflight_bytes >= ALIGN,
+        f"[scheduler] urgent_inflight_bytes = {policy.urgent_inflight_bytes} is invalid; set urgent_inflight_bytes >= {ALIGN}",
+    )
 
     classes = policy.classes
     need(bool(classes), "[classes] is empty; define at least one class, like [classes.bulk] weight = 1")
@@ -121,6 +163,9 @@ def validate_policy(policy: Policy) -> None:
     )
     for c in classes:
         need(c.weight >= 1, f"[classes.{c.name}] weight = {c.weight} is invalid; set weight >= 1")
+        for key, ids in (("uids", c.uids), ("gids", c.gids)):
+            bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+            need(not bad, f"[classes.{c.name}] {key} = {list(ids)} is invalid; list whole numbers >= 0, or leave it empty for everyone")
     need(not all(c.strict for c in classes), "[classes] needs at least one class without strict = true, for bulk work")
 
 

@@ -2,7 +2,9 @@
 
 A region belongs to the connection that made it (its `Holdings`); its owner may share it with
 other uids, whose connections may then name it in copies but not free or share it. Limits are
-checked here before anything is mapped. Setting a region up (pinning, allocating, opening an
+checked here before anything is mapped: per connection (`Holdings`), per uid over all its
+connections (`UidHoldings`), and for the whole daemon (`Caps`: pinned host memory below physical
+RAM, regions below the fds the process may open). Setting a region up (pinning, allocating, opening an
 IPC handle) takes milliseconds per GiB, and giving it back waits for the device, so both run on
 executor threads: the event loop goes on serving urgent copies meanwhile.
 
@@ -14,10 +16,12 @@ only once no copy in flight names it (`users`): the copies still queued are canc
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import fcntl
 import functools
 import itertools
 import os
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,9 +35,50 @@ from .engines.sim import sealed_memfd
 from .log import error_fields
 from .errors import ConnectionClosed, InvalidRequest, LimitExceeded, NotFound, PermissionDenied
 
-__all__ = ["Holdings", "Region", "RegionTable"]
+__all__ = ["Caps", "Holdings", "Region", "RegionTable", "UidHoldings", "check_host_fd"]
 
 log = structlog.get_logger("priod.regions")
+
+FDS_PER_REGION = 2
+"""Open fds a region may keep: its mapping's (Python's mmap keeps a dup of the fd) and, for a
+sim device region, the memfd itself."""
+TMPFS_MAGIC = 0x01021994
+"""``f_type`` of shmem (tmpfs) files, which plain memfds are."""
+HUGETLBFS_MAGIC = 0x958458F6
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; not in Python 3.11's fcntl
+
+
+@dataclass(eq=False)
+class UidHoldings:
+    """What all connections of one uid hold together, counted against its per-uid limits.
+
+    Regions and bytes are counted from the moment their set-up is accepted (other connections'
+    set-ups run meanwhile), until they are released.
+    """
+
+    uid: int
+    regions: int = 0
+    pinned_bytes: int = 0
+    device_bytes: int = 0
+    queued_requests: int = 0
+    queued_bytes: int = 0
+    holders: int = 0
+    """Connections of this uid now open (their `Holdings`)."""
+
+    @property
+    def unused(self) -> bool:
+        return not (self.holders or self.regions or self.pinned_bytes or self.device_bytes or self.queued_requests or self.queued_bytes)
+
+    def figures(self) -> dict[str, int]:
+        return {
+            "uid": self.uid,
+            "connections": self.holders,
+            "regions": self.regions,
+            "pinned_bytes": self.pinned_bytes,
+            "device_bytes": self.device_bytes,
+            "queued_requests": self.queued_requests,
+            "queued_bytes": self.queued_bytes,
+        }
 
 
 @dataclass(eq=False)
@@ -45,6 +90,90 @@ class Holdings:
     pinned_bytes: int = 0
     device_bytes: int = 0
     closed: bool = False
+    tally: UidHoldings = field(init=False, repr=False)
+    """Its uid's holdings over all connections: one per uid when made by `RegionTable.holdings`."""
+
+    def __post_init__(self) -> None:
+        self.tally = UidHoldings(self.uid)
+
+
+@dataclass(frozen=True)
+class Caps:
+    """The daemon-wide limits in force: ``[limits] *_total`` settings, or what 0 derives."""
+
+    pinned_bytes: int
+    device_bytes: int
+    """0: no cap of the daemon's own (a GPU refuses what does not fit)."""
+    regions: int
+
+
+def physical_memory() -> int:
+    """Bytes of RAM (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def open_files_limit() -> int:
+    """RLIMIT_NOFILE's soft limit (what this process may open), or a large figure if unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _fs_magic(fd: int) -> int:
+    """``f_type`` of the filesystem ``fd`` lives on (fstatfs(2); os.fstatvfs does not report it)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on 64-bit Linux, f_type first
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def check_host_fd(fd: int) -> None:
+    """Refuse (InvalidRequest, naming the fix) any fd but memory the daemon can map and keep
+    using safely: a plain memfd (shmem), open read-write, sealed against shrinking and not
+    against writing.
+
+    A hole punched in a plain memfd (fallocate PUNCH_HOLE, which F_SEAL_SHRINK does not stop)
+    reads back as zeros afterwards, in the client's mapping and the daemon's alike; in a hugetlb
+    memfd it gives the huge page back and the daemon's next copy there would fault (SIGBUS), so
+    hugetlb memfds are refused.
+    """
+    try:
+        # F_GET_SEALS first: it fails at once for anything but shmem and hugetlbfs files, before
+        # fstatfs could ask a filesystem a client controls (FUSE) and block the loop.
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        magic = _fs_magic(fd)
+    except OSError:
+        raise InvalidRequest("the passed fd is not a memfd; create it with os.memfd_create(name, os.MFD_ALLOW_SEALING)") from None
+    if magic == HUGETLBFS_MAGIC:
+        raise InvalidRequest(
+            "the passed memfd is backed by huge pages (MFD_HUGETLB), which its owner can give back under the daemon (a hole punch) "
+            "and make it fault; create it with os.memfd_create(name, os.MFD_ALLOW_SEALING) without MFD_HUGETLB"
+        )
+    if magic != TMPFS_MAGIC:
+        raise InvalidRequest(f"the passed fd is not a memfd (its filesystem is 0x{magic:x}); create it with os.memfd_create(name, os.MFD_ALLOW_SEALING)")
+    if not seals & fcntl.F_SEAL_SHRINK:
+        if seals & fcntl.F_SEAL_SEAL:
+            raise InvalidRequest(
+                "the passed fd cannot be sealed (a memfd made without MFD_ALLOW_SEALING, or a tmpfs file); "
+                "create it with os.memfd_create(name, os.MFD_ALLOW_SEALING) and seal it with fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)"
+            )
+        raise InvalidRequest("seal the memfd against shrinking first: fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK); a shrunk region would fault the daemon")
+    if seals & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
+        raise InvalidRequest(
+            "the passed memfd is sealed against writing (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE), and copies into a host region write to it; "
+            "register a memfd without write seals (F_SEAL_SHRINK is the one needed)"
+        )
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise InvalidRequest("the passed fd is open read-only, and copies into a host region write to it; pass the memfd itself (open for reading and writing)")
 
 
 @dataclass(eq=False)
@@ -68,23 +197,80 @@ class RegionTable:
     """Every live region, by id; the one place regions are made, checked and given back.
 
     ``cancel_user`` cancels a queued copy (by scheduler id) that names a region being freed;
-    the copy's own reply says ``not_found``.
+    the copy's own reply says ``not_found``. ``fd_reserve`` says how many fds the rest of the
+    daemon may need (connections and their passing fds, logs, the engine): regions get the
+    rest of RLIMIT_NOFILE, unless ``[limits] max_regions_total`` sets fewer.
     """
 
-    def __init__(self, engine: Engine, limits: LimitsConfig, cancel_user: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        limits: LimitsConfig,
+        cancel_user: Callable[[int], None],
+        fd_reserve: Callable[[], int] = lambda: 512,
+    ) -> None:
         self.engine = engine
         self.limits = limits
         """Replaced on reload; checked at each request."""
         self._cancel_user = cancel_user
+        self._fd_reserve = fd_reserve
         self._ids = itertools.count(1)
         self._regions: dict[int, Region] = {}
         self._releases: set[asyncio.Future[None]] = set()
+        self._uids: dict[int, UidHoldings] = {}
+        self._memory = physical_memory()
+        self.total_regions = 0
+        """Regions held or being set up, all clients together (as are the two below)."""
+        self.total_pinned_bytes = 0
+        self.total_device_bytes = 0
         # The engine's own key objects: every dict lookup on the per-chunk path then matches
         # by identity instead of comparing dataclasses field by field.
         self._lanes: dict[tuple[int, Direction], LaneKey] = {(i.key.device, i.key.direction): i.key for i in engine.lanes()}
 
     def __len__(self) -> int:
         return len(self._regions)
+
+    # -- holders ---------------------------------------------------------------------------
+    def holdings(self, uid: int) -> Holdings:
+        """A new connection's `Holdings`, counted in its uid's tally with the uid's other connections."""
+        holder = Holdings(uid)
+        holder.tally = self._uids.setdefault(uid, holder.tally)
+        holder.tally.holders += 1
+        return holder
+
+    def uid_holdings(self, uid: int) -> UidHoldings | None:
+        return self._uids.get(uid)
+
+    def all_uid_holdings(self) -> list[UidHoldings]:
+        return [self._uids[uid] for uid in sorted(self._uids)]
+
+    def forget_if_unused(self, tally: UidHoldings) -> None:
+        """Drop a uid's tally once it has no connection and holds nothing."""
+        if tally.unused and self._uids.get(tally.uid) is tally:
+            del self._uids[tally.uid]
+
+    def caps(self) -> Caps:
+        """The daemon-wide limits now (RLIMIT_NOFILE and the settings may change at run time)."""
+        lim = self.limits
+        pinned = lim.max_pinned_total_bytes or self._memory // 2 or 1 << 62
+        device = lim.max_device_total_bytes
+        if not device and self.engine.name == "sim":
+            device = self._memory // 2 or 1 << 62  # the sim's device memory is host memory (memfds)
+        by_fds = max(0, (open_files_limit() - self._fd_reserve()) // FDS_PER_REGION)
+        regions = min(lim.max_regions_total, by_fds) if lim.max_regions_total else by_fds
+        return Caps(pinned, device, regions)
+
+    def figures(self) -> dict[str, int]:
+        """What all clients hold together, and the daemon-wide caps (for `priod status`)."""
+        caps = self.caps()
+        return {
+            "regions": self.total_regions,
+            "regions_cap": caps.regions,
+            "pinned_bytes": self.total_pinned_bytes,
+            "pinned_cap": caps.pinned_bytes,
+            "device_bytes": self.total_device_bytes,
+            "device_cap": caps.device_bytes,
+        }
 
     # -- lookups ---------------------------------------------------------------------------
     def owned(self, holder: Holdings, region_id: int) -> Region:
@@ -124,47 +310,117 @@ class RegionTable:
             raise InvalidRequest(f"no lane {direction.value} on device {device}; this daemon serves {sorted(map(str, self._lanes.values()))}")
         return lane
 
+    @staticmethod
+    def overlapping(dst: Region, dst_offset: int, src: Region, src_offset: int, nbytes: int) -> bool:
+        """Whether a copy's source and destination bytes overlap: in one region, or in device
+        regions over one allocation (cuda imports of the same IPC handle share it). Copy
+        engines do not copy overlapping ranges as memmove does."""
+        if dst is src:
+            return abs(dst_offset - src_offset) < nbytes
+        if dst.kind == "device" and src.kind == "device" and dst.device == src.device:
+            a, b = getattr(dst.mem, "pointer", None), getattr(src.mem, "pointer", None)  # cuda's device address
+            if isinstance(a, int) and isinstance(b, int):
+                return abs((a + dst_offset) - (b + src_offset)) < nbytes
+        return False
+
     # -- making regions --------------------------------------------------------------------
-    def _check_room(self, holder: Holdings, kind: str, nbytes: int) -> None:
-        lim = self.limits
+    def _claim(self, holder: Holdings, kind: str, nbytes: int) -> None:
+        """Check every limit for one more region of ``nbytes`` and count it at once in the uid's
+        and the daemon's totals (set-up takes milliseconds, and other connections' set-ups run
+        meanwhile); `_unclaim` takes it back if the set-up fails. A connection sets up one
+        region at a time, so its own counts wait for `_add`."""
+        lim, tally = self.limits, holder.tally
         if len(holder.regions) >= lim.max_regions:
             raise LimitExceeded(f"this connection holds {len(holder.regions)} regions ([limits] max_regions = {lim.max_regions}); free some first")
-        if kind == "host" and holder.pinned_bytes + nbytes > lim.max_pinned_bytes:
+        if tally.regions >= lim.max_regions_per_uid:
             raise LimitExceeded(
-                f"{nbytes} more pinned bytes would exceed [limits] max_pinned_bytes = {lim.max_pinned_bytes} "
-                f"(this connection holds {holder.pinned_bytes}); free a host region or ask for less"
+                f"uid {holder.uid} holds {tally.regions} regions over its connections ([limits] max_regions_per_uid = {lim.max_regions_per_uid}); free some first"
             )
-        if kind == "device" and holder.device_bytes + nbytes > lim.max_device_bytes:
+        caps = self.caps()
+        if self.total_regions >= caps.regions:
             raise LimitExceeded(
-                f"{nbytes} more device bytes would exceed [limits] max_device_bytes = {lim.max_device_bytes} "
-                f"(this connection holds {holder.device_bytes}); free a device region or ask for less"
+                f"the daemon holds {self.total_regions} regions, its cap ([limits] max_regions_total = {lim.max_regions_total}; "
+                f"0 means what its open-file limit allows: {caps.regions} now); free some or retry later"
             )
+        if kind == "host":
+            if holder.pinned_bytes + nbytes > lim.max_pinned_bytes:
+                raise LimitExceeded(
+                    f"{nbytes} more pinned bytes would exceed [limits] max_pinned_bytes = {lim.max_pinned_bytes} "
+                    f"(this connection holds {holder.pinned_bytes}); free a host region or ask for less"
+                )
+            if tally.pinned_bytes + nbytes > lim.max_pinned_bytes_per_uid:
+                raise LimitExceeded(
+                    f"{nbytes} more pinned bytes would exceed [limits] max_pinned_bytes_per_uid = {lim.max_pinned_bytes_per_uid} "
+                    f"(uid {holder.uid} holds {tally.pinned_bytes} over its connections); free a host region or ask for less"
+                )
+            if self.total_pinned_bytes + nbytes > caps.pinned_bytes:
+                raise LimitExceeded(
+                    f"{nbytes} more pinned bytes would exceed the daemon's cap of {caps.pinned_bytes} ([limits] max_pinned_total_bytes = "
+                    f"{lim.max_pinned_total_bytes}; 0 means half the host's memory); all clients hold {self.total_pinned_bytes}: ask for less or retry later"
+                )
+            tally.pinned_bytes += nbytes
+            self.total_pinned_bytes += nbytes
+        else:
+            if holder.device_bytes + nbytes > lim.max_device_bytes:
+                raise LimitExceeded(
+                    f"{nbytes} more device bytes would exceed [limits] max_device_bytes = {lim.max_device_bytes} "
+                    f"(this connection holds {holder.device_bytes}); free a device region or ask for less"
+                )
+            if tally.device_bytes + nbytes > lim.max_device_bytes_per_uid:
+                raise LimitExceeded(
+                    f"{nbytes} more device bytes would exceed [limits] max_device_bytes_per_uid = {lim.max_device_bytes_per_uid} "
+                    f"(uid {holder.uid} holds {tally.device_bytes} over its connections); free a device region or ask for less"
+                )
+            if caps.device_bytes and self.total_device_bytes + nbytes > caps.device_bytes:
+                raise LimitExceeded(
+                    f"{nbytes} more device bytes would exceed the daemon's cap of {caps.device_bytes} ([limits] max_device_total_bytes = "
+                    f"{lim.max_device_total_bytes}; 0 means none on a GPU, half the host's memory on sim); all clients hold {self.total_device_bytes}: "
+                    "ask for less or retry later"
+                )
+            tally.device_bytes += nbytes
+            self.total_device_bytes += nbytes
+        tally.regions += 1
+        self.total_regions += 1
+
+    def _unclaim(self, tally: UidHoldings, kind: str, nbytes: int) -> None:
+        tally.regions -= 1
+        self.total_regions -= 1
+        if kind == "host":
+            tally.pinned_bytes -= nbytes
+            self.total_pinned_bytes -= nbytes
+        else:
+            tally.device_bytes -= nbytes
+            self.total_device_bytes -= nbytes
+        self.forget_if_unused(tally)
 
     async def alloc_host(self, holder: Holdings, nbytes: int) -> tuple[Region, int]:
         """A host region on a memfd of the daemon's; returns it and the fd for the client."""
-        self._check_room(holder, "host", nbytes)
-        fd = sealed_memfd("priod-host", nbytes)
+        self._claim(holder, "host", nbytes)
         try:
-            mem = await self._map_host(fd, nbytes)
-            return self._add(holder, "host", nbytes, mem, None), fd
+            fd = sealed_memfd("priod-host", nbytes)
+            try:
+                mem = await self._map_host(fd, nbytes)
+                return self._add(holder, "host", nbytes, mem, None), fd
+            except BaseException:
+                os.close(fd)
+                raise
         except BaseException:
-            os.close(fd)
+            self._unclaim(holder.tally, "host", nbytes)
             raise
 
     async def register_host(self, holder: Holdings, nbytes: int, fd: int) -> Region:
         """A host region on the client's memfd (the caller keeps and closes ``fd``)."""
-        self._check_room(holder, "host", nbytes)
+        check_host_fd(fd)
+        self._claim(holder, "host", nbytes)
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            raise InvalidRequest("the passed fd is not a memfd; create it with os.memfd_create(name, os.MFD_ALLOW_SEALING)") from None
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise InvalidRequest("seal the memfd against shrinking first: fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK); a shrunk region would fault the daemon")
-        try:
-            mem = await self._map_host(fd, nbytes)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        return self._add(holder, "host", nbytes, mem, None)
+            try:
+                mem = await self._map_host(fd, nbytes)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from exc
+            return self._add(holder, "host", nbytes, mem, None)
+        except BaseException:
+            self._unclaim(holder.tally, "host", nbytes)
+            raise
 
     async def _map_host(self, fd: int, nbytes: int) -> HostMemory:
         started = time.perf_counter()
@@ -175,9 +431,13 @@ class RegionTable:
 
     async def alloc_device(self, holder: Holdings, nbytes: int, device: int) -> tuple[Region, dict[str, Any], list[int]]:
         """Device memory of the daemon's; returns it, how the client reaches it, and the fds for that."""
-        self._check_room(holder, "device", nbytes)
-        mem = await asyncio.get_running_loop().run_in_executor(None, self.engine.alloc_device, nbytes, device)
-        region = self._add(holder, "device", nbytes, mem, device)
+        self._claim(holder, "device", nbytes)
+        try:
+            mem = await asyncio.get_running_loop().run_in_executor(None, self.engine.alloc_device, nbytes, device)
+            region = self._add(holder, "device", nbytes, mem, device)
+        except BaseException:
+            self._unclaim(holder.tally, "device", nbytes)
+            raise
         export = mem.export
         assert export is not None
         if export.fd is not None:
@@ -186,9 +446,13 @@ class RegionTable:
 
     async def register_device(self, holder: Holdings, handle: bytes, offset: int, nbytes: int, device: int) -> Region:
         """The client's own device memory, opened from its IPC handle."""
-        self._check_room(holder, "device", nbytes)
-        mem = await asyncio.get_running_loop().run_in_executor(None, self.engine.import_device, handle, offset, nbytes, device)
-        return self._add(holder, "device", nbytes, mem, device)
+        self._claim(holder, "device", nbytes)
+        try:
+            mem = await asyncio.get_running_loop().run_in_executor(None, self.engine.import_device, handle, offset, nbytes, device)
+            return self._add(holder, "device", nbytes, mem, device)
+        except BaseException:
+            self._unclaim(holder.tally, "device", nbytes)
+            raise
 
     def _add(self, holder: Holdings, kind: str, nbytes: int, mem: Memory, device: int | None) -> Region:
         region = Region(next(self._ids), holder, kind, nbytes, mem, device)
@@ -208,6 +472,9 @@ class RegionTable:
     # -- sharing and freeing ---------------------------------------------------------------
     def share(self, holder: Holdings, region_id: int, uid: int) -> None:
         region = self.owned(holder, region_id)
+        cap = self.limits.max_shares_per_region
+        if uid not in region.shared_uids and len(region.shared_uids) >= cap:
+            raise LimitExceeded(f"region {region.id} is shared with {len(region.shared_uids)} uids already ([limits] max_shares_per_region = {cap})")
         region.shared_uids.add(uid)
         log.info("region_shared", region=region.id, with_uid=uid)
 
@@ -221,6 +488,8 @@ class RegionTable:
         """The owner left: forget its regions (their copies in flight finish first)."""
         for region in list(holder.regions.values()):
             self.release(region)
+        holder.tally.holders -= 1
+        self.forget_if_unused(holder.tally)
 
     def release(self, region: Region) -> None:
         """Forget the region now; give its memory back once no copy in flight names it."""
@@ -234,6 +503,7 @@ class RegionTable:
             owner.pinned_bytes -= region.nbytes
         else:
             owner.device_bytes -= region.nbytes
+        self._unclaim(owner.tally, region.kind, region.nbytes)
         for request_id in list(region.users):
             self._cancel_user(request_id)
         if not region.users:

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import os
+import resource
 import socket
 import stat
 import time
@@ -32,25 +33,65 @@ from .pump import Pump
 from .regions import RegionTable
 from .scheduler import Scheduler
 from .session import Session, Shared, cancel_copy, copy_finished
-from .transport import FramedSocket, Peer, peer_credentials
+from .transport import FramedSocket, Peer, close_received, peer_credentials
 
 __all__ = ["Daemon", "bind_unix_socket"]
 
 log = structlog.get_logger("priod.server")
 
+PRIVILEGED_RESERVE = 16
+"""Connections beyond [server] max_clients that only uid 0 and the daemon's own uid may use, so
+that an administrator (and `priod status`) can always get in."""
+REFUSING_MAX = 32
+"""Refused connections kept open at once to tell their client why (up to 3 s each); past this a
+refusal is written and the connection closed at once, so a connect flood cannot use up fds."""
+FD_SPARE = 64
+"""Open files the daemon needs besides connections and regions (listening socket, epoll, logs,
+engine, metrics)."""
+
+
+LISTEN_BACKLOG = 1024
+"""Connections the kernel holds for accept() (capped by socket.SOMAXCONN and net.core.somaxconn).
+While it is full a client's connect fails with EAGAIN; 128 was filled by a burst of 300 short
+connections."""
+
 
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
-    """Bind and listen on ``path``, replacing a stale socket file but never a live daemon's."""
+    """Bind and listen on ``path``, replacing a stale socket file but never a live daemon's.
+
+    Nothing at ``path`` is followed: a symbolic link there (dangling or not) is refused, as is
+    anything but a socket; a socket is replaced only if nobody listens on it. Every refusal is
+    a `PriodError` that says what to do.
+    """
     directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
+    try:
+        os.makedirs(directory, exist_ok=True)
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise PriodError(f"cannot use the socket path {path}: {exc.strerror}; choose another path with --socket") from exc
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise PriodError(
+                f"{path} is a symbolic link; priod does not follow links at its socket path (it would bind or remove "
+                "whatever the link names): remove the link or choose another path with --socket"
+            )
+        if not stat.S_ISSOCK(st.st_mode):
             raise PriodError(f"{path} exists and is not a socket; remove it or choose another path with --socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)  # a live daemon with a full backlog answers EAGAIN instead of blocking us
         try:
             probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: a leftover from a daemon that died
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)  # nobody listens: a leftover from a daemon that died
+            except FileNotFoundError:
+                pass
+        except BlockingIOError:
+            raise PriodError(f"another daemon is already listening on {path} (its backlog is full); stop it or choose another path with --socket") from None
+        except OSError as exc:
+            raise PriodError(f"cannot tell whether a daemon listens on {path} ({exc.strerror}); remove the file or choose another path with --socket") from exc
         else:
             raise PriodError(f"another daemon is already listening on {path}; stop it or choose another path with --socket")
         finally:
@@ -58,12 +99,38 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
-        os.chmod(path, mode)
-        sock.listen(128)
+        _chmod_no_follow(path, mode)
+        sock.listen(min(LISTEN_BACKLOG, socket.SOMAXCONN))
+    except OSError as exc:
+        sock.close()
+        raise PriodError(f"cannot listen on {path}: {exc.strerror or exc}; choose another path with --socket") from exc
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _chmod_no_follow(path: str, mode: int) -> None:
+    try:
+        os.chmod(path, mode, follow_symlinks=False)
+    except NotImplementedError:  # no fchmodat(AT_SYMLINK_NOFOLLOW) here (or ``path`` became a link)
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise PriodError(f"{path} was replaced by a symbolic link while priod bound it; remove the link and start again") from None
+        os.chmod(path, mode)
+
+
+def _unlink_socket(path: str) -> None:
+    """Remove the socket file at ``path`` if it still is one (never a link or a file put there since)."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+STOP_FLUSH_S = 2.0
+"""At stop, how long the last replies may take to reach all clients together (at most
+``[service] shutdown_timeout_s``); a client that does not read loses its replies after that."""
 
 
 class Daemon:
@@ -80,9 +147,13 @@ class Daemon:
         self.engine = engine
         self.scheduler = Scheduler(cfg.policy(), engine.lanes())
         self.metrics = Metrics()
-        self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll)
-        self.regions = RegionTable(engine, cfg.limits, self._cancel_for_freed_region)
+        self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll, on_awake_turn=self._poll_mailboxes)
+        self.own_uid = os.geteuid()
+        """With uid 0, the uid that sees every client in `status` and may use PRIVILEGED_RESERVE."""
+        _raise_open_files_limit()
+        self.regions = RegionTable(engine, cfg.limits, self._cancel_for_freed_region, self._fd_reserve)
         self.shared = Shared(cfg, engine, self.scheduler, self.pump, self.regions, self.metrics, self.status)
+        self._refusing = 0
         self._listen_sock = listen_sock
         self._owns_socket_path = listen_sock is None
         self._notify = notify or (lambda _msg: None)
@@ -108,6 +179,17 @@ class Daemon:
     def totals(self) -> dict[str, int]:
         return self.shared.totals
 
+    def _poll_mailboxes(self, awake_until: float) -> None:
+        for session in list(self.shared.mailboxes):
+            if session.mailbox is not None:
+                session.mailbox.set_awake(awake_until)
+                session.poll_mailbox()
+
+    def _fd_reserve(self) -> int:
+        """Open files kept back from regions: each connection's socket and an fd it passes, the
+        refusals under way, and the daemon's own."""
+        return 2 * (self.cfg.server.max_clients + PRIVILEGED_RESERVE) + REFUSING_MAX + FD_SPARE
+
     def _cancel_for_freed_region(self, request_id: int) -> None:
         req = self.scheduler.get(request_id)
         if req is not None:
@@ -123,6 +205,7 @@ class Daemon:
         if self.cfg.metrics.port:
             self.metrics_port = self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port)
         self._spawn(self._accept_loop())
+        self._spawn(self._expire_loop())
         self._spawn(self.pump.run())
         self._spawn(self._refresh_metrics_loop())
         lanes = self.scheduler.statistics().lanes
@@ -154,7 +237,9 @@ class Daemon:
         """Stop accepting, finish or cancel queued work ([service] shutdown), release everything.
 
         Every pending request gets a reply; the whole stop takes at most
-        ``shutdown_timeout_s`` plus the in-flight chunks' own time.
+        ``shutdown_timeout_s`` plus the in-flight chunks' own time, plus at most
+        ``STOP_FLUSH_S`` for the last replies of all clients together (flushed at once, so
+        clients that do not read cost that once, not once each).
         """
         if self.stopping:
             await self.wait_stopped()
@@ -163,12 +248,11 @@ class Daemon:
         self._notify("STOPPING=1")
         log.info("daemon_stopping", policy=self.cfg.service.shutdown, pending=sum(len(s.pending) for s in self.sessions.values()))
         if self._listen_sock is not None:
+            # The path this daemon bound and serves, whatever a reload asked for since.
+            bound = self._listen_sock.getsockname() if self._owns_socket_path else None
             self._listen_sock.close()
             if self._owns_socket_path:
-                try:
-                    os.unlink(self.cfg.socket_path)
-                except FileNotFoundError:
-                    pass
+                _unlink_socket(bound if isinstance(bound, str) and bound else self.cfg.socket_path)
         deadline = time.monotonic() + self.cfg.service.shutdown_timeout_s
         if self.cfg.service.shutdown == "finish":
             while not self.scheduler.idle and time.monotonic() < deadline:
@@ -176,8 +260,11 @@ class Daemon:
         for session in list(self.sessions.values()):
             session.cancel_all("shutting_down")
         await self.pump.settle(deadline + 30)
-        for session in list(self.sessions.values()):
-            await session.flush_and_close(timeout=1.0)
+        flush_s = min(STOP_FLUSH_S, self.cfg.service.shutdown_timeout_s)
+        flushed = await asyncio.gather(*(s.flush_and_close(timeout=flush_s) for s in list(self.sessions.values())), return_exceptions=True)
+        for exc in flushed:
+            if isinstance(exc, BaseException):
+                log.error("flush_failed", exc_info=exc)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -189,8 +276,20 @@ class Daemon:
         self._stopped.set()
 
     def reload(self, cfg: Config) -> None:
-        """Apply new classes, weights, chunking and limits; connections and requests stay."""
+        """Apply new classes, weights, chunking and limits; connections and requests stay.
+
+        The socket path is not reloaded: the daemon keeps serving (and at stop removes) the one
+        it bound; a new ``[server] socket`` takes a restart.
+        """
         self._notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        if cfg.socket_path != self.cfg.socket_path:
+            log.warning(
+                "socket_path_change_needs_restart",
+                serving=self.cfg.socket_path,
+                configured=cfg.socket_path,
+                hint="the daemon keeps serving its socket; restart it to move to the new path",
+            )
+            cfg = cfg.replace(server={"socket": self.cfg.socket_path})
         self.scheduler.set_policy(cfg.policy())
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits
@@ -216,11 +315,42 @@ class Daemon:
                 continue
             self._spawn(self._serve_connection(sock))
 
+    def privileged(self, uid: int) -> bool:
+        """uid 0 and the daemon's own uid: always allowed in, a reserve of connections beyond
+        [server] max_clients, no per-uid connection cap, every client shown in `status`."""
+        return uid == 0 or uid == self.own_uid
+
     def _allowed(self, peer: Peer) -> bool:
         s = self.cfg.server
         if not s.allow_uids and not s.allow_gids:
             return True  # the socket's mode and group are the only gate
-        return peer.uid == 0 or peer.uid in s.allow_uids or peer.gid in s.allow_gids
+        return self.privileged(peer.uid) or peer.uid in s.allow_uids or peer.gid in s.allow_gids
+
+    def _admission(self, peer: Peer) -> PriodError | None:
+        """Why this peer may not connect now, or None."""
+        sv, lim = self.cfg.server, self.cfg.limits
+        n = len(self.sessions)
+        if not self._allowed(peer):
+            return PermissionDenied(f"uid {peer.uid} (gid {peer.gid}) may not use this daemon; an administrator can add it to [server] allow_uids or allow_gids")
+        if self.stopping:
+            return ShuttingDown("the daemon is stopping; retry once it is back")
+        privileged = self.privileged(peer.uid)
+        if n >= sv.max_clients:
+            full = LimitExceeded(f"the daemon already serves {n} clients ([server] max_clients); retry later")
+            if not privileged or n >= sv.max_clients + PRIVILEGED_RESERVE:
+                return full
+            if sum(1 for s in self.sessions.values() if self.privileged(s.peer.uid)) >= sv.max_clients:
+                return full  # the reserve gets root past other users' connections, not its own
+            return None
+        if privileged:
+            return None
+        tally = self.regions.uid_holdings(peer.uid)
+        if tally is not None and tally.holders >= lim.max_connections_per_uid:
+            return LimitExceeded(
+                f"uid {peer.uid} already has {tally.holders} connections ([limits] max_connections_per_uid = {lim.max_connections_per_uid}); "
+                "close one, or share one connection between threads"
+            )
+        return None
 
     async def _serve_connection(self, sock: socket.socket) -> None:
         structlog.contextvars.clear_contextvars()
@@ -228,25 +358,53 @@ class Daemon:
         sid = next(self._session_ids)
         structlog.contextvars.bind_contextvars(conn=sid, client_pid=peer.pid, uid=peer.uid)
         fs = FramedSocket(sock, max_frame=self.cfg.server.max_frame_bytes, max_output=self.cfg.server.max_output_bytes)
-        refusal: PriodError | None = None
-        if not self._allowed(peer):
-            refusal = PermissionDenied(f"uid {peer.uid} (gid {peer.gid}) may not use this daemon; an administrator can add it to [server] allow_uids or allow_gids")
-        elif len(self.sessions) >= self.cfg.server.max_clients:
-            refusal = LimitExceeded(f"the daemon already serves {len(self.sessions)} clients ([server] max_clients); retry later")
-        elif self.stopping:
-            refusal = ShuttingDown("the daemon is stopping; retry once it is back")
+        refusal = self._admission(peer)
         if refusal is not None:
             log.warning("connection_refused", reason=str(refusal))
             fs.send(ErrorReply.of(refusal).encode(0))
-            await _close_refused(fs)
+            if self._refusing >= REFUSING_MAX:
+                fs.close()  # a flood of refused connects: no time to wait for each one's hello
+                return
+            self._refusing += 1
+            try:
+                await _close_refused(fs)
+            finally:
+                self._refusing -= 1
             return
         session = Session(sid, fs, peer, self.shared)
         self.sessions[sid] = session
         log.info("client_connected")
         await session.serve()
 
+    async def _expire_loop(self) -> None:
+        """Close connections that sent no hello within [server] hello_timeout_s, and those that
+        held nothing and sent nothing for idle_timeout_s: a connection is a slot of max_clients
+        and an fd, and nobody may keep them for nothing."""
+        while True:
+            sv = self.cfg.server
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if not session.greeted:
+                    if now - session.connected_at >= sv.hello_timeout_s:
+                        session.expire(
+                            LimitExceeded(f"no hello within {sv.hello_timeout_s:g} s of connecting ([server] hello_timeout_s); send hello as the first request")
+                        )
+                elif not session.idle:
+                    session.last_active = now
+                elif sv.idle_timeout_s and now - session.last_active >= sv.idle_timeout_s:
+                    session.expire(
+                        LimitExceeded(
+                            f"connection idle for {sv.idle_timeout_s:g} s with no regions and no copies ([server] idle_timeout_s); connect again when needed"
+                        )
+                    )
+            await asyncio.sleep(max(0.05, min(1.0, sv.hello_timeout_s / 4, (sv.idle_timeout_s or 4.0) / 4)))
+
     # -- status and metrics ----------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, viewer: Peer | None = None) -> dict[str, Any]:
+        """The daemon's state for `priod status`. ``viewer``: who asks; root, the daemon's own
+        uid and the daemon itself (None) see every client, anyone else only its own uid's
+        connections and holdings beside the totals."""
+        mine = None if viewer is None or self.privileged(viewer.uid) else viewer.uid
         st = self.scheduler.statistics()
         inflight: dict[str, int] = {}
         for ls in st.lanes:
@@ -287,7 +445,10 @@ class Daemon:
             "deadline_misses": st.deadline_misses,
             "finished": st.finished,
             "totals": dict(self.totals),
-            "clients": [s.figures() for s in self.sessions.values()],
+            "clients": [s.figures() for s in self.sessions.values() if mine is None or s.peer.uid == mine],
+            "clients_total": len(self.sessions),
+            "uids": [t.figures() for t in self.regions.all_uid_holdings() if mine is None or t.uid == mine],
+            "holdings": self.regions.figures(),
             "engine": self.engine.statistics(),
         }
 
@@ -316,14 +477,26 @@ class Daemon:
         m.pinned.set(sum(s.holdings.pinned_bytes for s in self.sessions.values()))
 
 
+def _raise_open_files_limit() -> None:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one, as systemd advises for services that
+    need many fds (and do not use select()): every region keeps an fd or two open, and the
+    daemon-wide region cap is what the limit leaves after connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("open_files_limit_not_raised", soft=soft, hard=hard, error=str(exc))
+
+
 async def _close_refused(sock: FramedSocket) -> None:
     """Close after the client's first frame (its hello) or a short wait: a client whose
     hello is still on its way when we close gets EPIPE on sending it and loses our reason."""
     try:
         await asyncio.wait_for(sock.drain(), 1.0)
         _msg, fds = await asyncio.wait_for(sock.receive(), 2.0)
-        for fd in fds:
-            os.close(fd)
+        close_received(fds)
     except (TimeoutError, PriodError):
         pass
     sock.close()

@@ -42,6 +42,9 @@ from .messages import (
     Free,
     Hello,
     HelloReply,
+    Kick,
+    MailboxReply,
+    OpenMailbox,
     Message,
     Ping,
     RegionReply,
@@ -53,11 +56,12 @@ from .messages import (
     decode_request,
     request_id,
 )
+from .mailbox import MAILBOX_BYTES, DaemonMailbox, MailboxRefusal
 from .metrics import Metrics
 from .pump import Pump
 from .regions import Holdings, Region, RegionTable
 from .scheduler import Finished, Request as QueuedCopy, Scheduler
-from .transport import FramedSocket, Peer
+from .transport import FramedSocket, Peer, close_received
 
 __all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]
 
@@ -86,10 +90,13 @@ class Shared:
     pump: Pump
     regions: RegionTable
     metrics: Metrics
-    status: Callable[[], dict[str, Any]]
+    status: Callable[[Peer | None], dict[str, Any]]
+    """`Daemon.status`, given who asks (None: everything)."""
     sessions: dict[int, Session] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=lambda: {"copies": 0, "bytes": 0, "refused": 0, "protocol_errors": 0})
     stopping: bool = False
+    mailboxes: set[Session] = field(default_factory=set)
+    """Sessions with a mailbox: the pump looks at them on every turn while it is awake."""
     request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
 
@@ -137,13 +144,18 @@ class Session:
         self.sock = sock
         self.peer = peer
         self.shared = shared
-        self.holdings = Holdings(peer.uid)
+        self.holdings: Holdings = shared.regions.holdings(peer.uid)
         self.pending: dict[int, QueuedCopy] = {}
         """Copies queued or in flight, by the client's request id."""
         self.queued_bytes = 0
         self.greeted = False
         self.closed = False
         self.copies = 0
+        self.connected_at = self.last_active = time.monotonic()
+        """When it connected, and when it last sent a request or held something (for [server]
+        hello_timeout_s and idle_timeout_s; the daemon's sweep keeps the second up to date)."""
+        self.mailbox: DaemonMailbox | None = None
+        """This client's mailbox (mailbox.py), once it asked for one."""
         self._setup: asyncio.Task[None] | None = None
         """A region set-up under way; the requests behind it wait."""
         self._draining = False
@@ -164,6 +176,8 @@ class Session:
             Free: self._free,
             Share: self._share,
             Cancel: self._cancel,
+            OpenMailbox: self._open_mailbox,
+            Kick: self._kick,
         }
         """Every request type but Copy, whose reply comes later (`copy_finished`)."""
 
@@ -222,6 +236,7 @@ class Session:
                         return
                     self._again = False
                     continue
+                self.last_active = time.monotonic()
                 try:
                     setup = self._handle(*item)
                 except ConnectionClosed:
@@ -245,6 +260,21 @@ class Session:
         if not self._ended.done():
             self._ended.set_result(exc)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing of the client's is held: no copy pending, no region, no set-up under way."""
+        return not self.pending and not self.holdings.regions and self._setup is None
+
+    def expire(self, why: PriodError) -> None:
+        """Close the connection for a reason of the daemon's (a timeout): ``why`` goes to the
+        client in an error frame with id 0, then the connection ends as if the client had left."""
+        if self.closed or not hasattr(self, "_ended") or self._ended.done():
+            return
+        self._context.run(log.info, "connection_expired", reason=str(why))
+        if not self.sock.closed:
+            self.sock.send(ErrorReply.of(why).encode(0))
+        self._end(None)
+
     async def flush_and_close(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self.sock.drain(), timeout)
@@ -260,6 +290,10 @@ class Session:
         self.shared.sessions.pop(self.id, None)
         self.shared.pump.drop_owner(self.id)
         self.shared.regions.release_all(self.holdings)
+        if self.mailbox is not None:
+            self.shared.mailboxes.discard(self)
+            self.mailbox.close()
+            self.mailbox = None
 
     def cancel_all(self, code: str) -> None:
         """Cancel every pending copy (the daemon is stopping)."""
@@ -292,6 +326,8 @@ class Session:
                 self._copy(req_id, req)  # answered when it ends (copy_finished)
                 return None
             reply = self._handlers[type(req)](req, fds)
+            if reply is None:  # a kick: its answer is the mailbox's
+                return None
             if asyncio.iscoroutine(reply):
                 owned, fds = fds, []
                 return self._answer_later(req_id, msg.get("op"), reply, owned)
@@ -304,8 +340,7 @@ class Session:
             log.exception("request_failed", op=msg.get("op"))
             self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
         finally:
-            for fd in fds:  # the engine keeps its own mapping of a registered memfd
-                os.close(fd)
+            close_received(fds)  # the engine keeps its own mapping of a registered memfd
         return None
 
     async def _answer_later(self, req_id: int, op: object, pending: Coroutine[Any, Any, tuple[Any, list[int]]], fds: list[int]) -> None:
@@ -320,8 +355,7 @@ class Session:
             log.exception("request_failed", op=op)
             self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
         finally:
-            for fd in fds:
-                os.close(fd)
+            close_received(fds)
 
     def _reply(self, req_id: int, reply: Any, fds: list[int]) -> None:
         if not self.closed:
@@ -355,7 +389,7 @@ class Session:
         return Empty()
 
     def _status(self, req: StatusRequest, fds: list[int]) -> StatusReply:
-        return StatusReply(self.shared.status())
+        return StatusReply(self.shared.status(self.peer))
 
     # -- regions ---------------------------------------------------------------------------
     async def _alloc_host(self, req: AllocHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
@@ -401,6 +435,12 @@ class Session:
                     "copy within the region's size"
                 )
         lane = regions.lane_between(dst, src)
+        if (dst is src or dst.kind == src.kind) and regions.overlapping(dst, req.dst_offset, src, req.src_offset, nbytes):
+            raise InvalidRequest(
+                f"source bytes {req.src_offset}..{req.src_offset + nbytes} of region {src.id} overlap destination bytes "
+                f"{req.dst_offset}..{req.dst_offset + nbytes} of region {dst.id}; a copy engine does not copy overlapping ranges "
+                "as memmove does: copy through another region, or in pieces that do not overlap"
+            )
         lim = shared.cfg.limits
         if len(self.pending) >= lim.max_queued_requests:
             raise LimitExceeded(
@@ -412,15 +452,67 @@ class Session:
                 f"{nbytes} more bytes would exceed [limits] max_queued_bytes = {lim.max_queued_bytes} pending on this connection; "
                 "wait for replies before sending more"
             )
+        tally = self.holdings.tally
+        if tally.queued_requests >= lim.max_queued_requests_per_uid:
+            raise LimitExceeded(
+                f"uid {tally.uid} has {tally.queued_requests} copies pending over its connections "
+                f"([limits] max_queued_requests_per_uid = {lim.max_queued_requests_per_uid}); wait for replies before sending more"
+            )
+        if tally.queued_bytes + nbytes > lim.max_queued_bytes_per_uid:
+            raise LimitExceeded(
+                f"{nbytes} more bytes would exceed [limits] max_queued_bytes_per_uid = {lim.max_queued_bytes_per_uid} pending over "
+                f"uid {tally.uid}'s connections; wait for replies before sending more"
+            )
         payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
         deadline = now + req.deadline_ms / 1e3 if req.deadline_ms is not None else None
-        queued = QueuedCopy(next(shared.request_ids), self.id, lane, req.priority, nbytes, now, deadline, payload)
+        queued = QueuedCopy(next(shared.request_ids), self.id, lane, req.priority, nbytes, now, deadline, payload, uid=self.peer.uid, gid=self.peer.gid)
         shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
         self.pending[req_id] = queued
         self.queued_bytes += nbytes
+        tally.queued_requests += 1
+        tally.queued_bytes += nbytes
         dst.users.add(queued.id)
         src.users.add(queued.id)
         shared.pump.kick()
+
+    # -- the mailbox -----------------------------------------------------------------------
+    async def _open_mailbox(self, req: OpenMailbox, fds: list[int]) -> tuple[MailboxReply, list[int]]:
+        if self.mailbox is None:
+            self.mailbox = DaemonMailbox()
+            self.shared.mailboxes.add(self)
+        return MailboxReply(MAILBOX_BYTES), [os.dup(self.mailbox.fd)]
+
+    def _kick(self, req: Kick, fds: list[int]) -> None:
+        self.poll_mailbox()
+
+    def poll_mailbox(self) -> None:
+        """Take the copy the client put in its mailbox, if any: checked and queued exactly as a
+        ``copy`` frame; a refusal is written back to the mailbox."""
+        mailbox = self.mailbox
+        if mailbox is None or self.closed:
+            return
+        try:
+            item = mailbox.take()
+        except MailboxRefusal as refusal:
+            self._refuse_in_mailbox(refusal.seq, refusal.error)
+            return
+        if item is None:
+            return
+        seq, copy = item
+        try:
+            self._copy(-(seq + 1), copy)  # ids below zero are mailbox seqs, never a frame's id
+        except RequestError as exc:
+            self._refuse_in_mailbox(seq, exc)
+        except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
+            log.exception("request_failed", op="mailbox")
+            self._refuse_in_mailbox(seq, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
+
+    def _refuse_in_mailbox(self, seq: int, exc: Exception) -> None:
+        code = exc.code if isinstance(exc, PriodError) else "bad_request"
+        self.shared.totals["refused"] += 1
+        self.shared.metrics.refused.labels(code).inc()
+        if self.mailbox is not None:
+            self.mailbox.finish(seq, ErrorReply(code, str(exc)))
 
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
         queued = self.pending.get(req.target)
@@ -436,6 +528,11 @@ class Session:
         if self.pending.get(p.client_id) is req:
             del self.pending[p.client_id]
             self.queued_bytes -= req.nbytes
+            tally = self.holdings.tally
+            tally.queued_requests -= 1
+            tally.queued_bytes -= req.nbytes
+            if self.closed:
+                shared.regions.forget_if_unused(tally)
         shared.regions.copy_ended(req.id, p.dst, p.src)
         end = req.last_done if req.last_done is not None else time.perf_counter()
         first = req.first_submit if req.first_submit is not None else end
@@ -447,8 +544,12 @@ class Session:
             shared.totals["bytes"] += req.nbytes
         # The reply goes first: the client waits for it, while the metrics and the log line
         # below wait for no one (they cost tens of microseconds, most of a small copy's time).
-        if not self.closed:
-            self.sock.send(_outcome_reply(f, p.cancel_code, queued_s, end - first, total_s).encode(p.client_id))
+        reply = _outcome_reply(f, p.cancel_code, queued_s, end - first, total_s)
+        if p.client_id < 0:  # a mailbox copy: its seq is encoded in the id
+            if self.mailbox is not None:
+                self.mailbox.finish(-p.client_id - 1, reply)
+        elif not self.closed:
+            self.sock.send(reply.encode(p.client_id))
         shared.metrics.copy_finished(
             req.cls, outcome, req.lane.direction.value, f.bytes_done, queued_s, total_s, req.path is Path.EXPRESS, f.missed_deadline
         )

@@ -3,8 +3,9 @@
 asyncio's streams and transports expose no ancillary data, so fds cannot ride on them
 (ecosystem.md section 3). `FramedSocket` therefore drives a raw non-blocking socket with
 ``loop.add_reader`` / ``add_writer``, the pattern AnyIO uses. A sender attaches fds to the first
-byte of a frame; Linux never merges the bytes that carry fds with bytes sent before them in one
-``recvmsg``, so fds always arrive with the start of the frame they belong to.
+byte of a frame (one ``sendmsg`` per frame that carries fds). A ``recvmsg`` on Linux returns the
+fds of at most one send and stops after that send's bytes, but it may begin with bytes sent
+before them, unread until then: the fds belong to the last frame that begins in that read.
 """
 
 from __future__ import annotations
@@ -12,23 +13,32 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import fcntl
 import os
+import select
+import queue
 import socket
 import struct
+import termios
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import ConnectionClosed, ProtocolError
-from .protocol import DEFAULT_MAX_FRAME, FrameDecoder, Message, encode
+from .protocol import DEFAULT_MAX_FRAME, HEADER, REPLY_LIMITS, REQUEST_LIMITS, DecodeLimits, FrameDecoder, Message, encode
 
-__all__ = ["MAX_FDS_PER_FRAME", "BlockingFramedSocket", "FramedSocket", "Peer", "peer_credentials"]
+__all__ = ["MAX_FDS_PER_FRAME", "BlockingFramedSocket", "FramedSocket", "Peer", "close_received", "peer_credentials"]
 
 MAX_FDS_PER_FRAME = 4
 RECV_BYTES = 256 * 1024
-_ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * array.array("i").itemsize)
+_SCM_MAX_FD = 253
+"""The most fds Linux passes with one message. The ancillary buffer holds that many, not only
+MAX_FDS_PER_FRAME: fds that do not fit (MSG_CTRUNC) are closed by the kernel inside recvmsg, on
+the caller's thread, and closing a peer's fd can block (see `close_received`)."""
+_ANC_SPACE = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
 _PEERCRED = struct.Struct("3i")
+_CLOSE_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -70,13 +80,13 @@ def _fds_from_ancdata(ancdata: list[tuple[int, int, bytes]], flags: int) -> list
             arr = array.array("i")
             arr.frombytes(data[: len(data) - (len(data) % arr.itemsize)])
             fds.extend(arr)
-    if flags & socket.MSG_CTRUNC:
-        _close_all(fds)
+    if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS_PER_FRAME:
+        close_received(fds)
         raise ProtocolError(f"more than {MAX_FDS_PER_FRAME} file descriptors sent with one frame; send at most {MAX_FDS_PER_FRAME}")
     return fds
 
 
-def _close_all(fds: Sequence[int]) -> None:
+def _close_all(fds: Iterable[int]) -> None:
     for fd in fds:
         try:
             os.close(fd)
@@ -84,19 +94,118 @@ def _close_all(fds: Sequence[int]) -> None:
             pass
 
 
+class _Closer:
+    """A few daemon threads that close fds: a close that blocks holds one of them, never the
+    loop. Threads start on first use; one that blocks delays only the fds queued behind it."""
+
+    def __init__(self, max_threads: int) -> None:
+        self._max_threads = max_threads
+        self._reset()
+
+    def _reset(self) -> None:
+        """Start empty (also in a forked child, which has none of the parent's threads)."""
+        self._queue: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._busy = 0
+        self._waiting = 0
+
+    def submit(self, fds: list[int]) -> None:
+        with self._lock:
+            self._waiting += 1
+            if self._waiting > self._threads - self._busy and self._threads < self._max_threads:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"priod-close-{self._threads}", daemon=True).start()
+        self._queue.put(fds)
+
+    def _run(self) -> None:
+        while True:
+            fds = self._queue.get()
+            with self._lock:
+                self._waiting -= 1
+                self._busy += 1
+            _close_all(fds)
+            with self._lock:
+                self._busy -= 1
+
+
+_closer = _Closer(_CLOSE_THREADS)
+os.register_at_fork(after_in_child=_closer._reset)
+
+
+def close_received(fds: Iterable[int]) -> None:
+    """Close fds that a peer sent and that are not kept, on a worker thread; returns at once.
+
+    Closing a peer's fd runs whatever its file does on its last close, and a hostile peer picks
+    the file: a TCP socket with SO_LINGER and a full send queue blocks close() for the linger
+    time (seconds), a file on a FUSE mount for as long as its server wants. On the event loop
+    that would stall every client. The fds must not be used after this call.
+    """
+    batch = list(fds)
+    if batch:
+        _closer.submit(batch)
+
+
+def _close_connection(sock: socket.socket) -> None:
+    """Close a connection socket without letting fds still queued in it block the caller.
+
+    A frame the peer sent but we never read (after a protocol error, or with its output full)
+    may carry fds; the kernel drops them when the socket closes, on the closing thread, with
+    the same cost as `close_received`. Shut reading first (nothing more can be queued), then
+    close here if nothing is queued (the common case), else on a worker thread.
+    """
+    try:
+        sock.shutdown(socket.SHUT_RD)
+        unread = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        unread = 1  # cannot tell: take the safe way
+    if unread:
+        close_received([sock.detach()])
+    else:
+        sock.close()
+
+
+def _last_frame_start(data: bytes, offset: int) -> int | None:
+    """Where in ``data`` the last frame begins, walking headers from ``offset`` (a frame
+    boundary); None if no frame begins there."""
+    last = None
+    while offset < len(data):
+        last = offset
+        if len(data) - offset < HEADER.size:
+            break
+        (length,) = HEADER.unpack_from(data, offset)
+        offset += HEADER.size + length
+    return last
+
+
 class _Inbox:
     """Frames decoded from a byte stream, each paired with the fds that arrived with its first byte."""
 
-    def __init__(self, max_frame: int) -> None:
-        self.decoder = FrameDecoder(max_frame)
+    def __init__(self, max_frame: int, limits: DecodeLimits) -> None:
+        self.decoder = FrameDecoder(max_frame, limits)
         self._fds_for_next: list[int] = []
 
     def feed(self, data: bytes, fds: list[int]) -> list[tuple[Message, list[int]]]:
-        if fds:
-            if self.decoder.buffered or self._fds_for_next:
-                _close_all(fds)
-                raise ProtocolError("file descriptors arrived in the middle of a frame; send them with a frame's first byte")
-            self._fds_for_next = fds
+        if not fds:
+            return self._decode(data)
+        # One recvmsg returns the fds of at most one send and ends with that send's bytes, but
+        # may begin with bytes sent before it (the rest of a frame, whole frames): the fds
+        # belong to the last frame that begins in ``data``.
+        to_boundary = self.decoder.bytes_to_boundary(data)
+        start = _last_frame_start(data, to_boundary) if to_boundary is not None else None
+        if start is None:
+            close_received(fds)
+            raise ProtocolError("file descriptors arrived in the middle of a frame; send them with a frame's first byte")
+        try:
+            out = self._decode(data[:start])
+        except BaseException:
+            close_received(fds)
+            raise
+        self._fds_for_next = fds
+        out += self._decode(data[start:])
+        return out
+
+    def _decode(self, data: bytes) -> list[tuple[Message, list[int]]]:
         out: list[tuple[Message, list[int]]] = []
         for msg in self.decoder.feed(data):
             out.append((msg, self._fds_for_next))
@@ -104,7 +213,7 @@ class _Inbox:
         return out
 
     def close(self) -> None:
-        _close_all(self._fds_for_next)
+        close_received(self._fds_for_next)
         self._fds_for_next = []
 
 
@@ -114,6 +223,10 @@ class FramedSocket:
     Output is buffered without blocking the caller; while more than ``max_output`` bytes wait
     for a peer that does not read, this side stops reading that peer's requests, so a client
     that never reads its replies cannot grow the daemon's memory.
+
+    Frames are decoded within ``limits``: by default `REQUEST_LIMITS`, the daemon's side (so no
+    daemon code path can forget them); a client reading replies passes `REPLY_LIMITS`. Fds the
+    peer sent that nobody claims are closed with `close_received`, never on the loop.
     """
 
     def __init__(
@@ -123,12 +236,13 @@ class FramedSocket:
         max_frame: int = DEFAULT_MAX_FRAME,
         max_output: int = 4 << 20,
         max_inbox: int = 1024,
+        limits: DecodeLimits = REQUEST_LIMITS,
     ) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
-        self._inbox = _Inbox(max_frame)
+        self._inbox = _Inbox(max_frame, limits)
         self._messages: collections.deque[tuple[Message, list[int]]] = collections.deque()
         self._max_inbox = max_inbox
         self._waiter: asyncio.Future[None] | None = None
@@ -166,7 +280,7 @@ class FramedSocket:
         try:
             fds = _fds_from_ancdata(ancdata, flags)
             if not data:
-                _close_all(fds)
+                close_received(fds)
                 self._fail(ConnectionClosed("peer closed the connection"))
                 return
             self._messages.extend(self._inbox.feed(data, fds))
@@ -327,26 +441,27 @@ class FramedSocket:
             self._loop.remove_writer(self.fd)
             self._writing = False
         for _, fds in self._out:
-            _close_all(fds)
+            _close_all(fds)  # ours, on their way out: nothing a peer chose
         self._out.clear()
         for _, fds in self._messages:
-            _close_all(fds)
+            close_received(fds)
         self._messages.clear()
         self._inbox.close()
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._wake()
-        self.sock.close()
+        _close_connection(self.sock)
 
 
 class BlockingFramedSocket:
-    """The same framing over a blocking socket, for `priod.SyncClient` and scripts."""
+    """The same framing over a blocking socket, for `priod.SyncClient` and scripts (the client's
+    side: replies are decoded within `REPLY_LIMITS` unless ``limits`` says otherwise)."""
 
-    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, spin_s: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, spin_s: float = 0.0, limits: DecodeLimits = REPLY_LIMITS) -> None:
         if sock.gettimeout() == 0.0:
             sock.setblocking(True)  # a socket with a timeout keeps it
         self.sock = sock
-        self._inbox = _Inbox(max_frame)
+        self._inbox = _Inbox(max_frame, limits)
         self._messages: collections.deque[tuple[Message, list[int]]] = collections.deque()
         self.spin_s = spin_s
         """Busy-poll this long for a reply before sleeping in recv: waking a sleeping process
@@ -379,14 +494,27 @@ class BlockingFramedSocket:
             data, ancdata, flags = self._recv()
             fds = _fds_from_ancdata(ancdata, flags)
             if not data:
-                _close_all(fds)
+                close_received(fds)
                 raise ConnectionClosed("the daemon closed the connection")
             self._messages.extend(self._inbox.feed(data, fds))
         return self._messages.popleft()
 
+    def peer_closed(self) -> bool:
+        """Whether the other end has closed (a look without reading or blocking). A socket with a
+        timeout waits for data before any recv, MSG_DONTWAIT or not: select first."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        if not readable:
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
     def close(self) -> None:
         for _, fds in self._messages:
-            _close_all(fds)
+            close_received(fds)
         self._messages.clear()
         self._inbox.close()
         self.sock.close()
