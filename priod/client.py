@@ -36,12 +36,9 @@ from .messages import (
     Cancel,
     Copy,
     CopyReply,
-    ErrorReply,
     Free,
     Hello,
     HelloReply,
-    Kick,
-    OpenMailbox,
     Message,
     Ping,
     RegionReply,
@@ -53,7 +50,6 @@ from .messages import (
     StatusRequest,
     error_of,
 )
-from .mailbox import ClientMailbox
 from .protocol import REPLY_LIMITS
 from .transport import BlockingFramedSocket, FramedSocket, peer_credentials
 
@@ -162,10 +158,6 @@ def _cuda_register_request(obj: Any) -> RegisterDevice:
 
 Reply = tuple[Message, list[int]]
 """A reply as it arrived, and the fds that came beside it (the receiver owns them)."""
-
-
-MAILBOX_UNPROMPTED_S = 300e-6
-"""How long a mailbox copy waits for the daemon to notice it before the client kicks anyway."""
 
 
 def _close(fds: list[int]) -> None:
@@ -412,14 +404,6 @@ class Client:
                     pass
             raise
 
-    async def open_mailbox(self) -> ClientMailbox:
-        """This connection's mailbox page (mailbox.py), for a caller that drives it itself."""
-        _, got = await self._request(OpenMailbox())
-        try:
-            return ClientMailbox(got[0])
-        finally:
-            _close(got)
-
     async def status(self) -> dict[str, Any]:
         msg, _ = await self._request(StatusRequest())
         return StatusReply.decode(msg).status
@@ -485,14 +469,10 @@ class SyncClient:
         name: str = "",
         timeout: float | None = None,
         spin_us: float = 0.0,
-        mailbox: bool = False,
         expect_uid: int | None = None,
     ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
-        sleeping (lower latency for urgent copies, at the cost of a core while waiting).
-        ``mailbox``: copies go through shared memory instead of the socket (mailbox.py), the
-        shortest round trip there is; worth it for urgent copies, with ``spin_us`` set.
-        ``expect_uid``: refuse (`PermissionDenied`) a daemon whose process does not run as this uid."""
+        sleeping (lower latency for urgent copies, at the cost of a core while waiting)."""
         self.path = path or default_socket_path()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -514,24 +494,6 @@ class SyncClient:
         msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
         self.server = HelloReply.decode(msg)
         """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
-        self._timeout = timeout
-        self._spin_s = spin_us / 1e6
-        self._mailbox = self.open_mailbox() if mailbox else None
-
-    def open_mailbox(self) -> ClientMailbox:
-        """This connection's mailbox page (mailbox.py); `copy` uses it when ``mailbox=True``."""
-        _, got = self._request(OpenMailbox())
-        try:
-            return ClientMailbox(got[0])
-        finally:
-            _close(got)
-
-    def kick(self) -> None:
-        """Ask the daemon to look at this connection's mailbox now (no reply comes)."""
-        try:
-            self._sock.send(Kick().encode(next(self._ids)))
-        except OSError as exc:
-            raise ConnectionClosed(f"the daemon at {self.path} closed the connection ({exc.strerror})") from exc
 
     def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
         req_id = next(self._ids)
@@ -586,38 +548,8 @@ class SyncClient:
 
     def copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
         """Copy and wait for it (see `Client.start_copy`)."""
-        request = _copy_request(dst, src, nbytes, options)
-        if self._mailbox is not None and len(request.priority.encode()) <= 32:
-            return self._copy_by_mailbox(self._mailbox, request)
-        msg, _ = self._request(request)
+        msg, _ = self._request(_copy_request(dst, src, nbytes, options))
         return CopyReply.decode(msg)
-
-    def _copy_by_mailbox(self, mailbox: ClientMailbox, request: Copy) -> CopyResult:
-        mailbox.submit(request)
-        started = time.perf_counter()
-        # The daemon may fall asleep between our look at its awake time and its next look at
-        # the mailbox (nothing orders our store against its load): kick at once if it is not
-        # awake, and in any case if nothing has happened after a short while, and then again.
-        next_kick = started if not mailbox.daemon_awake() else started + MAILBOX_UNPROMPTED_S
-        spin_until = started + self._spin_s
-        next_check = started + 0.01
-        while (result := mailbox.result()) is None:
-            now = time.perf_counter()
-            if now >= next_kick:
-                self.kick()
-                next_kick = now + 0.01
-            if now < spin_until:
-                continue
-            time.sleep(20e-6)
-            if now >= next_check:  # asleep between looks: make sure the daemon is still there
-                next_check = now + 0.01
-                if self._sock.peer_closed():
-                    raise ConnectionClosed(f"the daemon at {self.path} closed the connection while a copy was in its mailbox")
-                if self._timeout is not None and now - started > self._timeout:
-                    raise ConnectionClosed(f"no result in the mailbox after {self._timeout} s ([timeout] of this SyncClient)")
-        if isinstance(result, ErrorReply):
-            raise result.exception()
-        return result
 
     def status(self) -> dict[str, Any]:
         msg, _ = self._request(StatusRequest())
@@ -627,8 +559,6 @@ class SyncClient:
         self._request(Ping())
 
     def close(self) -> None:
-        if self._mailbox is not None:
-            self._mailbox.close()
         self._sock.close()
         for region in self._regions:
             region.unmap()

@@ -34,9 +34,6 @@ __all__ = [
     "Free",
     "Hello",
     "HelloReply",
-    "Kick",
-    "MailboxReply",
-    "OpenMailbox",
     "Ping",
     "RegionReply",
     "RegisterDevice",
@@ -286,25 +283,10 @@ class Cancel(_Request):
     target: int
 
 
-@dataclass(frozen=True, slots=True)
-class OpenMailbox(_Request):
-    """Ask for a mailbox (mailbox.py): its page comes back as one fd beside the reply."""
-
-    op: ClassVar[str] = "open_mailbox"
-
-
-@dataclass(frozen=True, slots=True)
-class Kick(_Request):
-    """Look at this connection's mailbox now. The one request without a reply: the answer is
-    the mailbox's result."""
-
-    op: ClassVar[str] = "kick"
-
-
-Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | Cancel | OpenMailbox | Kick
+Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | Cancel
 
 REQUEST_TYPES: dict[str, type[_Request]] = {
-    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel, OpenMailbox, Kick)
+    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel)
 }
 """Every operation a client may send; anything else is refused with ``bad_request``."""
 
@@ -424,13 +406,6 @@ class CancelReply(_Reply):
 @dataclass(frozen=True, slots=True)
 class StatusReply(_Reply):
     status: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class MailboxReply(_Reply):
-    """A mailbox of ``nbytes``: map the fd beside this reply (mailbox.py has the layout)."""
-
-    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,15 +126,11 @@ class Pump:
         on_finished: Callable[[Finished], None],
         *,
         bulk_poll: Literal["spin", "timer"] = "timer",
-        on_awake_turn: Callable[[float], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.engine = engine
         self._on_finished = on_finished
         self._bulk_poll = bulk_poll
-        self._on_awake_turn = on_awake_turn
-        """Called on every turn the loop stays awake, with the time until which it will: the
-        daemon looks at the clients' mailboxes there (mailbox.py)."""
         self._inflight: list[InFlight] = []
         self._dma_tail: dict[LaneKey, float] = {}
         """Per lane, when its last DMA chunk in flight should be done: the next one starts then."""
@@ -313,7 +309,6 @@ class Pump:
             if not self._inflight and not engine_wakes and self.scheduler.urgent_recent(time.perf_counter()):
                 # Urgent copies are about: keep the loop awake (one core) so the next one is read
                 # at once instead of after a wake-up from epoll, for urgent_window_ms.
-                self._awake_turn()
                 await asyncio.sleep(0)
                 continue
             if self._inflight and engine_wakes:
@@ -323,7 +318,6 @@ class Pump:
                 # Poll every turn while an urgent chunk is in flight, and while a lane runs its
                 # short bound: its small bulk chunks end every ~100 us, too often for a timer.
                 if self.scheduler.strict_in_flight or self.scheduler.urgent_recent(time.perf_counter()) or (wait < 0.002 and self._timer is None):
-                    self._awake_turn()
                     await asyncio.sleep(0)  # one loop turn: other connections are served between polls
                     continue
                 if wait >= 0.002:
@@ -331,8 +325,6 @@ class Pump:
                 else:
                     assert self._timer is not None
                     self._timer.wake_at(time.perf_counter() + max(wait, TIMER_MIN_S))
-            if self._on_awake_turn is not None:
-                self._on_awake_turn(0.0)  # going to sleep: mailboxes need a kick from here on
             self._wake = loop.create_future()
             handle = loop.call_later(timeout, self._wakeup) if timeout is not None else None
             try:
@@ -341,11 +333,6 @@ class Pump:
                 self._wake = None
                 if handle is not None:
                     handle.cancel()
-
-    def _awake_turn(self) -> None:
-        if self._on_awake_turn is not None:
-            # Awake for sure until the urgent window closes; with bulk in flight, for a turn.
-            self._on_awake_turn(max(self.scheduler.urgent_until, time.perf_counter()))
 
     async def settle(self, deadline: float) -> None:
         """Wait (until ``deadline``, monotonic) for the chunks in flight to finish."""

@@ -662,11 +662,6 @@ class Scheduler:
         """Some strict-class chunk (express or DMA) is in flight: worth polling tightly."""
         return self._strict_chunks > 0
 
-    @property
-    def urgent_until(self) -> float:
-        """When the last lane's short bound ends (-inf: no urgent copy seen yet)."""
-        return self._urgent_until
-
     def urgent_recent(self, now: float) -> bool:
         """Some lane runs its short bound: its small chunks want polling every loop turn."""
         return now < self._urgent_until

@@ -147,7 +147,7 @@ class Daemon:
         self.engine = engine
         self.scheduler = Scheduler(cfg.policy(), engine.lanes())
         self.metrics = Metrics()
-        self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll, on_awake_turn=self._poll_mailboxes)
+        self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll)
         self.own_uid = os.geteuid()
         """With uid 0, the uid that sees every client in `status` and may use PRIVILEGED_RESERVE."""
         _raise_open_files_limit()
@@ -178,12 +178,6 @@ class Daemon:
     @property
     def totals(self) -> dict[str, int]:
         return self.shared.totals
-
-    def _poll_mailboxes(self, awake_until: float) -> None:
-        for session in list(self.shared.mailboxes):
-            if session.mailbox is not None:
-                session.mailbox.set_awake(awake_until)
-                session.poll_mailbox()
 
     def _fd_reserve(self) -> int:
         """Open files kept back from regions: each connection's socket and an fd it passes, the

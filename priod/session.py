@@ -42,9 +42,6 @@ from .messages import (
     Free,
     Hello,
     HelloReply,
-    Kick,
-    MailboxReply,
-    OpenMailbox,
     Message,
     Ping,
     RegionReply,
@@ -56,7 +53,6 @@ from .messages import (
     decode_request,
     request_id,
 )
-from .mailbox import MAILBOX_BYTES, DaemonMailbox, MailboxRefusal
 from .metrics import Metrics
 from .pump import Pump
 from .regions import Holdings, Region, RegionTable
@@ -95,8 +91,6 @@ class Shared:
     sessions: dict[int, Session] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=lambda: {"copies": 0, "bytes": 0, "refused": 0, "protocol_errors": 0})
     stopping: bool = False
-    mailboxes: set[Session] = field(default_factory=set)
-    """Sessions with a mailbox: the pump looks at them on every turn while it is awake."""
     request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
 
@@ -154,8 +148,6 @@ class Session:
         self.connected_at = self.last_active = time.monotonic()
         """When it connected, and when it last sent a request or held something (for [server]
         hello_timeout_s and idle_timeout_s; the daemon's sweep keeps the second up to date)."""
-        self.mailbox: DaemonMailbox | None = None
-        """This client's mailbox (mailbox.py), once it asked for one."""
         self._setup: asyncio.Task[None] | None = None
         """A region set-up under way; the requests behind it wait."""
         self._draining = False
@@ -176,8 +168,6 @@ class Session:
             Free: self._free,
             Share: self._share,
             Cancel: self._cancel,
-            OpenMailbox: self._open_mailbox,
-            Kick: self._kick,
         }
         """Every request type but Copy, whose reply comes later (`copy_finished`)."""
 
@@ -290,10 +280,6 @@ class Session:
         self.shared.sessions.pop(self.id, None)
         self.shared.pump.drop_owner(self.id)
         self.shared.regions.release_all(self.holdings)
-        if self.mailbox is not None:
-            self.shared.mailboxes.discard(self)
-            self.mailbox.close()
-            self.mailbox = None
 
     def cancel_all(self, code: str) -> None:
         """Cancel every pending copy (the daemon is stopping)."""
@@ -326,8 +312,6 @@ class Session:
                 self._copy(req_id, req)  # answered when it ends (copy_finished)
                 return None
             reply = self._handlers[type(req)](req, fds)
-            if reply is None:  # a kick: its answer is the mailbox's
-                return None
             if asyncio.iscoroutine(reply):
                 owned, fds = fds, []
                 return self._answer_later(req_id, msg.get("op"), reply, owned)
@@ -475,45 +459,6 @@ class Session:
         src.users.add(queued.id)
         shared.pump.kick()
 
-    # -- the mailbox -----------------------------------------------------------------------
-    async def _open_mailbox(self, req: OpenMailbox, fds: list[int]) -> tuple[MailboxReply, list[int]]:
-        if self.mailbox is None:
-            self.mailbox = DaemonMailbox()
-            self.shared.mailboxes.add(self)
-        return MailboxReply(MAILBOX_BYTES), [os.dup(self.mailbox.fd)]
-
-    def _kick(self, req: Kick, fds: list[int]) -> None:
-        self.poll_mailbox()
-
-    def poll_mailbox(self) -> None:
-        """Take the copy the client put in its mailbox, if any: checked and queued exactly as a
-        ``copy`` frame; a refusal is written back to the mailbox."""
-        mailbox = self.mailbox
-        if mailbox is None or self.closed:
-            return
-        try:
-            item = mailbox.take()
-        except MailboxRefusal as refusal:
-            self._refuse_in_mailbox(refusal.seq, refusal.error)
-            return
-        if item is None:
-            return
-        seq, copy = item
-        try:
-            self._copy(-(seq + 1), copy)  # ids below zero are mailbox seqs, never a frame's id
-        except RequestError as exc:
-            self._refuse_in_mailbox(seq, exc)
-        except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
-            log.exception("request_failed", op="mailbox")
-            self._refuse_in_mailbox(seq, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
-
-    def _refuse_in_mailbox(self, seq: int, exc: Exception) -> None:
-        code = exc.code if isinstance(exc, PriodError) else "bad_request"
-        self.shared.totals["refused"] += 1
-        self.shared.metrics.refused.labels(code).inc()
-        if self.mailbox is not None:
-            self.mailbox.finish(seq, ErrorReply(code, str(exc)))
-
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
         queued = self.pending.get(req.target)
         if queued is None:
@@ -544,12 +489,8 @@ class Session:
             shared.totals["bytes"] += req.nbytes
         # The reply goes first: the client waits for it, while the metrics and the log line
         # below wait for no one (they cost tens of microseconds, most of a small copy's time).
-        reply = _outcome_reply(f, p.cancel_code, queued_s, end - first, total_s)
-        if p.client_id < 0:  # a mailbox copy: its seq is encoded in the id
-            if self.mailbox is not None:
-                self.mailbox.finish(-p.client_id - 1, reply)
-        elif not self.closed:
-            self.sock.send(reply.encode(p.client_id))
+        if not self.closed:
+            self.sock.send(_outcome_reply(f, p.cancel_code, queued_s, end - first, total_s).encode(p.client_id))
         shared.metrics.copy_finished(
             req.cls, outcome, req.lane.direction.value, f.bytes_done, queued_s, total_s, req.path is Path.EXPRESS, f.missed_deadline
         )

@@ -15,7 +15,6 @@ import asyncio
 import collections
 import fcntl
 import os
-import select
 import queue
 import socket
 import struct
@@ -498,19 +497,6 @@ class BlockingFramedSocket:
                 raise ConnectionClosed("the daemon closed the connection")
             self._messages.extend(self._inbox.feed(data, fds))
         return self._messages.popleft()
-
-    def peer_closed(self) -> bool:
-        """Whether the other end has closed (a look without reading or blocking). A socket with a
-        timeout waits for data before any recv, MSG_DONTWAIT or not: select first."""
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        if not readable:
-            return False
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
 
     def close(self) -> None:
         for _, fds in self._messages:

@@ -86,8 +86,6 @@ class Load:
     warm_s: float
     cotenant: str = "none"
     gemm_n: int = 8192
-    mailbox: bool = False
-    """The urgent client copies through its mailbox (priod/mailbox.py) instead of the socket."""
 
 
 # -- child processes ---------------------------------------------------------------------------------
@@ -414,9 +412,7 @@ def daemon_cpu(pid: int) -> float:
     return precise[0] if precise is not None else cpu_seconds(pid)
 
 
-def urgent_client(
-    path: str, directions: tuple[str, ...], count: int, cpu_pid: int, interval_s: float = URGENT_INTERVAL_S, spin_us: float = 2000, warm: int = 5, mailbox: bool = False
-) -> dict[str, Any]:
+def urgent_client(path: str, directions: tuple[str, ...], count: int, cpu_pid: int, interval_s: float = URGENT_INTERVAL_S, spin_us: float = 2000, warm: int = 5) -> dict[str, Any]:
     """Urgent copies one at a time from a blocking client that busy-polls for its reply
     (``spin_us``), as a latency-critical caller would; client-observed latency per copy, and the
     daemon's (``cpu_pid``) CPU seconds and the wall seconds over each size's copies. ``warm``
@@ -426,7 +422,7 @@ def urgent_client(
     paths: dict[str, set[str]] = {}
     daemon: dict[str, list[tuple[float, float, float]]] = {}  # the daemon's own queued/transfer/total
     cpu: dict[str, tuple[float, float]] = {}
-    with priod.SyncClient(path, name="urgent", spin_us=spin_us, mailbox=mailbox) as c:
+    with priod.SyncClient(path, name="urgent", spin_us=spin_us) as c:
         h, d = c.alloc_host(max(SIZES)), c.alloc_device(max(SIZES))
         assert h.array is not None
         h.array[:] = np.arange(max(SIZES), dtype=np.uint64).view(np.uint8)[: max(SIZES)]
@@ -469,7 +465,7 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
     log(f"priod row {load.directions} express={express} bulk_poll={bulk_poll} co-tenant {load.cotenant}: starting daemon ({backend})")
     with daemon_process(env, backend=backend, start_timeout=120) as dmn, cotenant(load.cotenant, load.gemm_n) as ct:
         pid = dmn.proc.pid
-        idle = urgent_client(dmn.socket_path, load.directions, load.count, pid, mailbox=load.mailbox)
+        idle = urgent_client(dmn.socket_path, load.directions, load.count, pid)
         stop, q = SPAWN.Event(), SPAWN.Queue()
         log("idle via priod done; starting bulk clients")
         with ExitStack() as stack, priod.SyncClient(dmn.socket_path) as sc:
@@ -482,7 +478,7 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
             # bulk alone for a second, then under urgent load: bytes per lane from the daemon,
             # counted per chunk, so the figure does not depend on where 2 GiB copies end
             t1, b1, c1 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(pid)
-            loaded = urgent_client(dmn.socket_path, load.directions, load.count, pid, mailbox=load.mailbox)
+            loaded = urgent_client(dmn.socket_path, load.directions, load.count, pid)
             t2, st, c2 = time.perf_counter(), sc.status(), daemon_cpu(pid)
             b2 = st["lane_bytes"]
             # then bulk alone, measured after the loaded phase (so both see a warmed pipeline)
@@ -556,11 +552,6 @@ def main() -> int:
         "(a process of its own running bf16 GEMMs back to back); each row runs once per item",
     )
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
-    ap.add_argument(
-        "--urgent-client",
-        default="socket,mailbox",
-        help="how the urgent client sends its copies, comma-separated: frames on the socket, or its mailbox (shared memory); the priod rows run once per way",
-    )
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
     args = ap.parse_args()
     _dump_stacks_later()
@@ -568,7 +559,6 @@ def main() -> int:
     bulk = int(args.bulk_gib * GiB)
     modes = csv_choices(ap, args.bulk_poll, ("timer", "spin"), "--bulk-poll")
     cotenants = csv_choices(ap, args.cotenant, COTENANTS, "--cotenant")
-    clients = csv_choices(ap, args.urgent_client, ("socket", "mailbox"), "--urgent-client")
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "sets": {}}
 
     def save() -> None:
@@ -587,13 +577,12 @@ def main() -> int:
             rows.append(anchor_row(dataclasses.replace(base, cotenant=cot)))
             save()
         for i, mode in enumerate(modes):
-            for client in clients:
-                for express in (False, True):
-                    for cot in cotenants:
-                        r = priod_row(dataclasses.replace(base, cotenant=cot, mailbox=client == "mailbox"), express, bulk_poll=mode)
-                        r["label"] = r["row"] + ("+mb" if client == "mailbox" else "") + ("" if i == 0 else f"/{mode}")
-                        rows.append(r)
-                        save()
+            for express in (False, True):
+                for cot in cotenants:
+                    r = priod_row(dataclasses.replace(base, cotenant=cot), express, bulk_poll=mode)
+                    r["label"] = r["row"] if i == 0 else f"{r['row']}/{mode}"
+                    rows.append(r)
+                    save()
     table = render(results)
     plot(results, os.path.join(args.out, "latency.png"))
     with open(os.path.join(args.out, "table.txt"), "w") as fp:
