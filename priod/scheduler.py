@@ -3,7 +3,7 @@
 No sockets, no CUDA, no clocks: the caller passes ``now`` (seconds, any monotonic origin) and
 submits the chunks this module hands out. That keeps the promise below testable on its own.
 
-The promise (docs/architecture.md, findings.md section 3), per lane (device x direction):
+The promise (docs/design.md), per lane (device x direction):
 - At most ``inflight_bytes`` of non-strict DMA chunks are submitted to the engine at once; the
   rest waits here, where priority decides.
 - A strict-class (``urgent``) request is handed out before any queued chunk of a lower class:

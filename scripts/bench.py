@@ -121,7 +121,7 @@ def copy_reply(req_id: int, nbytes: int) -> dict[str, Any]:
 
 
 def run_echo_server(path: str) -> None:
-    """The floor (findings.md section 6, shared/lab/sockfloor.py): a uvloop server that decodes
+    """The floor: a uvloop server that decodes
     each length-prefixed msgpack frame and answers a copy-reply-sized frame. No other work."""
 
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

@@ -4,7 +4,7 @@ Each lane (device x direction) has a copy-engine thread that takes chunks in sub
 and moves each one whole before the next (non-preemptive, like the hardware), paced to the
 configured bandwidth; and an express thread beside it that does not wait for that queue but
 shares the link: while both run, the express copy gets ``express_share`` of the bandwidth and
-the copy engine the rest (findings.md section 4: a copy kernel got about a third of the link).
+the copy engine the rest (measured on the H200: a copy kernel got about a third of the link).
 A co-tenant (another process computing on the GPU) is modelled too: the express path is a
 kernel on the SMs, so with ``cotenant_stall_us`` set each express chunk first waits for the
 co-tenant's compute time slice, without holding the link; the copy engines do not wait.
@@ -64,7 +64,7 @@ class SimSettings:
     d2h_gbps: float = 2.0
     d2d_gbps: float = 8.0
     express_share: float = 0.33
-    """Share of the link an express copy gets while DMA runs beside it (findings: about a third)."""
+    """Share of the link an express copy gets while DMA runs beside it (about a third, measured on the H200)."""
     express_max_bytes: int = 64 << 20
     express_min_bytes: int = 4096
     fault_on_nbytes: int = 0
