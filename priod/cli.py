@@ -137,7 +137,8 @@ def format_status(st: dict[str, Any]) -> str:
             f"{ln['lane']:<10} {ln['bandwidth_gbps']:>7.2f} {_mib(ln['chunk_bytes']):>11} {_mib(ln['inflight_bound']):>11} "
             f"{_mib(ln['inflight_bytes'] + ln['strict_inflight_bytes']):>11} {_mib(ln['express_inflight_bytes']):>11}  {queued}"
         )
-    lines += ["", f"clients: {st.get('clients_total', len(st['clients']))}   copies: {st['totals']['copies']}   bytes: {st['totals']['bytes'] / 1e9:.3f} GB   deadline misses: {st['deadline_misses']}"]
+    clients = st.get("clients_total", len(st["clients"]))  # a non-root viewer sees only its own lines
+    lines += ["", f"clients: {clients}   copies: {st['totals']['copies']}   bytes: {st['totals']['bytes'] / 1e9:.3f} GB   deadline misses: {st['deadline_misses']}"]
     for c in st["clients"]:
         lines.append(f"  conn {c['conn']:<4} pid {c['pid']:<8} uid {c['uid']:<6} regions {c['regions']:<4} pending {c['pending']:<5} copies {c['copies']}")
     return "\n".join(lines)

@@ -11,45 +11,40 @@ The promise (docs/design.md), per lane (device x direction):
   its own, so it waits for at most the non-strict bytes already in flight. No non-strict
   chunk is handed out while a strict DMA chunk is queued or in flight on the lane.
 - Non-strict classes share the lane by weight: deficit round robin, measured in bytes.
-- Inside every class, clients share by round robin: one chunk per tenant (a uid; the
-  connection where the uid is unknown) per turn, and one per connection of that tenant per
-  its turn. Deadlines (EDF) order only a connection's own requests. A tenant has at most
-  ``depth`` chunks in flight per lane on each path (express, strict DMA, the rest), so one
-  client's flood of small copies cannot fill the engine's queue ahead of others: another
-  client's copy waits for at most one round.
-- Strict work has a budget per tenant and lane: a token bucket (``urgent_budget_bytes_per_s``
-  or ``urgent_budget_share`` of the lane, ``urgent_burst_bytes`` deep) and a cap on its strict
-  bytes admitted and unfinished (``urgent_inflight_bytes``). A strict request is admitted when
-  it first comes up for service; past the budget it is served as the highest-weight non-strict
-  class (``high``) instead, for good. Express copies count like any other.
+- Inside every class, clients share by round robin (a tenant is a uid; the connection where
+  the uid is unknown), each with at most ``depth`` chunks in flight per lane and path.
+- Strict work has a budget per tenant and lane; past it, a request is served as the
+  highest-weight non-strict class (``high``) instead, for good.
 - ``mode = "fifo"`` switches all of it off: whole copies, in arrival order, no bound. It is what
   a plain CUDA stream does, and the baseline the benchmarks compare against.
+
+This module is the public face: the records that go in and out (`Request`, `Chunk`,
+`Finished`, the statistics) and `Scheduler`, which keeps the books (each request's state,
+chunks in flight, outcomes). The machinery behind it, in the order a request meets it:
+queues.py (where requests wait: class queues, tenant and connection rings, EDF), budget.py
+(each client's urgent budget and cap of chunks in flight), lanes.py (one lane's state and
+bounds), dispatch.py (which request gets the next chunk, how big, by which path).
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
 import math
-from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from . import budget
+from .budget import TenantKey
 from .choice import PathChooser, PathEstimate
+from .dispatch import Dispatcher
 from .engines.base import LaneInfo, LaneKey, Path
 from .errors import ConfigError, InvalidRequest, NotFound, PermissionDenied
-from .policy import ALIGN, ClassSpec, LaneParams, Policy, lane_params, validate_policy
+from .lanes import Lane
+from .policy import ClassSpec, LaneParams, Policy, validate_policy
+from .queues import Track, leave_class, push, unpark
 
-__all__ = [
-    "Chunk",
-    "Finished",
-    "LaneStats",
-    "Request",
-    "RequestState",
-    "Scheduler",
-    "SchedulerStats",
-]
+__all__ = ["Chunk", "Finished", "LaneStats", "Request", "RequestState", "Scheduler", "SchedulerStats"]
 
 
 class RequestState(str, enum.Enum):
@@ -155,259 +150,6 @@ class SchedulerStats:
 
 _OUTCOMES: tuple[str, ...] = ("done", "cancelled", "failed")
 
-_EXPRESS, _STRICT, _BULK = 0, 1, 2
-"""Kinds of chunk in flight, counted per tenant: express, strict DMA, non-strict DMA."""
-
-TenantKey = tuple[str, Hashable]
-
-
-class _Tenant:
-    """One client on one lane: its urgent budget and its chunks in flight."""
-
-    __slots__ = ("inflight", "parked", "pending", "stamp", "tokens", "tracks")
-
-    def __init__(self, tokens: float, now: float) -> None:
-        self.tokens = tokens
-        """The token bucket of strict bytes, refilled lazily from ``stamp``."""
-        self.stamp = now
-        self.pending = 0
-        """Strict bytes admitted and not finished (``urgent_inflight_bytes`` bounds it)."""
-        self.inflight = [0, 0, 0]
-        """Chunks in flight by kind (_EXPRESS, _STRICT, _BULK); each is at most ``depth``."""
-        self.parked: list[_Group] = []
-        """Its class groups taken off their rings while it was at a cap; put back on a completion."""
-        self.tracks = 0
-        """Its requests on this lane, queued or in flight."""
-
-
-class _Track:
-    """The scheduler's private record of one request, beside the caller-visible `Request`."""
-
-    __slots__ = ("admitted", "charged", "cq", "group", "lane", "queued", "req", "route", "seq", "since", "sub", "tenant", "tkey")
-
-    def __init__(self, req: Request, lane: _Lane, cq: _ClassQueue, seq: int, tkey: TenantKey, tenant: _Tenant) -> None:
-        self.req = req
-        self.lane = lane
-        self.cq = cq
-        self.seq = seq
-        self.tkey = tkey
-        self.tenant = tenant
-        self.since = req.arrival
-        """When it last got a chunk (its arrival before the first): what aging measures."""
-        self.queued = False
-        """Still has bytes to hand out and is neither cancelled nor failed."""
-        self.group: _Group | None = None
-        self.sub: _Sub | None = None
-        self.admitted = False
-        """A strict request that passed the urgent budget (checked when it first comes up)."""
-        self.charged = 0
-        """What it counts in its tenant's ``pending`` until it finishes."""
-        self.route: Path | None = None
-        """A strict request's path, chosen when it first comes up."""
-
-
-class _Sub:
-    """One connection's waiting requests in one class on one lane.
-
-    Requests with a deadline wait in a heap (earliest first), the rest in a FIFO. Entries are
-    removed lazily: a cancelled or fully handed-out request stays until it reaches the head,
-    so cancel is O(1) and ``live`` is the truth.
-    """
-
-    __slots__ = ("_edf", "_fifo", "in_ring", "live", "owner")
-
-    def __init__(self, owner: Hashable) -> None:
-        self.owner = owner
-        self.live = 0
-        self.in_ring = False
-        self._edf: list[tuple[float, int, _Track]] = []
-        self._fifo: deque[_Track] = deque()
-
-    def push(self, t: _Track) -> None:
-        if t.req.deadline is None:
-            self._fifo.append(t)
-        else:
-            # seq breaks ties, so tracks themselves are never compared.
-            heapq.heappush(self._edf, (t.req.deadline, t.seq, t))
-
-    def head(self) -> _Track:
-        """The request to serve next. Only called while ``live > 0``."""
-        edf = self._edf
-        while edf:
-            t = edf[0][2]
-            if t.queued:
-                return t
-            heapq.heappop(edf)
-        fifo = self._fifo
-        while True:
-            t = fifo[0]
-            if t.queued:
-                return t
-            fifo.popleft()
-
-    def pop_head(self, t: _Track) -> None:
-        """Take ``t``, the head just returned by `head`, out (it moves to another class)."""
-        if self._edf and self._edf[0][2] is t:
-            heapq.heappop(self._edf)
-        else:
-            self._fifo.popleft()
-
-    def clear(self) -> None:
-        self._edf.clear()
-        self._fifo.clear()
-
-
-class _Group:
-    """One tenant's connections in one class on one lane: a ring of `_Sub`, one chunk each in turn."""
-
-    __slots__ = ("cq", "in_ring", "key", "live", "parked", "prune_at", "ring", "subs", "tenant")
-
-    def __init__(self, cq: _ClassQueue, key: TenantKey, tenant: _Tenant) -> None:
-        self.cq = cq
-        self.key = key
-        self.tenant = tenant
-        self.live = 0
-        self.in_ring = False
-        """It sits in its class's ring (possibly with nothing live: removed lazily)."""
-        self.parked = False
-        """Off the ring while its tenant is at a cap of chunks in flight."""
-        self.subs: dict[Hashable, _Sub] = {}
-        self.ring: deque[_Sub] = deque()
-        self.prune_at = 8
-
-    def head(self) -> _Track:
-        """The next request of the connection whose turn it is. Only called while ``live > 0``."""
-        ring = self.ring
-        while True:
-            sub = ring[0]
-            if sub.live:
-                return sub.head()
-            ring.popleft()
-            sub.in_ring = False
-
-    def sub(self, owner: Hashable) -> _Sub:
-        """``owner``'s sub-queue. Empty ones are kept for the next request (no allocation per
-        copy) and dropped once they are half of what is kept."""
-        sub = self.subs.get(owner)
-        if sub is None:
-            subs = self.subs
-            if len(subs) >= self.prune_at:
-                for key in [k for k, s in subs.items() if not s.live and not s.in_ring]:
-                    del subs[key]
-                self.prune_at = max(8, 2 * len(subs))
-            sub = subs[owner] = _Sub(owner)
-        return sub
-
-    def drained(self) -> None:
-        """Nothing live is left: empty the ring (its entries are all empty)."""
-        for sub in self.ring:
-            sub.in_ring = False
-        self.ring.clear()
-
-
-class _ClassQueue:
-    """One class's waiting requests on one lane: a ring of tenant groups, and its DRR state."""
-
-    __slots__ = ("active", "deficit", "groups", "in_turn", "live", "prune_at", "quantum", "queued_bytes", "ring", "spec")
-
-    def __init__(self, spec: ClassSpec, chunk_bytes: int) -> None:
-        self.spec = spec
-        self.quantum = spec.weight * chunk_bytes
-        self.deficit = 0
-        self.in_turn = False
-        """Its quantum for the current round-robin turn was already added."""
-        self.active = False
-        """It sits in its lane's round-robin list."""
-        self.live = 0
-        self.queued_bytes = 0
-        self.groups: dict[TenantKey, _Group] = {}
-        self.ring: deque[_Group] = deque()
-        """Tenants with work here, round robin: the head has the turn."""
-        self.prune_at = 8
-
-    def group(self, key: TenantKey, tenant: _Tenant) -> _Group:
-        """``key``'s group. Empty ones are kept for the next request (no allocation per copy)
-        and dropped once they are half of what is kept."""
-        g = self.groups.get(key)
-        if g is None:
-            groups = self.groups
-            if len(groups) >= self.prune_at:
-                for k in [k for k, old in groups.items() if not old.live and not old.in_ring]:
-                    del groups[k]
-                self.prune_at = max(8, 2 * len(groups))
-            g = groups[key] = _Group(self, key, tenant)
-        elif not g.live:
-            g.tenant = tenant  # the tenant may have been swept and come back since
-            g.parked = False  # a stale entry in its old tenant's list is skipped
-        return g
-
-    def drained(self) -> None:
-        """Nothing live is left: empty the ring (its entries are all empty)."""
-        for g in self.ring:
-            g.in_ring = False
-            g.drained()
-        self.ring.clear()
-
-
-class _Lane:
-    """Per-lane state: parameters, class queues, tenants, and bytes in flight by kind."""
-
-    __slots__ = (
-        "budget_rate",
-        "classes",
-        "express_inflight",
-        "fifo",
-        "inflight",
-        "info",
-        "key",
-        "last_strict",
-        "nonstrict",
-        "params",
-        "queued",
-        "rr",
-        "strict",
-        "strict_inflight",
-        "sweep_at",
-        "tenants",
-    )
-
-    def __init__(self, info: LaneInfo) -> None:
-        self.key = info.key
-        self.info = info
-        self.params = LaneParams(ALIGN, ALIGN, 0, 0)
-        self.classes: dict[str, _ClassQueue] = {}
-        self.strict: list[_ClassQueue] = []
-        self.nonstrict: list[_ClassQueue] = []
-        self.rr: deque[_ClassQueue] = deque()
-        """Non-strict classes with queued work, in round-robin order; the head has the turn."""
-        self.fifo: deque[_Track] = deque()
-        """mode "fifo": every request, in arrival order."""
-        self.queued = 0
-        """Requests with bytes still to hand out."""
-        self.inflight = 0
-        """Non-strict DMA bytes in flight: the figure ``inflight_bytes`` bounds."""
-        self.strict_inflight = 0
-        self.express_inflight = 0
-        self.last_strict = -math.inf
-        """When a strict request last arrived: the short bound holds for ``urgent_window_ms`` after."""
-        self.tenants: dict[TenantKey, _Tenant] = {}
-        """Kept past a tenant's last request until its bucket is full again (see `Scheduler._sweep`)."""
-        self.sweep_at = 64
-        self.budget_rate = 0.0
-
-    def configure(self, policy: Policy) -> None:
-        """Fresh class queues and parameters for ``policy`` (requests are re-placed by the caller)."""
-        self.params = lane_params(self.info, policy)
-        self.classes = {c.name: _ClassQueue(c, self.params.chunk_bytes) for c in policy.classes}
-        self.strict = [cq for cq in self.classes.values() if cq.spec.strict]
-        self.nonstrict = [cq for cq in self.classes.values() if not cq.spec.strict]
-        self.rr = deque()
-        self.fifo = deque()
-        self.queued = 0
-        self.budget_rate = min(policy.urgent_budget_bytes_per_s, policy.urgent_budget_share * self.info.bandwidth)
-        for tn in self.tenants.values():
-            tn.parked.clear()  # their groups went with the old class queues
-
 
 class Scheduler:
     """Queues copy requests per lane and hands out the chunks to submit, keeping the promise.
@@ -427,26 +169,25 @@ class Scheduler:
     def __init__(self, policy: Policy, lanes: Iterable[LaneInfo]) -> None:
         validate_policy(policy)
         self._policy = policy
-        self._lanes: dict[LaneKey, _Lane] = {}
+        self._lanes: dict[LaneKey, Lane] = {}
         for info in sorted(lanes, key=lambda i: i.key):
             if info.key in self._lanes:
                 raise ConfigError(f"lane {info.key} is listed twice; an engine must report each lane once")
-            lane = _Lane(info)
+            lane = Lane(info)
             lane.configure(policy)
             self._lanes[info.key] = lane
         self._lane_list = list(self._lanes.values())
-        self._tracks: dict[int, _Track] = {}
+        self._tracks: dict[int, Track] = {}
         self._by_owner: dict[Hashable, set[int]] = {}
         self._seq = 0
         self._queued = 0
         self._inflight_chunks = 0
         self._strict_chunks = 0
         self._misses = 0
-        self._demoted = 0
         self._finished = dict.fromkeys(_OUTCOMES, 0)
         self._chooser = PathChooser(policy.explore_ms / 1e3)
         self._urgent_until = -math.inf
-        self._below_strict = _below_strict(policy)
+        self._dispatch = Dispatcher(policy, self._chooser, self._hand_out)
 
     # --- configuration -------------------------------------------------------------------
 
@@ -471,7 +212,7 @@ class Scheduler:
         nonstrict = [c for c in policy.classes if not c.strict] or list(policy.classes)
         fallback = min(nonstrict, key=lambda c: c.weight).name
         self._policy = policy
-        self._below_strict = _below_strict(policy)
+        self._dispatch.configure(policy)
         self._chooser.explore_s = policy.explore_ms / 1e3
         for lane in self._lane_list:
             lane.configure(policy)
@@ -523,14 +264,10 @@ class Scheduler:
             lane.last_strict = now
             self._urgent_until = max(self._urgent_until, now + self._policy.urgent_window_ms / 1e3)
         tkey: TenantKey = ("owner", req.owner) if req.uid is None else ("uid", req.uid)
-        tenant = lane.tenants.get(tkey)
-        if tenant is None:
-            if len(lane.tenants) >= lane.sweep_at:
-                self._sweep(lane, now)
-            tenant = lane.tenants[tkey] = _Tenant(float(self._policy.urgent_burst_bytes), now)
+        tenant = budget.tenant(lane, tkey, self._policy, now)
         tenant.tracks += 1
         self._seq += 1
-        t = _Track(req, lane, cq, self._seq, tkey, tenant)
+        t = Track(req, lane, cq, self._seq, tkey, tenant)
         self._tracks[req.id] = t
         self._by_owner.setdefault(req.owner, set()).add(req.id)
         self._place(t)
@@ -552,14 +289,10 @@ class Scheduler:
         """
         t = self._tracks.get(request_id)
         if t is None:
-            raise NotFound(
-                f"no copy with id {request_id} is queued or in flight; it may have finished already"
-            )
+            raise NotFound(f"no copy with id {request_id} is queued or in flight; it may have finished already")
         req = t.req
         if req.state is RequestState.CANCELLED or req.state is RequestState.FAILED:
-            raise NotFound(
-                f"copy {request_id} is already {req.state.value}; its reply comes when its last chunk in flight lands"
-            )
+            raise NotFound(f"copy {request_id} is already {req.state.value}; its reply comes when its last chunk in flight lands")
         req.state = RequestState.CANCELLED
         self._stop(t)
         if req.inflight_chunks:
@@ -596,9 +329,9 @@ class Scheduler:
             if not lane.queued:
                 continue
             if fifo:
-                self._serve_fifo(lane, now, out)
+                self._dispatch.serve_fifo(lane, now, out)
             else:
-                self._serve(lane, now, out)
+                self._dispatch.serve(lane, now, out)
         return out
 
     def chunk_done(self, chunk: Chunk, now: float, error: Exception | None = None) -> list[Finished]:
@@ -612,20 +345,11 @@ class Scheduler:
         t = self._tracks.get(req.id)
         if t is None or t.req is not req or req.inflight_chunks <= 0:
             raise ValueError(f"chunk_done for copy {req.id} at offset {chunk.offset}, which is not in flight")
-        lane = t.lane
         size = chunk.nbytes
         tenant = t.tenant
-        if chunk.path is Path.EXPRESS:
-            lane.express_inflight -= size
-            tenant.inflight[_EXPRESS] -= 1
-        elif chunk.strict:
-            lane.strict_inflight -= size
-            tenant.inflight[_STRICT] -= 1
-        else:
-            lane.inflight -= size
-            tenant.inflight[_BULK] -= 1
+        t.lane.count(tenant, chunk.path, chunk.strict, size, -1)
         if tenant.parked:
-            self._unpark(tenant)
+            unpark(tenant)
         if chunk.strict:
             self._strict_chunks -= 1
         self._inflight_chunks -= 1
@@ -703,114 +427,40 @@ class Scheduler:
             lanes=lanes,
             deadline_misses=self._misses,
             finished=dict(self._finished),
-            demoted=self._demoted,
+            demoted=self._dispatch.demoted,
         )
 
-    # --- internals: queues ---------------------------------------------------------------
+    # --- internals ---------------------------------------------------------------------
 
-    def _lane(self, key: LaneKey) -> _Lane:
+    def _lane(self, key: LaneKey) -> Lane:
         lane = self._lanes.get(key)
         if lane is None:
             known = ", ".join(str(k) for k in self._lanes) or "none"
             raise InvalidRequest(f"no lane {key}; the lanes are {known}")
         return lane
 
-    def _place(self, t: _Track) -> None:
+    def _place(self, t: Track) -> None:
         """Count a request with bytes to hand out as queued, in the queue its mode and class say."""
         t.queued = True
         t.lane.queued += 1
         self._queued += 1
-        self._push(t)
+        push(t, self._policy.mode == "fifo")
 
-    def _push(self, t: _Track) -> None:
-        """Put ``t`` into its class queue: its tenant's group, its connection's sub-queue."""
-        req, lane, cq = t.req, t.lane, t.cq
-        cq.live += 1
-        cq.queued_bytes += req.nbytes - req.submitted_bytes
-        if self._policy.mode == "fifo":
-            lane.fifo.append(t)
-            return
-        g = cq.group(t.tkey, t.tenant)
-        sub = g.sub(req.owner)
-        sub.push(t)
-        sub.live += 1
-        g.live += 1
-        t.group, t.sub = g, sub
-        if not sub.in_ring:
-            sub.in_ring = True
-            g.ring.append(sub)
-        if not g.in_ring and not g.parked:
-            g.in_ring = True
-            cq.ring.append(g)
-        if not cq.spec.strict and not cq.active:
-            cq.active = True
-            lane.rr.append(cq)
-
-    def _stop(self, t: _Track) -> None:
+    def _stop(self, t: Track) -> None:
         """Take a cancelled or failed request's unsent bytes out of the queue counters."""
         if t.queued:
             t.cq.queued_bytes -= t.req.nbytes - t.req.submitted_bytes
             self._unqueue(t)
 
-    def _unqueue(self, t: _Track) -> None:
+    def _unqueue(self, t: Track) -> None:
         t.queued = False
         t.lane.queued -= 1
         self._queued -= 1
-        self._leave_class(t)
+        leave_class(t)
 
-    def _leave_class(self, t: _Track) -> None:
-        """Count ``t`` out of its class queue (its entry there is dropped lazily, or was popped)."""
-        cq, g, sub = t.cq, t.group, t.sub
-        cq.live -= 1
-        if g is not None and sub is not None:
-            sub.live -= 1
-            g.live -= 1
-            if not sub.live:
-                sub.clear()
-            if not g.live:
-                g.drained()
-        if not cq.live:
-            cq.drained()
-            cq.deficit = 0  # DRR: an empty class carries no credit into its next backlog
-
-    def _pick(self, cq: _ClassQueue, kind: int) -> _Group | None:
-        """The tenant group whose turn it is in ``cq`` and that may have another chunk of
-        ``kind`` in flight; groups of tenants at their cap are parked on the way."""
-        ring = cq.ring
-        cap = self._policy.depth
-        while ring:
-            g = ring[0]
-            if not g.live:
-                ring.popleft()
-                g.in_ring = False
-            elif g.tenant.inflight[kind] >= cap:
-                self._park(g)
-            else:
-                return g
-        return None
-
-    def _park(self, g: _Group) -> None:
-        """Take ``g`` (its class ring's head) off the ring until its tenant's next completion."""
-        g.cq.ring.popleft()
-        g.in_ring = False
-        g.parked = True
-        g.tenant.parked.append(g)
-
-    def _unpark(self, tenant: _Tenant) -> None:
-        parked, tenant.parked = tenant.parked, []
-        for g in parked:
-            if not g.parked:
-                continue
-            g.parked = False
-            if g.live:
-                g.in_ring = True
-                g.cq.ring.append(g)
-
-    def _finish(self, t: _Track, outcome: Literal["done", "cancelled", "failed"]) -> Finished:
+    def _finish(self, t: Track, outcome: Literal["done", "cancelled", "failed"]) -> Finished:
         req = t.req
-        missed = (
-            outcome == "done" and req.deadline is not None and req.last_done is not None and req.last_done > req.deadline
-        )
+        missed = outcome == "done" and req.deadline is not None and req.last_done is not None and req.last_done > req.deadline
         del self._tracks[req.id]
         ids = self._by_owner[req.owner]
         ids.discard(req.id)
@@ -827,60 +477,7 @@ class Scheduler:
             self._misses += 1
         return Finished(req, outcome, req.done_bytes, missed, req.error if outcome == "failed" else None)
 
-    # --- internals: the urgent budget ----------------------------------------------------
-
-    def _refill(self, lane: _Lane, tenant: _Tenant, now: float) -> None:
-        if now > tenant.stamp:
-            tenant.tokens = min(float(self._policy.urgent_burst_bytes), tenant.tokens + lane.budget_rate * (now - tenant.stamp))
-            tenant.stamp = now
-
-    def _admit(self, t: _Track, now: float) -> bool:
-        """Charge a strict request to its tenant's budget; False: past it (nothing charged).
-
-        A request costs its bytes, but at least one short-bound chunk of the lane
-        (``urgent_chunk_bytes``, capped at the burst): while it is queued or in flight by DMA,
-        bulk is held, which costs the others about that much however small the copy.
-        """
-        lane, tenant, req, policy = t.lane, t.tenant, t.req, self._policy
-        cost = max(req.nbytes - req.submitted_bytes, min(lane.params.urgent_chunk_bytes, policy.urgent_burst_bytes))
-        self._refill(lane, tenant, now)
-        if cost > tenant.tokens or tenant.pending + cost > policy.urgent_inflight_bytes:
-            return False
-        tenant.tokens -= cost
-        tenant.pending += cost
-        t.charged = cost
-        t.admitted = True
-        return True
-
-    def _demote(self, t: _Track) -> None:
-        """Move a strict request past its tenant's budget (its sub-queue's head) to the class
-        below strict, where it is served with the tenant's other work there."""
-        sub = t.sub
-        assert sub is not None
-        sub.pop_head(t)
-        t.cq.queued_bytes -= t.req.nbytes - t.req.submitted_bytes
-        self._leave_class(t)
-        req = t.req
-        if req.demoted_from is None:
-            req.demoted_from = req.cls
-        req.cls = self._below_strict
-        t.cq = t.lane.classes[req.cls]
-        self._push(t)
-        self._demoted += 1
-
-    def _sweep(self, lane: _Lane, now: float) -> None:
-        """Forget tenants with no requests whose bucket is full again (nothing is lost by it)."""
-        burst = float(self._policy.urgent_burst_bytes)
-        for key, tenant in list(lane.tenants.items()):
-            if not tenant.tracks:
-                self._refill(lane, tenant, now)
-                if tenant.tokens >= burst:
-                    del lane.tenants[key]
-        lane.sweep_at = max(64, 2 * len(lane.tenants))
-
-    # --- internals: handing out ----------------------------------------------------------
-
-    def _hand_out(self, t: _Track, size: int, path: Path, now: float) -> Chunk:
+    def _hand_out(self, t: Track, size: int, path: Path, now: float) -> Chunk:
         """Cut the next ``size`` bytes of ``t`` and account for them as in flight."""
         req, lane, cq = t.req, t.lane, t.cq
         offset = req.submitted_bytes
@@ -892,15 +489,7 @@ class Scheduler:
         req.inflight_chunks += 1
         t.since = now
         strict = cq.spec.strict
-        if path is Path.EXPRESS:
-            lane.express_inflight += size
-            t.tenant.inflight[_EXPRESS] += 1
-        elif strict:
-            lane.strict_inflight += size
-            t.tenant.inflight[_STRICT] += 1
-        else:
-            lane.inflight += size
-            t.tenant.inflight[_BULK] += 1
+        lane.count(t.tenant, path, strict, size, 1)
         if strict:
             self._strict_chunks += 1
         self._inflight_chunks += 1
@@ -908,177 +497,3 @@ class Scheduler:
         if req.submitted_bytes == req.nbytes:
             self._unqueue(t)
         return Chunk(req, offset, size, path, strict)
-
-    def _serve_fifo(self, lane: _Lane, now: float, out: list[Chunk]) -> None:
-        """mode "fifo": every request whole, in arrival order, no bound (a plain CUDA stream)."""
-        q = lane.fifo
-        while q:
-            t = q.popleft()
-            if t.queued:
-                out.append(self._hand_out(t, t.req.nbytes - t.req.submitted_bytes, Path.DMA, now))
-
-    def _serve(self, lane: _Lane, now: float, out: list[Chunk]) -> None:
-        """mode "priod" for one lane: strict (express and DMA), then non-strict by weight."""
-        chunk, bound = self._bound(lane, now)
-
-        # Strict classes in order. Strict DMA has its own budget, so an urgent copy waits for
-        # at most the non-strict bytes already in flight, never for a growing pile of its own
-        # kind plus bulk. Once a class's DMA waits for that budget, lower strict classes may
-        # still go express but not by DMA (it would pass the higher class).
-        dma_ok = True
-        for cq in lane.strict:
-            if cq.live and self._serve_strict(lane, cq, chunk, bound, dma_ok, now, out):
-                dma_ok = False
-
-        if not lane.rr:
-            return
-        # Hold non-strict work while a strict DMA chunk is queued *or in flight*. Measured on
-        # the H200: the copy engine keeps draining the bulk stream while it stays non-empty,
-        # so an urgent chunk on another stream waited seconds while bulk chunks kept coming
-        # behind it. Bulk resumes as soon as the urgent chunk lands.
-        if not dma_ok or lane.strict_inflight:
-            self._serve_aged(lane, now, out)
-            return
-
-        # Deficit round robin by bytes across classes; within a class, one chunk per tenant in
-        # turn. The head of ``rr`` holds the turn; a turn can span several calls when the
-        # in-flight bound fills up, hence ``in_turn``. A class whose tenants are all at their
-        # cap of chunks in flight is passed over and keeps its turn for when it comes round.
-        rr = lane.rr
-        skipped = 0
-        while rr and skipped < len(rr):
-            cq = rr[0]
-            if not cq.live:
-                rr.popleft()
-                cq.active = cq.in_turn = False
-                continue
-            g = self._pick(cq, _BULK)
-            if g is None:
-                rr.rotate(-1)
-                skipped += 1
-                continue
-            t = g.head()
-            size = min(chunk, t.req.nbytes - t.req.submitted_bytes)
-            if lane.inflight and lane.inflight + size > bound:
-                return
-            if not cq.in_turn:
-                # quantum >= chunk_bytes >= size, so every turn hands out at least one chunk.
-                cq.deficit += cq.quantum
-                cq.in_turn = True
-            if cq.deficit < size:
-                cq.in_turn = False
-                rr.rotate(-1)
-                continue
-            cq.deficit -= size
-            out.append(self._hand_out(t, size, Path.DMA, now))
-            skipped = 0
-            g.ring.rotate(-1)
-            cq.ring.rotate(-1)
-
-    def _serve_strict(self, lane: _Lane, cq: _ClassQueue, chunk: int, bound: int, dma_ok: bool, now: float, out: list[Chunk]) -> bool:
-        """Hand out what one strict class may now, a chunk per tenant in turn. True: some of
-        its DMA work waits for the lane's strict budget (or for a higher class's)."""
-        ring = cq.ring
-        cap = self._policy.depth
-        waiting = False
-        skipped = 0
-        while ring and skipped < len(ring):
-            g = ring[0]
-            if not g.live:
-                ring.popleft()
-                g.in_ring = False
-                continue
-            t = g.head()
-            req = t.req
-            if t.route is None:
-                if not t.admitted and not self._admit(t, now):
-                    self._demote(t)
-                    continue
-                t.route = self._route(t, now)
-            left = req.nbytes - req.submitted_bytes
-            if t.route is Path.EXPRESS:
-                # Express copies do not queue behind the copy engine: only the tenant's cap
-                # bounds them (and its budget, already charged).
-                if g.tenant.inflight[_EXPRESS] >= cap:
-                    self._park(g)
-                    continue
-                out.append(self._hand_out(t, left, Path.EXPRESS, now))
-            else:
-                if g.tenant.inflight[_STRICT] >= cap:
-                    self._park(g)
-                    continue
-                size = min(chunk, left)
-                if not dma_ok or (lane.strict_inflight and lane.strict_inflight + size > bound):
-                    waiting = True
-                    ring.rotate(-1)
-                    skipped += 1
-                    continue
-                out.append(self._hand_out(t, size, Path.DMA, now))
-            skipped = 0
-            g.ring.rotate(-1)
-            ring.rotate(-1)
-        return waiting
-
-    def _route(self, t: _Track, now: float) -> Path:
-        """A strict request's path: express where the lane has one for its size and it is
-        faster now (choice.py), else DMA."""
-        p, req = t.lane.params, t.req
-        if (
-            p.express_max
-            and req.submitted_bytes == 0
-            and p.express_min <= req.nbytes <= p.express_max
-            and self._chooser.choose(t.lane.key, req.nbytes, now) is Path.EXPRESS
-        ):
-            return Path.EXPRESS
-        return Path.DMA
-
-    def _bound(self, lane: _Lane, now: float) -> tuple[int, int]:
-        """Chunk size and in-flight bound of ``lane`` now: short while urgent copies are recent.
-
-        Measured on the H200 (one CUDA context, bulk held while urgent work is pending): with
-        27 MiB bulk chunks in flight a 64 KiB urgent DMA copy waited 550 us p50, ~1 ms p99; with
-        4 MiB chunks, 93 / 152 us. Big chunks keep the link full with little polling; small
-        ones cost polls. So bulk runs big chunks until an urgent copy shows up on the lane, and
-        small ones for ``urgent_window_ms`` after the last.
-        """
-        p = lane.params
-        if now - lane.last_strict < self._policy.urgent_window_ms / 1e3:
-            return p.urgent_chunk_bytes, p.urgent_inflight_bytes
-        return p.chunk_bytes, p.inflight_bytes
-
-    def _serve_aged(self, lane: _Lane, now: float, out: list[Chunk]) -> None:
-        """While strict work waits, let through one chunk per non-strict head waiting too long.
-
-        Each class's head is the request its class would serve next (its turn's tenant and
-        connection); the longest-waiting one goes first. Handing it a chunk restarts its wait,
-        so a strict flood still leaves each class a chunk per ``aging_ms``. These chunks still
-        respect the in-flight bound and the tenants' caps, and are not charged to the
-        round-robin deficits.
-        """
-        chunk, bound = self._bound(lane, now)
-        limit = now - self._policy.aging_ms / 1000.0
-        while True:
-            best: _Track | None = None
-            best_group: _Group | None = None
-            best_since = limit
-            for cq in lane.nonstrict:
-                if cq.live:
-                    g = self._pick(cq, _BULK)
-                    if g is not None:
-                        t = g.head()
-                        if t.since < best_since:
-                            best, best_group, best_since = t, g, t.since
-            if best is None or best_group is None:
-                return
-            size = min(chunk, best.req.nbytes - best.req.submitted_bytes)
-            if lane.inflight and lane.inflight + size > bound:
-                return
-            out.append(self._hand_out(best, size, Path.DMA, now))
-            best_group.ring.rotate(-1)
-            best_group.cq.ring.rotate(-1)
-
-
-def _below_strict(policy: Policy) -> str:
-    """Where strict work past its client's budget is served: the highest-weight non-strict
-    class (the first such in the policy on a tie)."""
-    return max((c for c in policy.classes if not c.strict), key=lambda c: c.weight).name
