@@ -1,5 +1,10 @@
 """structlog set-up: JSON lines for journald when not on a terminal, readable lines on one.
 
+Under systemd (stdout is the journal's stream, ``$JOURNAL_STREAM``), each line starts with its
+syslog priority, ``<4>{"event": ...}``: journald takes the priority from that prefix
+(SyslogLevelPrefix=, on by default) and strips it, so ``journalctl -p warning`` shows warnings
+and errors; without it every line would land as info.
+
 Connection context (client pid, uid) is bound with contextvars in each connection's task, so
 every line a connection causes carries it (`structlog.contextvars.merge_contextvars` first).
 """
@@ -7,6 +12,7 @@ every line a connection causes carries it (`structlog.contextvars.merge_contextv
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -15,6 +21,32 @@ import structlog
 __all__ = ["configure_logging", "error_fields", "get_logger"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_SYSLOG = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2, "exception": 3}
+"""structlog level names to syslog priorities (sd-daemon(3))."""
+
+
+def writes_to_journal(stream: TextIO, environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Whether ``stream`` is the journal's stdout stream: ``$JOURNAL_STREAM`` names its device
+    and inode (systemd.exec(5)); a stream redirected elsewhere does not match."""
+    env = os.environ if environ is None else environ
+    dev_ino = env.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return dev_ino == f"{st.st_dev}:{st.st_ino}"
+
+
+class _PriorityPrefix:
+    """Wraps a renderer: the rendered line gets journald's ``<N>`` priority prefix."""
+
+    def __init__(self, renderer: Any) -> None:
+        self._renderer = renderer
+
+    def __call__(self, logger: Any, name: str, event: dict[str, Any]) -> str | bytes:
+        prefix = f"<{_SYSLOG.get(event.get('level', name), 6)}>"
+        line = self._renderer(logger, name, event)
+        return prefix.encode() + line if isinstance(line, bytes) else prefix + line
 
 
 def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
@@ -33,6 +65,8 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
         else:
             renderer = structlog.processors.JSONRenderer(serializer=orjson.dumps)
             factory = structlog.BytesLoggerFactory(file=binary)
+    if json_lines and writes_to_journal(out):
+        renderer = _PriorityPrefix(renderer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

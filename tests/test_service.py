@@ -534,3 +534,32 @@ async def test_log_is_json_lines_with_one_line_per_copy_and_connection_context()
     assert bad[0]["error"] == "frame body is not valid msgpack (ValueError); encode each frame as one msgpack map"
     assert bad[0]["causes"] == ["ValueError: int is not allowed for map key when strict_map_key=True"]
     assert bad[0]["conn"] != conn and bad[0]["uid"] == os.getuid()
+
+
+def test_under_journald_each_line_carries_its_syslog_priority(tmp_path: Path) -> None:
+    """With stdout the journal's stream ($JOURNAL_STREAM = its device:inode), each JSON line
+    starts with its syslog priority (<6> info, <4> warning, <3> error), which journald turns
+    into the entry's priority; anywhere else the lines stay bare JSON."""
+    log_path = tmp_path / "daemon.log"
+    sock = str(tmp_path / "s.sock")
+    with open(log_path, "wb") as out:
+        st = os.fstat(out.fileno())
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PRIOD_")}
+        env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        proc = subprocess.Popen([sys.executable, "-m", "priod", "serve", "--socket", sock, "--backend", "sim"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_until(lambda: os.path.exists(sock) or None, what="the daemon's socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(sock)
+            raw.sendall(b"\x00\x00\x00\x03\x81\x01\x02")  # a map with an int key: a protocol error, logged as a warning
+            raw.settimeout(30)
+            while raw.recv(4096):
+                pass
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    lines = log_path.read_text().splitlines()
+    parsed = [(int(m.group(1)), json.loads(m.group(2))) for m in (re.match(r"^<(\d)>(\{.*\})$", line) for line in lines) if m]
+    assert len(parsed) == len(lines) > 0, lines[:5]
+    assert {(prio, e["level"]) for prio, e in parsed} >= {(6, "info"), (4, "warning")}
+    assert all({"info": 6, "warning": 4, "error": 3, "debug": 7}[e["level"]] == prio for prio, e in parsed)
