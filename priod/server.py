@@ -11,7 +11,6 @@ answers `status()`; the work of a request happens in the session, the region tab
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import os
 import resource
@@ -26,22 +25,21 @@ import structlog
 from . import __version__
 from .config import Config
 from .engines.base import Engine
-from .errors import LimitExceeded, PermissionDenied, PriodError, ShuttingDown
+from .errors import PriodError
 from .messages import ErrorReply
 from .metrics import Metrics
 from .pump import Pump
 from .regions import RegionTable
 from .scheduler import Scheduler
 from .session import Session, Shared, cancel_copy, copy_finished
+from .admission import PRIVILEGED_RESERVE, Admission
+from .report import refresh_metrics, refresh_metrics_loop, status
 from .transport import FramedSocket, Peer, close_received, peer_credentials
 
 __all__ = ["Daemon", "bind_unix_socket"]
 
 log = structlog.get_logger("priod.server")
 
-PRIVILEGED_RESERVE = 16
-"""Connections beyond [server] max_clients that only uid 0 and the daemon's own uid may use, so
-that an administrator (and `priod status`) can always get in."""
 REFUSING_MAX = 32
 """Refused connections kept open at once to tell their client why (up to 3 s each); past this a
 refusal is written and the connection closed at once, so a connect flood cannot use up fds."""
@@ -153,6 +151,7 @@ class Daemon:
         _raise_open_files_limit()
         self.regions = RegionTable(engine, cfg.limits, self._cancel_for_freed_region, self._fd_reserve)
         self.shared = Shared(cfg, engine, self.scheduler, self.pump, self.regions, self.metrics, self.status)
+        self.admission = Admission(self.shared, self.own_uid)
         self._refusing = 0
         self._listen_sock = listen_sock
         self._owns_socket_path = listen_sock is None
@@ -179,6 +178,13 @@ class Daemon:
     def totals(self) -> dict[str, int]:
         return self.shared.totals
 
+    def status(self, viewer: Peer | None = None) -> dict[str, Any]:
+        """The daemon's state for `priod status` (report.py); ``viewer``: who asks."""
+        return status(self, viewer)
+
+    def refresh_metrics(self) -> None:
+        refresh_metrics(self)
+
     def _fd_reserve(self) -> int:
         """Open files kept back from regions: each connection's socket and an fd it passes, the
         refusals under way, and the daemon's own."""
@@ -199,9 +205,9 @@ class Daemon:
         if self.cfg.metrics.port:
             self.metrics_port = self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port)
         self._spawn(self._accept_loop())
-        self._spawn(self._expire_loop())
+        self._spawn(self.admission.expire_loop())
         self._spawn(self.pump.run())
-        self._spawn(self._refresh_metrics_loop())
+        self._spawn(refresh_metrics_loop(self))
         lanes = self.scheduler.statistics().lanes
         log.info(
             "daemon_started",
@@ -309,50 +315,13 @@ class Daemon:
                 continue
             self._spawn(self._serve_connection(sock))
 
-    def privileged(self, uid: int) -> bool:
-        """uid 0 and the daemon's own uid: always allowed in, a reserve of connections beyond
-        [server] max_clients, no per-uid connection cap, every client shown in `status`."""
-        return uid == 0 or uid == self.own_uid
-
-    def _allowed(self, peer: Peer) -> bool:
-        s = self.cfg.server
-        if not s.allow_uids and not s.allow_gids:
-            return True  # the socket's mode and group are the only gate
-        return self.privileged(peer.uid) or peer.uid in s.allow_uids or peer.gid in s.allow_gids
-
-    def _admission(self, peer: Peer) -> PriodError | None:
-        """Why this peer may not connect now, or None."""
-        sv, lim = self.cfg.server, self.cfg.limits
-        n = len(self.sessions)
-        if not self._allowed(peer):
-            return PermissionDenied(f"uid {peer.uid} (gid {peer.gid}) may not use this daemon; an administrator can add it to [server] allow_uids or allow_gids")
-        if self.stopping:
-            return ShuttingDown("the daemon is stopping; retry once it is back")
-        privileged = self.privileged(peer.uid)
-        if n >= sv.max_clients:
-            full = LimitExceeded(f"the daemon already serves {n} clients ([server] max_clients); retry later")
-            if not privileged or n >= sv.max_clients + PRIVILEGED_RESERVE:
-                return full
-            if sum(1 for s in self.sessions.values() if self.privileged(s.peer.uid)) >= sv.max_clients:
-                return full  # the reserve gets root past other users' connections, not its own
-            return None
-        if privileged:
-            return None
-        tally = self.regions.uid_holdings(peer.uid)
-        if tally is not None and tally.holders >= lim.max_connections_per_uid:
-            return LimitExceeded(
-                f"uid {peer.uid} already has {tally.holders} connections ([limits] max_connections_per_uid = {lim.max_connections_per_uid}); "
-                "close one, or share one connection between threads"
-            )
-        return None
-
     async def _serve_connection(self, sock: socket.socket) -> None:
         structlog.contextvars.clear_contextvars()
         peer = peer_credentials(sock)
         sid = next(self._session_ids)
         structlog.contextvars.bind_contextvars(conn=sid, client_pid=peer.pid, uid=peer.uid)
         fs = FramedSocket(sock, max_frame=self.cfg.server.max_frame_bytes, max_output=self.cfg.server.max_output_bytes)
-        refusal = self._admission(peer)
+        refusal = self.admission.refusal(peer)
         if refusal is not None:
             log.warning("connection_refused", reason=str(refusal))
             fs.send(ErrorReply.of(refusal).encode(0))
@@ -370,105 +339,6 @@ class Daemon:
         log.info("client_connected")
         await session.serve()
 
-    async def _expire_loop(self) -> None:
-        """Close connections that sent no hello within [server] hello_timeout_s, and those that
-        held nothing and sent nothing for idle_timeout_s: a connection is a slot of max_clients
-        and an fd, and nobody may keep them for nothing."""
-        while True:
-            sv = self.cfg.server
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if not session.greeted:
-                    if now - session.connected_at >= sv.hello_timeout_s:
-                        session.expire(
-                            LimitExceeded(f"no hello within {sv.hello_timeout_s:g} s of connecting ([server] hello_timeout_s); send hello as the first request")
-                        )
-                elif not session.idle:
-                    session.last_active = now
-                elif sv.idle_timeout_s and now - session.last_active >= sv.idle_timeout_s:
-                    session.expire(
-                        LimitExceeded(
-                            f"connection idle for {sv.idle_timeout_s:g} s with no regions and no copies ([server] idle_timeout_s); connect again when needed"
-                        )
-                    )
-            await asyncio.sleep(max(0.05, min(1.0, sv.hello_timeout_s / 4, (sv.idle_timeout_s or 4.0) / 4)))
-
-    # -- status and metrics ----------------------------------------------------------------
-    def status(self, viewer: Peer | None = None) -> dict[str, Any]:
-        """The daemon's state for `priod status`. ``viewer``: who asks; root, the daemon's own
-        uid and the daemon itself (None) see every client, anyone else only its own uid's
-        connections and holdings beside the totals."""
-        mine = None if viewer is None or self.privileged(viewer.uid) else viewer.uid
-        st = self.scheduler.statistics()
-        inflight: dict[str, int] = {}
-        for ls in st.lanes:
-            for path, n in (("dma", ls.inflight_bytes + ls.strict_inflight_bytes), ("express", ls.express_inflight_bytes)):
-                if n:
-                    inflight[f"{ls.lane}/{path}"] = n
-        return {
-            "version": __version__,
-            "backend": self.engine.name,
-            "socket": self.cfg.socket_path,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "mode": st.mode,
-            "stopping": self.stopping,
-            "max_block_us": self.cfg.scheduler.max_block_us,
-            "classes": [{"name": c.name, "weight": c.weight, "strict": c.strict} for c in st.classes],
-            "lanes": [
-                {
-                    "lane": ls.lane,
-                    "bandwidth_gbps": round(ls.bandwidth / 1e9, 3),
-                    "chunk_bytes": ls.chunk_bytes,
-                    "inflight_bound": ls.inflight_bound,
-                    "express_range": [ls.express_min, ls.express_max],
-                    "queued_requests": ls.queued_requests,
-                    "queued_bytes": ls.queued_bytes,
-                    "inflight_bytes": ls.inflight_bytes,
-                    "strict_inflight_bytes": ls.strict_inflight_bytes,
-                    "express_inflight_bytes": ls.express_inflight_bytes,
-                    "urgent_chunk_bytes": ls.urgent_chunk_bytes,
-                    "urgent_inflight_bound": ls.urgent_inflight_bound,
-                }
-                for ls in st.lanes
-            ],
-            "urgent_paths": [dataclasses.asdict(e) for e in self.scheduler.path_estimates()],
-            "inflight_chunks": self.pump.inflight_chunks,
-            "polls": self.pump.polls,
-            "lane_bytes": {str(lane): n for lane, n in sorted(self.pump.lane_bytes.items())},
-            "inflight_bytes": inflight,
-            "deadline_misses": st.deadline_misses,
-            "finished": st.finished,
-            "totals": dict(self.totals),
-            "clients": [s.figures() for s in self.sessions.values() if mine is None or s.peer.uid == mine],
-            "clients_total": len(self.sessions),
-            "uids": [t.figures() for t in self.regions.all_uid_holdings() if mine is None or t.uid == mine],
-            "holdings": self.regions.figures(),
-            "engine": self.engine.statistics(),
-        }
-
-    async def _refresh_metrics_loop(self) -> None:
-        while True:
-            self.refresh_metrics()
-            await asyncio.sleep(1.0)
-
-    def refresh_metrics(self) -> None:
-        m = self.metrics
-        st = self.scheduler.statistics()
-        for ls in st.lanes:
-            for cls, n in ls.queued_requests.items():
-                m.queue_depth.labels(ls.lane, cls).set(n)
-            m.inflight.labels(ls.lane, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
-            m.inflight.labels(ls.lane, "express").set(ls.express_inflight_bytes)
-        busy = self.engine.statistics().get("busy_fraction")
-        if isinstance(busy, dict):
-            for lane, frac in busy.items():
-                m.busy.labels(lane).set(float(frac))
-        for e in self.scheduler.path_estimates():
-            for path, us in (("express", e.express_us), ("dma", e.dma_us)):
-                if us is not None:
-                    m.urgent_path_latency.labels(e.lane, path, str(e.size_bytes)).set(us / 1e6)
-        m.clients.set(len(self.sessions))
-        m.pinned.set(sum(s.holdings.pinned_bytes for s in self.sessions.values()))
 
 
 def _raise_open_files_limit() -> None:

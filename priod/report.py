@@ -1,0 +1,100 @@
+"""What the daemon reports about itself: `priod status` and the Prometheus gauges.
+
+Counters move where things happen (metrics.py, per copy); the gauges here are snapshots, taken
+once a second and on a reload, of the scheduler's queues and bytes in flight, the engine's busy
+time, the urgent paths' latencies and the clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .transport import Peer
+
+if TYPE_CHECKING:
+    from .server import Daemon
+
+__all__ = ["refresh_metrics", "refresh_metrics_loop", "status"]
+
+
+def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
+    """The daemon's state for `priod status`. ``viewer``: who asks; root, the daemon's own
+    uid and the daemon itself (None) see every client, anyone else only its own uid's
+    connections and holdings beside the totals."""
+    mine = None if viewer is None or d.admission.privileged(viewer.uid) else viewer.uid
+    st = d.scheduler.statistics()
+    inflight: dict[str, int] = {}
+    for ls in st.lanes:
+        for path, n in (("dma", ls.inflight_bytes + ls.strict_inflight_bytes), ("express", ls.express_inflight_bytes)):
+            if n:
+                inflight[f"{ls.lane}/{path}"] = n
+    return {
+        "version": __version__,
+        "backend": d.engine.name,
+        "socket": d.cfg.socket_path,
+        "uptime_s": round(time.time() - d.started_at, 3),
+        "mode": st.mode,
+        "stopping": d.stopping,
+        "max_block_us": d.cfg.scheduler.max_block_us,
+        "classes": [{"name": c.name, "weight": c.weight, "strict": c.strict} for c in st.classes],
+        "lanes": [
+            {
+                "lane": ls.lane,
+                "bandwidth_gbps": round(ls.bandwidth / 1e9, 3),
+                "chunk_bytes": ls.chunk_bytes,
+                "inflight_bound": ls.inflight_bound,
+                "express_range": [ls.express_min, ls.express_max],
+                "queued_requests": ls.queued_requests,
+                "queued_bytes": ls.queued_bytes,
+                "inflight_bytes": ls.inflight_bytes,
+                "strict_inflight_bytes": ls.strict_inflight_bytes,
+                "express_inflight_bytes": ls.express_inflight_bytes,
+                "urgent_chunk_bytes": ls.urgent_chunk_bytes,
+                "urgent_inflight_bound": ls.urgent_inflight_bound,
+            }
+            for ls in st.lanes
+        ],
+        "urgent_paths": [dataclasses.asdict(e) for e in d.scheduler.path_estimates()],
+        "inflight_chunks": d.pump.inflight_chunks,
+        "polls": d.pump.polls,
+        "lane_bytes": {str(lane): n for lane, n in sorted(d.pump.lane_bytes.items())},
+        "inflight_bytes": inflight,
+        "deadline_misses": st.deadline_misses,
+        "finished": st.finished,
+        "totals": dict(d.totals),
+        "clients": [s.figures() for s in d.sessions.values() if mine is None or s.peer.uid == mine],
+        "clients_total": len(d.sessions),
+        "uids": [t.figures() for t in d.regions.all_uid_holdings() if mine is None or t.uid == mine],
+        "holdings": d.regions.figures(),
+        "engine": d.engine.statistics(),
+    }
+
+
+async def refresh_metrics_loop(d: Daemon) -> None:
+    while True:
+        refresh_metrics(d)
+        await asyncio.sleep(1.0)
+
+
+def refresh_metrics(d: Daemon) -> None:
+    m = d.metrics
+    st = d.scheduler.statistics()
+    for ls in st.lanes:
+        for cls, n in ls.queued_requests.items():
+            m.queue_depth.labels(ls.lane, cls).set(n)
+        m.inflight.labels(ls.lane, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
+        m.inflight.labels(ls.lane, "express").set(ls.express_inflight_bytes)
+    busy = d.engine.statistics().get("busy_fraction")
+    if isinstance(busy, dict):
+        for lane, frac in busy.items():
+            m.busy.labels(lane).set(float(frac))
+    for e in d.scheduler.path_estimates():
+        for path, us in (("express", e.express_us), ("dma", e.dma_us)):
+            if us is not None:
+                m.urgent_path_latency.labels(e.lane, path, str(e.size_bytes)).set(us / 1e6)
+    m.clients.set(len(d.sessions))
+    m.pinned.set(sum(s.holdings.pinned_bytes for s in d.sessions.values()))
