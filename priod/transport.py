@@ -6,6 +6,12 @@ asyncio's streams and transports expose no ancillary data, so fds cannot ride on
 byte of a frame (one ``sendmsg`` per frame that carries fds). A ``recvmsg`` on Linux returns the
 fds of at most one send and stops after that send's bytes, but it may begin with bytes sent
 before them, unread until then: the fds belong to the last frame that begins in that read.
+
+Memory per connection is bounded by bytes, not by frames: received bytes wait undecoded (at most
+RECV_BYTES) and are decoded a slice at a time as requests are taken, and small replies queued
+behind others share one buffer. A decoded 17-byte ping is some 300 bytes of objects, a reply
+queued on its own some 350: a client that floods pings and never reads its replies would
+otherwise cost the daemon several times ``max_output``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,14 @@ __all__ = ["MAX_FDS_PER_FRAME", "BlockingFramedSocket", "FramedSocket", "Peer", 
 
 MAX_FDS_PER_FRAME = 4
 RECV_BYTES = 256 * 1024
+"""The most bytes one read takes, and the most received bytes a `FramedSocket` holds undecoded."""
+DECODE_SLICE = 4096
+"""Received bytes are decoded this many at a time, when `FramedSocket.take` finds no decoded
+message: a decoded message costs some 300 bytes of objects however small its frame (a 256 KiB
+read of 17-byte pings, decoded at once, was some 5 MiB), while undecoded bytes cost what they are."""
+OUTPUT_JOIN_BYTES = 64 * 1024
+"""A frame without fds queued behind others joins the last of them, up to this size: queued on
+its own, a 17-byte reply costs some 350 bytes of objects."""
 _SCM_MAX_FD = 253
 """The most fds Linux passes with one message. The ancillary buffer holds that many, not only
 MAX_FDS_PER_FRAME: fds that do not fit (MSG_CTRUNC) are closed by the kernel inside recvmsg, on
@@ -57,18 +71,19 @@ def peer_credentials(sock: socket.socket) -> Peer:
 _recv_buffers = threading.local()
 
 
-def _recvmsg(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
+def _recvmsg(sock: socket.socket, flags: int = 0, nbytes: int = RECV_BYTES) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
     """One ``recvmsg`` into this thread's reusable buffer: data, ancillary data, flags.
 
     ``sock.recvmsg(RECV_BYTES)`` allocates a fresh 256 KiB bytes object per call (an mmap and
     munmap under the allocator, with page faults), about 15 us even for a 60-byte frame, and a
     client spinning for its reply pays that on every empty poll. Each thread keeps one buffer
     (sockets are read by one thread at a time) and only the bytes received are copied out.
+    At most ``nbytes`` (up to RECV_BYTES) are read.
     """
     buf = getattr(_recv_buffers, "buf", None)
     if buf is None:
         buf = _recv_buffers.buf = memoryview(bytearray(RECV_BYTES))
-    nbytes, ancdata, msg_flags, _ = sock.recvmsg_into([buf], _ANC_SPACE, flags)
+    nbytes, ancdata, msg_flags, _ = sock.recvmsg_into([buf if nbytes >= RECV_BYTES else buf[:nbytes]], _ANC_SPACE, flags)
     return bytes(buf[:nbytes]), ancdata, msg_flags
 
 
@@ -185,26 +200,37 @@ class _Inbox:
         self._fds_for_next: list[int] = []
 
     def feed(self, data: bytes, fds: list[int]) -> list[tuple[Message, list[int]]]:
+        """Decode one read, all of it, with the fds that came with it."""
         if not fds:
-            return self._decode(data)
+            return self.decode(data)
+        try:
+            start = self.fds_start(data)
+            out = self.decode(data[:start])
+        except BaseException:
+            close_received(fds)
+            raise
+        self.attach(fds)
+        out += self.decode(data[start:])
+        return out
+
+    def fds_start(self, data: bytes) -> int:
+        """Where the frame that a read's fds belong to begins in ``data``, the read's bytes, none
+        of them decoded yet. Raises `ProtocolError` (and leaves the fds to the caller) if no
+        frame begins in ``data``."""
         # One recvmsg returns the fds of at most one send and ends with that send's bytes, but
         # may begin with bytes sent before it (the rest of a frame, whole frames): the fds
         # belong to the last frame that begins in ``data``.
         to_boundary = self.decoder.bytes_to_boundary(data)
         start = _last_frame_start(data, to_boundary) if to_boundary is not None else None
         if start is None:
-            close_received(fds)
             raise ProtocolError("file descriptors arrived in the middle of a frame; send them with a frame's first byte")
-        try:
-            out = self._decode(data[:start])
-        except BaseException:
-            close_received(fds)
-            raise
-        self._fds_for_next = fds
-        out += self._decode(data[start:])
-        return out
+        return start
 
-    def _decode(self, data: bytes) -> list[tuple[Message, list[int]]]:
+    def attach(self, fds: list[int]) -> None:
+        """The next frame decoded (the decoder is at a frame boundary) came with ``fds``."""
+        self._fds_for_next = fds
+
+    def decode(self, data: bytes) -> list[tuple[Message, list[int]]]:
         out: list[tuple[Message, list[int]]] = []
         for msg in self.decoder.feed(data):
             out.append((msg, self._fds_for_next))
@@ -221,7 +247,10 @@ class FramedSocket:
 
     Output is buffered without blocking the caller; while more than ``max_output`` bytes wait
     for a peer that does not read, this side stops reading that peer's requests, so a client
-    that never reads its replies cannot grow the daemon's memory.
+    that never reads its replies cannot grow the daemon's memory. Received bytes wait undecoded
+    (reading pauses while RECV_BYTES / 2 of them wait) and are decoded DECODE_SLICE bytes at a
+    time when `take` has no decoded message left, so what a peer's unhandled requests cost is
+    about the bytes it sent, not some 300 bytes of objects per request.
 
     Frames are decoded within ``limits``: by default `REQUEST_LIMITS`, the daemon's side (so no
     daemon code path can forget them); a client reading replies passes `REPLY_LIMITS`. Fds the
@@ -243,11 +272,22 @@ class FramedSocket:
         self._loop = asyncio.get_running_loop()
         self._inbox = _Inbox(max_frame, limits)
         self._messages: collections.deque[tuple[Message, list[int]]] = collections.deque()
+        self._raw: collections.deque[tuple[bytes, list[int]]] = collections.deque()
+        """Reads not yet decoded (all of them after the first's ``_raw_off`` bytes), each with the
+        fds that came with it (an entry's fds are still its own until `_decode_some` hands them
+        to the inbox)."""
+        self._raw_off = 0
+        self._raw_fds_at = -1
+        """Where in the first entry of ``_raw`` the frame its fds belong to begins; -1: not known yet."""
+        self._raw_bytes = 0
         self._max_inbox = max_inbox
         self._waiter: asyncio.Future[None] | None = None
         self._listener: Callable[[], None] | None = None
         self._error: BaseException | None = None
-        self._out: collections.deque[tuple[memoryview, list[int]]] = collections.deque()
+        self._out: collections.deque[tuple[bytes | bytearray | memoryview, list[int]]] = collections.deque()
+        """Frames to send, each with the fds that go with its first byte. Fd-less frames queued
+        behind others share a bytearray (see `send`); only the first entry is ever sent from, so
+        only it may be a memoryview of a bytearray."""
         self.output_buffered = 0
         self._max_output = max_output
         self._drained: asyncio.Future[None] | None = None
@@ -263,14 +303,22 @@ class FramedSocket:
             self._loop.add_reader(self.fd, self._on_readable)
             self._reading = True
 
+    def _may_read(self) -> bool:
+        """Nothing holds reading back: output within max_output, room in the inbox and the raw buffer."""
+        return self.output_buffered <= self._max_output and len(self._messages) < self._max_inbox and self._raw_bytes < RECV_BYTES // 2
+
     def _pause_reading(self) -> None:
         if self._reading:
             self._loop.remove_reader(self.fd)
             self._reading = False
 
     def _on_readable(self) -> None:
+        room = RECV_BYTES - self._raw_bytes
+        if room <= 0:  # not reached (reading pauses at half of it): a read of 0 bytes would say EOF
+            self._pause_reading()
+            return
         try:
-            data, ancdata, flags = _recvmsg(self.sock)
+            data, ancdata, flags = _recvmsg(self.sock, 0, room)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -282,13 +330,61 @@ class FramedSocket:
                 close_received(fds)
                 self._fail(ConnectionClosed("peer closed the connection"))
                 return
-            self._messages.extend(self._inbox.feed(data, fds))
+            if len(data) <= DECODE_SLICE and not self._raw and not self._messages:
+                # The usual read, a request or a few, with nothing waiting: decoded at once (at
+                # most a slice's worth of messages, as `_decode_some` would make of it).
+                self._messages.extend(self._inbox.feed(data, fds))
+            else:
+                # Decoded when taken (`_decode_some`): the bytes wait, not hundreds of decoded requests.
+                self._raw.append((data, fds))
+                self._raw_bytes += len(data)
         except ProtocolError as exc:
             self._fail(exc)
             return
-        if len(self._messages) >= self._max_inbox or self.output_buffered > self._max_output:
+        if not self._may_read():
             self._pause_reading()
         self._wake()
+
+    def _decode_some(self) -> None:
+        """Decode received bytes, a slice at a time, until a message comes out or none are left.
+
+        A read's fds go with the last frame that begins in it (see `_Inbox.fds_start`), found
+        when decoding reaches the read's first byte, where the decoder's state is that read's
+        start. A protocol error drops the bytes behind it (closing their fds) and is raised by
+        `take` once the messages before it are out; it comes before any error reading met
+        later in the stream (the end of it, a reset), so it replaces that one.
+        """
+        raw, inbox = self._raw, self._inbox
+        try:
+            while not self._messages and raw:
+                data, fds = raw[0]
+                off = self._raw_off
+                end = len(data)
+                if fds:
+                    if self._raw_fds_at < 0:
+                        self._raw_fds_at = inbox.fds_start(data)  # off is 0: nothing of this read is decoded
+                    if off == self._raw_fds_at:
+                        raw[0] = (data, [])
+                        inbox.attach(fds)  # the frames before it are out: the decoder is at a boundary
+                    else:
+                        end = self._raw_fds_at
+                piece = data[off : min(end, off + DECODE_SLICE)]
+                self._raw_bytes -= len(piece)
+                off += len(piece)
+                if off == len(data):
+                    raw.popleft()
+                    off = 0
+                    self._raw_fds_at = -1
+                self._raw_off = off
+                self._messages.extend(inbox.decode(piece))
+        except ProtocolError as exc:
+            for _, fds in raw:
+                close_received(fds)
+            raw.clear()
+            self._raw_off = self._raw_bytes = 0
+            self._raw_fds_at = -1
+            self._error = exc
+            self._pause_reading()
 
     def _fail(self, exc: BaseException, cause: BaseException | None = None) -> None:
         if cause is not None:
@@ -319,18 +415,23 @@ class FramedSocket:
         Raises `ConnectionClosed` at end of stream, `ProtocolError` for a bad frame; messages
         decoded before the error are delivered first. While more than ``max_output`` bytes of
         output wait for this peer, no message is handed out (each may add a reply, and a status
-        reply is kilobytes), so unread output stays within ``max_output`` plus one frame.
+        reply is kilobytes), so unread output stays within ``max_output`` plus one frame, and
+        nothing more is decoded.
         """
-        if not self._messages:
-            if self._error is not None:
-                raise self._error
-            if self.closed:
-                raise ConnectionClosed("connection closed")
-            return None
         if self.output_buffered > self._max_output and self._error is None and not self.closed:
             return None
+        if not self._messages:
+            self._decode_some()
+            if not self._messages:
+                if self._error is not None:
+                    raise self._error
+                if self.closed:
+                    raise ConnectionClosed("connection closed")
+                if self._may_read():
+                    self._resume_reading()  # the bytes held were a frame's beginning
+                return None
         item = self._messages.popleft()
-        if self.output_buffered <= self._max_output and len(self._messages) < self._max_inbox:
+        if self._may_read():
             self._resume_reading()
         return item
 
@@ -351,7 +452,17 @@ class FramedSocket:
             _close_all(fds)
             raise ConnectionClosed("cannot send: connection closed")
         frame = encode(msg)
-        self._out.append((memoryview(frame), list(fds)))
+        out = self._out
+        if not fds and len(out) > 1 and len(frame) < OUTPUT_JOIN_BYTES and not out[-1][1] and len(out[-1][0]) < OUTPUT_JOIN_BYTES:
+            # Join the last queued frame, never the first (it may be half sent, and only it is
+            # ever viewed by a memoryview), nor one with fds (they would go with this frame).
+            tail = out[-1][0]
+            if type(tail) is bytearray:
+                tail += frame
+            else:
+                out[-1] = (bytearray(tail) + frame, [])
+        else:
+            out.append((frame, list(fds)))
         self.output_buffered += len(frame)
         if not self._writing and not self._burst:
             # The first frame of a loop turn goes at once; any more in the same turn (replies
@@ -389,7 +500,7 @@ class FramedSocket:
                     sent = self.sock.send(view)
                 self.output_buffered -= sent
                 if sent < len(view):
-                    self._out[0] = (view[sent:], [])
+                    self._out[0] = (memoryview(view)[sent:], [])
                     break
                 self._out.popleft()
         except (BlockingIOError, InterruptedError):
@@ -413,18 +524,18 @@ class FramedSocket:
             if self._drained is not None and not self._drained.done():
                 self._drained.set_result(None)
             self._drained = None
-            if len(self._messages) < self._max_inbox:
+            if self._may_read():
                 self._resume_reading()
 
-    def _coalesce(self) -> memoryview:
+    def _coalesce(self) -> bytes:
         """Join the leading frames that carry no fds (up to RECV_BYTES) into one entry."""
-        parts: list[memoryview] = []
+        parts: list[bytes | bytearray | memoryview] = []
         size = 0
         while self._out and not self._out[0][1] and size < RECV_BYTES:
             view = self._out.popleft()[0]
             parts.append(view)
             size += len(view)
-        joined = memoryview(b"".join(parts))
+        joined = b"".join(parts)
         self._out.appendleft((joined, []))
         return joined
 
@@ -445,6 +556,11 @@ class FramedSocket:
         for _, fds in self._messages:
             close_received(fds)
         self._messages.clear()
+        for _, fds in self._raw:
+            close_received(fds)
+        self._raw.clear()
+        self._raw_off = self._raw_bytes = 0
+        self._raw_fds_at = -1
         self._inbox.close()
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)

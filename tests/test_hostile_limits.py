@@ -571,10 +571,6 @@ def test_status_shows_other_users_clients_only_to_root() -> None:
 # -- a client that never reads -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the transport change in the report: decode received bytes as they are taken, and join queued small reply frames",
-)
 def test_clients_that_never_read_cost_about_max_output_bytes_each() -> None:
     """Clients that flood requests and never read a reply: each costs the daemon about
     [server] max_output_bytes of memory (its buffered replies), not many times that (decoded
