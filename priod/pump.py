@@ -143,6 +143,9 @@ class Pump:
         self.polls = 0
         """Engine polls so far: what polling costs, shown in status (spin vs timer)."""
         self._timer: _Timer | None = None
+        self._working = False
+        """Inside `kick` or `_poll`: a nested kick waits for a later turn."""
+        self._kick_later = False
         self._wake: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -181,8 +184,27 @@ class Pump:
 
         Chunks an engine finished at once (a tiny copy on an idle sim lane) are collected here
         and their room refilled, rather than a loop turn later: that turn is most of a small
-        copy's round trip.
+        copy's round trip. Called again while the pump is at work (a finished copy's reply led,
+        through its session, to a new copy), it goes on a later turn instead: the chunks in
+        flight are being walked.
         """
+        if self._working:
+            if not self._kick_later:
+                self._kick_later = True
+                assert self._loop is not None
+                self._loop.call_soon(self._deferred_kick)
+            return
+        self._working = True
+        try:
+            self._kick()
+        finally:
+            self._working = False
+
+    def _deferred_kick(self) -> None:
+        self._kick_later = False
+        self.kick()
+
+    def _kick(self) -> None:
         for _ in range(PUMP_ROUNDS):
             if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll()):
                 break
@@ -255,7 +277,17 @@ class Pump:
             self._wake.set_result(None)
 
     def _poll(self) -> bool:
-        """Query every chunk in flight once; True if any completed."""
+        """Query every chunk in flight once; True if any completed. A kick from inside (a
+        finished copy's session queuing the next) waits for a later turn: see `kick`."""
+        if self._working:
+            return self._poll_once()
+        self._working = True
+        try:
+            return self._poll_once()
+        finally:
+            self._working = False
+
+    def _poll_once(self) -> bool:
         since, self._last_poll = self._last_poll, time.perf_counter()
         self.polls += 1
         still: list[InFlight] = []

@@ -394,6 +394,15 @@ class FramedSocket:
         self._pause_reading()
         self._wake()
 
+    def _wake_later(self) -> None:
+        """`_wake` from the send path: a listener runs on a later turn of the loop, never inside
+        the caller's `send` (a reply sent from the pump's completion loop would otherwise have
+        the next request handled, and the pump entered again, in the middle of that loop)."""
+        if self._listener is not None:
+            self._loop.call_soon(self._wake)
+        else:
+            self._wake()
+
     def _wake(self) -> None:
         if self._listener is not None:
             self._listener()
@@ -513,7 +522,7 @@ class FramedSocket:
             self.output_buffered = 0
             self._fail(ConnectionClosed(f"connection lost while sending: {exc}"), exc)
         if self.output_buffered <= self._max_output:
-            self._wake()  # a receive() held back by full output may go on
+            self._wake_later()  # a receive() held back by full output may go on
         if self._out and not self._writing and not self.closed:
             self._loop.add_writer(self.fd, self._flush)
             self._writing = True

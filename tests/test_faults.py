@@ -576,3 +576,39 @@ async def test_overload_is_refused_at_once_never_hangs() -> None:
             assert np.array_equal(dv.array, h.array)
             await c.close()
     assert d.proc.returncode == 0, d.log()[-4000:]
+
+
+async def test_a_reply_that_sets_off_the_next_copy_does_not_reenter_the_pump() -> None:
+    """A flood of 1-byte urgent copies, 256 outstanding: each reply lets that client's next
+    request be handled, which queues a copy while the pump is still walking its chunks in
+    flight. That nested pass once completed chunks twice: copies failed as `internal`, the poll
+    loop died, and a copy could be reported done before its last chunk had landed. Every copy
+    here must succeed, the other client's bytes must be exact, and the daemon must log no
+    failure."""
+    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}) as d:
+        async with priod.connect(d.socket_path) as flood, priod.connect(d.socket_path) as honest:
+            fh, fd = await flood.alloc_host(4096), await flood.alloc_device(4096)
+            hh, hd = await honest.alloc_host(MiB), await honest.alloc_device(MiB)
+            assert hh.array is not None and hd.array is not None
+            stop = False
+
+            async def flooding() -> int:
+                done = 0
+                window = [flood.start_copy(fd, fh, 1, priority="urgent") for _ in range(256)]
+                while window:
+                    await window.pop(0)
+                    done += 1
+                    if not stop:
+                        window.append(flood.start_copy(fd, fh, 1, priority="urgent"))
+                return done
+
+            task = asyncio.ensure_future(flooding())
+            for i in range(20):
+                hh.array[:] = np.uint8(i + 1)
+                r = await asyncio.wait_for(honest.copy(hd, hh, priority="urgent"), 30)
+                assert r.nbytes == MiB and int(hd.array.min()) == int(hd.array.max()) == i + 1
+            stop = True
+            assert await asyncio.wait_for(task, 60) > 256
+        assert d.stop() == 0
+        log = d.log()
+    assert "task_failed" not in log and "request_failed" not in log and "not in flight" not in log, log[-3000:]
