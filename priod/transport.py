@@ -394,6 +394,18 @@ class FramedSocket:
         self._pause_reading()
         self._wake()
 
+    def _drop_requests(self) -> None:
+        """Forget every request received and not yet handed out, closing the fds they carried."""
+        for _, fds in self._messages:
+            close_received(fds)
+        self._messages.clear()
+        for _, fds in self._raw:
+            close_received(fds)
+        self._raw.clear()
+        self._raw_off = self._raw_bytes = 0
+        self._raw_fds_at = -1
+        self._inbox.close()
+
     def _wake_later(self) -> None:
         """`_wake` from the send path: a listener runs on a later turn of the loop, never inside
         the caller's `send` (a reply sent from the pump's completion loop would otherwise have
@@ -521,6 +533,9 @@ class FramedSocket:
             self._out.clear()
             self.output_buffered = 0
             self._fail(ConnectionClosed(f"connection lost while sending: {exc}"), exc)
+            # Nobody can read an answer any more: the requests still buffered are dropped, not
+            # handled (100 clients that flooded and left once kept the loop busy for 50 s).
+            self._drop_requests()
         if self.output_buffered <= self._max_output:
             self._wake_later()  # a receive() held back by full output may go on
         if self._out and not self._writing and not self.closed:
@@ -562,15 +577,7 @@ class FramedSocket:
         for _, fds in self._out:
             _close_all(fds)  # ours, on their way out: nothing a peer chose
         self._out.clear()
-        for _, fds in self._messages:
-            close_received(fds)
-        self._messages.clear()
-        for _, fds in self._raw:
-            close_received(fds)
-        self._raw.clear()
-        self._raw_off = self._raw_bytes = 0
-        self._raw_fds_at = -1
-        self._inbox.close()
+        self._drop_requests()
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._wake()

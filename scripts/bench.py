@@ -63,6 +63,7 @@ from priod.testing import (
     cpu_seconds,
     daemon_process,
     summarize,
+    throughput_between,
     urgent_copies,
     wait_for_socket,
 )
@@ -142,20 +143,6 @@ def run_echo_server(path: str) -> None:
         await server.serve_forever()
 
     uvloop.run(main())
-
-
-def throughput_between(done: list[list[float]], t0: float, t1: float) -> dict[str, float]:
-    """Bytes per second between the first and last completion inside [t0, t1].
-
-    With the pipeline kept full, the bytes of every completion after the first one are exactly
-    what moved between those two instants.
-    """
-    inside = [(t, n) for t, n in done if t0 <= t <= t1]
-    if len(inside) < 2:
-        return {"gbps": float("nan"), "copies": len(inside), "seconds": 0.0}
-    seconds = inside[-1][0] - inside[0][0]
-    moved = sum(n for _, n in inside[1:])
-    return {"gbps": moved / seconds / 1e9, "copies": len(inside), "seconds": seconds}
 
 
 # -- status helpers ----------------------------------------------------------------------------

@@ -24,13 +24,16 @@ from priod.testing import (
     ManualChunk,
     ManualEngine,
     blocking_framed_pair,
+    bulk_load,
     cpu_seconds,
+    daemon_process,
     describe,
     framed_pair,
     memfd,
     memory_and_fds,
     percentile,
     summarize,
+    throughput_between,
 )
 
 H2D = LaneKey(0, Direction.H2D)
@@ -303,3 +306,22 @@ def test_proc_readers_see_this_process() -> None:
     if "cpu_ns" in used:
         assert used["cpu_ns"] > 0 and used["loop_ns"] > 0
     assert memory_and_fds(2**22 + 12345) == {}  # no such process
+
+
+# -- bulk_load --------------------------------------------------------------------------------------
+async def test_verified_bulk_load_checks_every_copy() -> None:
+    """``verify``: one region pair per outstanding copy, every copy's destination compared with
+    its stamped source; `throughput_between` reads the completions. A bad pairing is refused."""
+    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}) as d:
+        async with priod.connect(d.socket_path) as c:
+            stop = asyncio.Event()
+            asyncio.get_running_loop().call_later(0.5, stop.set)
+            load = await bulk_load(c, 1 << 20, stop, pipeline=3, verify=True, deadline_ms=5.0)
+            assert load.errors == [] and load.copies >= 3
+            assert load.verified_bytes == load.copies * (1 << 20) and load.corrupted_bytes == load.corrupted_copies == 0
+            t = throughput_between(load.done, load.done[0][0], load.done[-1][0])
+            assert t["copies"] == load.copies and t["gbps"] > 0
+            assert np.isnan(throughput_between(load.done[:1], 0.0, 1e12)["gbps"])
+            pair = (await c.alloc_host(4096), await c.alloc_device(4096))
+            with pytest.raises(ValueError, match="one \\(host, device\\) pair per outstanding copy: 2, not 1"):
+                await bulk_load(c, 4096, stop, pipeline=2, verify=True, regions=[pair])

@@ -2,7 +2,8 @@
 
 - `priod.testing.daemon`: a daemon in its own process (`daemon_process`), waiting for a socket,
   the pid behind a socket.
-- `priod.testing.load`: synthetic clients: a bulk load (in this process or its own), urgent probes.
+- `priod.testing.load`: synthetic clients: a bulk load (in this process or its own, its bytes
+  checked or not), urgent probes, the plumbing of a client in a process of its own.
 - `priod.testing.stats`: percentiles and latency summaries.
 - `priod.testing.procfs`: a process's CPU time, memory and open fds, read from ``/proc``.
 - `priod.testing.fakes`: `ManualEngine` (an engine whose copies finish on command) and
@@ -25,8 +26,11 @@ from .fakes import (
 from .load import (
     BulkLoad,
     BulkProcess,
+    LoadProcess,
     UrgentProbe,
     bulk_load,
+    bulk_pairs,
+    throughput_between,
     urgent_copies,
     urgent_probe,
 )
@@ -46,12 +50,14 @@ __all__ = [
     "BulkProcess",
     "CpuMeter",
     "DaemonProcess",
+    "LoadProcess",
     "ManualChunk",
     "ManualDeviceMemory",
     "ManualEngine",
     "UrgentProbe",
     "blocking_framed_pair",
     "bulk_load",
+    "bulk_pairs",
     "cpu_model",
     "cpu_seconds",
     "daemon_pid",
@@ -65,6 +71,7 @@ __all__ = [
     "schedstat_seconds",
     "summarize",
     "thread_cpu_seconds",
+    "throughput_between",
     "urgent_copies",
     "urgent_probe",
     "wait_for_socket",
