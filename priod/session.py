@@ -496,7 +496,11 @@ class Session:
         )
         # One line per copy at debug level: at thousands of copies a second an info line each
         # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.
-        (self._copy_log.warning if f.outcome == "failed" else self._copy_log.debug)(
+        # Its fields are not even built when the line would be dropped.
+        failed = f.outcome == "failed"
+        if not failed and shared.cfg.log.level != "debug":
+            return
+        (self._copy_log.warning if failed else self._copy_log.debug)(
             "copy",
             id=p.client_id,
             conn=self.id,
