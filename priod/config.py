@@ -76,6 +76,10 @@ class LimitsConfig:
     max_regions_per_uid: int = 4096
     max_queued_requests_per_uid: int = 16384
     max_queued_bytes_per_uid: int = 256 << 30
+    max_requests_per_s_per_uid: float = 10_000.0
+    """Requests (of any kind) a uid's connections may send per second together; past it priod
+    reads them more slowly (nothing is refused). 0: no cap."""
+    request_burst_per_uid: int = 2_000
     # The whole daemon. 0: derived (see config/priod.toml).
     max_pinned_total_bytes: int = 0
     max_device_total_bytes: int = 0
@@ -279,6 +283,11 @@ def _validate(cfg: Config) -> None:
     per_uid = ("max_connections_per_uid", "max_pinned_bytes_per_uid", "max_device_bytes_per_uid", "max_regions_per_uid", "max_queued_requests_per_uid")
     for name in (*per_uid, "max_queued_bytes_per_uid"):
         need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
+    need(
+        0 <= lim.max_requests_per_s_per_uid < float("inf"),
+        f"[limits] max_requests_per_s_per_uid = {lim.max_requests_per_s_per_uid} is invalid; set a finite number >= 0 (0: no cap)",
+    )
+    need(lim.request_burst_per_uid >= 1, f"[limits] request_burst_per_uid = {lim.request_burst_per_uid} is invalid; set request_burst_per_uid >= 1")
     for name in ("max_pinned_total_bytes", "max_device_total_bytes", "max_regions_total", "max_shares_per_region"):
         need(getattr(lim, name) >= 0, f"[limits] {name} must be >= 0")
     sim = cfg.sim

@@ -33,6 +33,7 @@ from .config import LimitsConfig
 from .engines.base import DeviceMemory, Direction, Engine, HostMemory, LaneKey, Memory
 from .engines.sim import sealed_memfd
 from .log import error_fields
+from .rate import RequestRate
 from .errors import ConnectionClosed, InvalidRequest, LimitExceeded, NotFound, PermissionDenied
 
 __all__ = ["Caps", "Holdings", "Region", "RegionTable", "UidHoldings", "check_host_fd"]
@@ -64,6 +65,8 @@ class UidHoldings:
     queued_bytes: int = 0
     holders: int = 0
     """Connections of this uid now open (their `Holdings`)."""
+    requests: RequestRate = field(default_factory=RequestRate)
+    """Its request rate (``[limits] max_requests_per_s_per_uid``), shared by its connections."""
 
     @property
     def unused(self) -> bool:

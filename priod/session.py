@@ -152,6 +152,8 @@ class Session:
         """A region set-up under way; the requests behind it wait."""
         self._draining = False
         self._again = False
+        self._rate_timer: asyncio.TimerHandle | None = None
+        """Set while the uid is out of request tokens (``[limits] max_requests_per_s_per_uid``)."""
         self._ended: asyncio.Future[ProtocolError | None]
         self._context: contextvars.Context
         # The per-copy log line runs thousands of times a second: resolve the logger once
@@ -193,6 +195,8 @@ class Session:
                     self.sock.send(ErrorReply(exc.code, f"{exc}; the connection is closed").encode(0))
         finally:
             self.sock.set_listener(None)
+            if self._rate_timer is not None:
+                self._rate_timer.cancel()
             if self._setup is not None:
                 self._setup.cancel()
             self.drop()
@@ -208,9 +212,15 @@ class Session:
     def _drain(self) -> None:
         """Handle the requests the transport has, up to a bound per loop turn (other clients
         are served between), unless a region set-up is under way."""
+        if self._rate_timer is not None:
+            return  # out of tokens: the timer resumes it
+        lim = self.shared.cfg.limits
+        rate = self.holdings.tally.requests
+        granted = rate.grant(REQUESTS_PER_TURN, lim.max_requests_per_s_per_uid, lim.request_burst_per_uid, time.monotonic())
+        used = 0
         self._draining = True
         try:
-            for _ in range(REQUESTS_PER_TURN):
+            for _ in range(granted):
                 if self._setup is not None or self._ended.done():
                     return
                 try:
@@ -226,6 +236,7 @@ class Session:
                         return
                     self._again = False
                     continue
+                used += 1
                 self.last_active = time.monotonic()
                 try:
                     setup = self._handle(*item)
@@ -235,9 +246,20 @@ class Session:
                 if setup is not None:
                     self._setup = asyncio.ensure_future(setup)  # in this context: keeps the log context
                     self._setup.add_done_callback(self._setup_done)
-            asyncio.get_running_loop().call_soon(self._on_ready)
+            loop = asyncio.get_running_loop()
+            if granted < REQUESTS_PER_TURN and lim.max_requests_per_s_per_uid > 0:
+                # The uid is out of tokens (this turn got fewer than a full turn's worth, all
+                # used): come back when one has accrued, not on the next turn.
+                self._rate_timer = loop.call_later(rate.wait_s(lim.max_requests_per_s_per_uid), self._rate_resume)
+            else:
+                loop.call_soon(self._on_ready)
         finally:
+            rate.refund(granted - used)
             self._draining = False
+
+    def _rate_resume(self) -> None:
+        self._rate_timer = None
+        self._on_ready()
 
     def _setup_done(self, task: asyncio.Task[None]) -> None:
         self._setup = None

@@ -604,3 +604,29 @@ def test_clients_that_never_read_cost_about_max_output_bytes_each() -> None:
                 s.close()
     print(f"daemon anonymous RSS per non-reading client: {per_client:.2f} MiB (max_output_bytes {max_output / MiB:.0f} MiB)")
     assert per_client <= max_output / MiB + 1.0
+
+
+def test_a_uids_request_rate_is_capped_over_its_connections_and_others_are_not() -> None:
+    """A uid that floods pings over two connections is read at [limits]
+    max_requests_per_s_per_uid (plus its burst) together; every request is still answered (the
+    cap slows, it never refuses); another uid's pings meanwhile are answered at once."""
+    rate, burst, per_conn = 400, 40, 200
+    env = {**OPEN, "PRIOD_LIMITS__MAX_REQUESTS_PER_S_PER_UID": str(rate), "PRIOD_LIMITS__REQUEST_BURST_PER_UID": str(burst)}
+    with daemon_process(env, socket_path=socket_path()) as d, raw_as(NOBODY, d.socket_path, n=2) as flood:
+        time.sleep(0.2)  # the bucket refills after the hellos
+        t0 = time.monotonic()
+        for c in flood:
+            c.sock.sendall(b"".join(encode({"id": 1000 + i, "op": "ping"}) for i in range(per_conn)))
+        with priod.SyncClient(d.socket_path, timeout=30) as other:
+            waits = []
+            for _ in range(20):
+                t = time.monotonic()
+                other.ping()
+                waits.append(time.monotonic() - t)
+        replies = [c.frame() for c in flood for _ in range(per_conn)]
+        elapsed = time.monotonic() - t0
+    assert all(r["ok"] for r in replies), [r for r in replies if not r["ok"]][:3]
+    assert sorted(r["id"] for r in replies) == sorted([1000 + i for i in range(per_conn)] * 2)
+    floor = (2 * per_conn - burst) / rate  # 0.9 s at the cap
+    assert elapsed >= 0.8 * floor, f"{2 * per_conn} pings of one uid answered in {elapsed:.2f} s: faster than the cap allows ({floor:.2f} s)"
+    assert max(waits) < 0.25, f"another uid's pings waited up to {max(waits) * 1e3:.0f} ms behind the capped flood"

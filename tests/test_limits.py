@@ -171,3 +171,20 @@ async def test_pipelining_far_past_the_limit_keeps_daemon_memory_bounded(limited
     first, second = (rss[1] - rss[0]) / MiB, (rss[2] - rss[1]) / MiB
     print(f"{len(got) - len(refused)} copies done, {len(refused)} refused; daemon RSS {first:+.2f} MiB, then {second:+.2f} MiB")
     assert first < 32 and second < 6, f"daemon RSS grew by {first:.1f} MiB, then by {second:.1f} MiB"
+
+
+def test_request_rate_grants_the_burst_then_the_rate_and_refunds() -> None:
+    """The per-uid request bucket (priod/rate.py): a full burst at first, then ``rate`` per
+    second, never more than the burst; unused grants come back; rate 0 means no cap."""
+    from priod.rate import RequestRate
+
+    r = RequestRate()
+    assert r.grant(64, 100.0, 10, now=5.0) == 10  # a new uid: the whole burst, no more
+    assert r.grant(64, 100.0, 10, now=5.0) == 0
+    assert r.wait_s(100.0) == pytest.approx(0.01)  # one token at 100/s
+    assert r.grant(64, 100.0, 10, now=5.055) == 5  # 55 ms at 100/s: 5.5 tokens, 5 whole
+    r.refund(3)
+    assert r.grant(64, 100.0, 10, now=5.055) == 3
+    assert r.grant(64, 100.0, 10, now=100.0) == 10  # a long pause refills to the burst only
+    assert r.grant(64, 100.0, 10, now=99.0) == 0  # a clock that steps back grants nothing new
+    assert RequestRate().grant(64, 0.0, 10, now=0.0) == 64  # 0: no cap

@@ -1,0 +1,47 @@
+"""A uid's request rate: a token bucket of requests, shared by all the uid's connections. Pure logic.
+
+Why: every request costs the daemon's one event loop some tens of microseconds whatever its
+size, so a client that floods tiny copies (or pings) takes the loop, and with it every other
+client's latency, even though the scheduler serves the classes fairly. A session takes tokens
+before it handles requests; with none left it stops taking (the transport stops reading, so the
+kernel holds the client back) and resumes when one has accrued. Nothing is refused: a fast
+client is only slowed to ``[limits] max_requests_per_s_per_uid``.
+
+No clocks: the caller passes ``now``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RequestRate"]
+
+
+class RequestRate:
+    """Tokens of one uid; ``rate`` (requests/s) and ``burst`` come from the settings of the moment."""
+
+    __slots__ = ("stamp", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = -1.0
+        """Negative until first used: a new uid starts with a full bucket."""
+        self.stamp = 0.0
+
+    def grant(self, want: int, rate: float, burst: int, now: float) -> int:
+        """Take up to ``want`` whole tokens; how many were taken (0: wait `wait_s`). ``rate`` 0: no cap."""
+        if rate <= 0:
+            return want
+        if self.tokens < 0:
+            self.tokens = float(burst)
+        elif now > self.stamp:
+            self.tokens = min(float(burst), self.tokens + rate * (now - self.stamp))
+        self.stamp = max(self.stamp, now)
+        granted = min(want, int(self.tokens))
+        self.tokens -= granted
+        return granted
+
+    def refund(self, n: int) -> None:
+        """Give back tokens taken and not used (the connection had fewer requests than granted)."""
+        self.tokens += n
+
+    def wait_s(self, rate: float) -> float:
+        """Seconds until one whole token will have accrued."""
+        return max(0.0, (1.0 - self.tokens) / rate) if rate > 0 else 0.0
