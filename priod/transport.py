@@ -19,25 +19,16 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
-import fcntl
-import os
-import queue
 import socket
-import struct
-import termios
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from .errors import ConnectionClosed, ProtocolError
+from .fdpass import MAX_FDS_PER_FRAME, RECV_BYTES, Peer, close_all, close_connection, close_received, fds_from_ancdata, peer_credentials, recvmsg
 from .protocol import DEFAULT_MAX_FRAME, HEADER, REPLY_LIMITS, REQUEST_LIMITS, DecodeLimits, FrameDecoder, Message, encode
 
 __all__ = ["MAX_FDS_PER_FRAME", "BlockingFramedSocket", "FramedSocket", "Peer", "close_received", "peer_credentials"]
 
-MAX_FDS_PER_FRAME = 4
-RECV_BYTES = 256 * 1024
-"""The most bytes one read takes, and the most received bytes a `FramedSocket` holds undecoded."""
 DECODE_SLICE = 4096
 """Received bytes are decoded this many at a time, when `FramedSocket.take` finds no decoded
 message: a decoded message costs some 300 bytes of objects however small its frame (a 256 KiB
@@ -45,138 +36,7 @@ read of 17-byte pings, decoded at once, was some 5 MiB), while undecoded bytes c
 OUTPUT_JOIN_BYTES = 64 * 1024
 """A frame without fds queued behind others joins the last of them, up to this size: queued on
 its own, a 17-byte reply costs some 350 bytes of objects."""
-_SCM_MAX_FD = 253
-"""The most fds Linux passes with one message. The ancillary buffer holds that many, not only
-MAX_FDS_PER_FRAME: fds that do not fit (MSG_CTRUNC) are closed by the kernel inside recvmsg, on
-the caller's thread, and closing a peer's fd can block (see `close_received`)."""
-_ANC_SPACE = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
-_PEERCRED = struct.Struct("3i")
-_CLOSE_THREADS = 4
 
-
-@dataclass(frozen=True)
-class Peer:
-    """Who is on the other end, as the kernel recorded it at connect()."""
-
-    pid: int
-    uid: int
-    gid: int
-
-
-def peer_credentials(sock: socket.socket) -> Peer:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    return Peer(*_PEERCRED.unpack(raw))
-
-
-_recv_buffers = threading.local()
-
-
-def _recvmsg(sock: socket.socket, flags: int = 0, nbytes: int = RECV_BYTES) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
-    """One ``recvmsg`` into this thread's reusable buffer: data, ancillary data, flags.
-
-    ``sock.recvmsg(RECV_BYTES)`` allocates a fresh 256 KiB bytes object per call (an mmap and
-    munmap under the allocator, with page faults), about 15 us even for a 60-byte frame, and a
-    client spinning for its reply pays that on every empty poll. Each thread keeps one buffer
-    (sockets are read by one thread at a time) and only the bytes received are copied out.
-    At most ``nbytes`` (up to RECV_BYTES) are read.
-    """
-    buf = getattr(_recv_buffers, "buf", None)
-    if buf is None:
-        buf = _recv_buffers.buf = memoryview(bytearray(RECV_BYTES))
-    nbytes, ancdata, msg_flags, _ = sock.recvmsg_into([buf if nbytes >= RECV_BYTES else buf[:nbytes]], _ANC_SPACE, flags)
-    return bytes(buf[:nbytes]), ancdata, msg_flags
-
-
-def _fds_from_ancdata(ancdata: list[tuple[int, int, bytes]], flags: int) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(data[: len(data) - (len(data) % arr.itemsize)])
-            fds.extend(arr)
-    if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS_PER_FRAME:
-        close_received(fds)
-        raise ProtocolError(f"more than {MAX_FDS_PER_FRAME} file descriptors sent with one frame; send at most {MAX_FDS_PER_FRAME}")
-    return fds
-
-
-def _close_all(fds: Iterable[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-class _Closer:
-    """A few daemon threads that close fds: a close that blocks holds one of them, never the
-    loop. Threads start on first use; one that blocks delays only the fds queued behind it."""
-
-    def __init__(self, max_threads: int) -> None:
-        self._max_threads = max_threads
-        self._reset()
-
-    def _reset(self) -> None:
-        """Start empty (also in a forked child, which has none of the parent's threads)."""
-        self._queue: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._busy = 0
-        self._waiting = 0
-
-    def submit(self, fds: list[int]) -> None:
-        with self._lock:
-            self._waiting += 1
-            if self._waiting > self._threads - self._busy and self._threads < self._max_threads:
-                self._threads += 1
-                threading.Thread(target=self._run, name=f"priod-close-{self._threads}", daemon=True).start()
-        self._queue.put(fds)
-
-    def _run(self) -> None:
-        while True:
-            fds = self._queue.get()
-            with self._lock:
-                self._waiting -= 1
-                self._busy += 1
-            _close_all(fds)
-            with self._lock:
-                self._busy -= 1
-
-
-_closer = _Closer(_CLOSE_THREADS)
-os.register_at_fork(after_in_child=_closer._reset)
-
-
-def close_received(fds: Iterable[int]) -> None:
-    """Close fds that a peer sent and that are not kept, on a worker thread; returns at once.
-
-    Closing a peer's fd runs whatever its file does on its last close, and a hostile peer picks
-    the file: a TCP socket with SO_LINGER and a full send queue blocks close() for the linger
-    time (seconds), a file on a FUSE mount for as long as its server wants. On the event loop
-    that would stall every client. The fds must not be used after this call.
-    """
-    batch = list(fds)
-    if batch:
-        _closer.submit(batch)
-
-
-def _close_connection(sock: socket.socket) -> None:
-    """Close a connection socket without letting fds still queued in it block the caller.
-
-    A frame the peer sent but we never read (after a protocol error, or with its output full)
-    may carry fds; the kernel drops them when the socket closes, on the closing thread, with
-    the same cost as `close_received`. Shut reading first (nothing more can be queued), then
-    close here if nothing is queued (the common case), else on a worker thread.
-    """
-    try:
-        sock.shutdown(socket.SHUT_RD)
-        unread = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
-    except OSError:
-        unread = 1  # cannot tell: take the safe way
-    if unread:
-        close_received([sock.detach()])
-    else:
-        sock.close()
 
 
 def _last_frame_start(data: bytes, offset: int) -> int | None:
@@ -318,14 +178,14 @@ class FramedSocket:
             self._pause_reading()
             return
         try:
-            data, ancdata, flags = _recvmsg(self.sock, 0, room)
+            data, ancdata, flags = recvmsg(self.sock, 0, room)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._fail(ConnectionClosed(f"connection lost: {exc}"), exc)
             return
         try:
-            fds = _fds_from_ancdata(ancdata, flags)
+            fds = fds_from_ancdata(ancdata, flags)
             if not data:
                 close_received(fds)
                 self._fail(ConnectionClosed("peer closed the connection"))
@@ -470,7 +330,7 @@ class FramedSocket:
     def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
         """Queue one frame; ``fds`` ride with its first byte and are closed here once sent."""
         if self.closed:
-            _close_all(fds)
+            close_all(fds)
             raise ConnectionClosed("cannot send: connection closed")
         frame = encode(msg)
         out = self._out
@@ -515,7 +375,7 @@ class FramedSocket:
                 if fds:
                     rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
                     sent = self.sock.sendmsg([view], rights)
-                    _close_all(fds)
+                    close_all(fds)
                     self._out[0] = (view, [])
                 else:
                     sent = self.sock.send(view)
@@ -529,7 +389,7 @@ class FramedSocket:
         except OSError as exc:
             # The peer is gone: drop what we could not send; the reader will see EOF.
             for _, fds in self._out:
-                _close_all(fds)
+                close_all(fds)
             self._out.clear()
             self.output_buffered = 0
             self._fail(ConnectionClosed(f"connection lost while sending: {exc}"), exc)
@@ -575,13 +435,13 @@ class FramedSocket:
             self._loop.remove_writer(self.fd)
             self._writing = False
         for _, fds in self._out:
-            _close_all(fds)  # ours, on their way out: nothing a peer chose
+            close_all(fds)  # ours, on their way out: nothing a peer chose
         self._out.clear()
         self._drop_requests()
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._wake()
-        _close_connection(self.sock)
+        close_connection(self.sock)
 
 
 class BlockingFramedSocket:
@@ -613,17 +473,17 @@ class BlockingFramedSocket:
             deadline = time.perf_counter() + self.spin_s
             while time.perf_counter() < deadline:
                 try:
-                    data, ancdata, flags = _recvmsg(self.sock, socket.MSG_DONTWAIT)
+                    data, ancdata, flags = recvmsg(self.sock, socket.MSG_DONTWAIT)
                     return data, ancdata, flags
                 except BlockingIOError:
                     continue
-        data, ancdata, flags = _recvmsg(self.sock)
+        data, ancdata, flags = recvmsg(self.sock)
         return data, ancdata, flags
 
     def receive(self) -> tuple[Message, list[int]]:
         while not self._messages:
             data, ancdata, flags = self._recv()
-            fds = _fds_from_ancdata(ancdata, flags)
+            fds = fds_from_ancdata(ancdata, flags)
             if not data:
                 close_received(fds)
                 raise ConnectionClosed("the daemon closed the connection")
