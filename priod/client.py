@@ -15,6 +15,7 @@ why), and no copy is ever reported done that the daemon did not report done.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import mmap
 import os
@@ -204,7 +205,6 @@ class Client:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._sock: FramedSocket | None = None
-        self._reader: asyncio.Task[None] | None = None
         self._closed_exc: PriodError | None = None
         self.generation = 0
         self._server: HelloReply | None = None
@@ -269,7 +269,7 @@ class Client:
         self.generation += 1
         self._closed_exc = None
         self._sock = FramedSocket(sock, max_output=1 << 30, limits=REPLY_LIMITS)
-        self._reader = asyncio.ensure_future(self._read_replies(self._sock))
+        self._sock.set_listener(functools.partial(self._on_replies, self._sock))
         msg, _ = await self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
         self._server = HelloReply.decode(msg)
 
@@ -279,11 +279,14 @@ class Client:
         await self.close()
         await self._open(wait_s)
 
-    async def _read_replies(self, sock: FramedSocket) -> None:
-        cause: BaseException
+    def _on_replies(self, sock: FramedSocket) -> None:
+        """The transport's listener: replies resolve their requests in the read callback itself
+        (a reader task would cost every reply one more turn of the loop)."""
+        if sock is not self._sock or self._closed_exc is not None:
+            return
         try:
-            while True:
-                msg, fds = await sock.receive()
+            while (item := sock.take()) is not None:
+                msg, fds = item
                 fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
                 if fut is None or fut.done():
                     _close(fds)
@@ -292,19 +295,22 @@ class Client:
                         raise exc
                     continue
                 fut.set_result((msg, fds))
-        except asyncio.CancelledError:
-            cause = ConnectionClosed("connection closed by this client")
         except PriodError as exc:
-            cause = exc
+            self._lost(exc)
         except Exception as exc:
-            cause = ProtocolError(f"unexpected error reading replies: {exc!r}")
+            self._lost(ProtocolError(f"unexpected error reading replies: {exc!r}"))
+
+    def _lost(self, cause: PriodError) -> None:
+        """The connection ended (``cause``): close it and fail every request still waiting."""
         closed = ConnectionClosed(f"connection to priod at {self.path} lost: {cause}")
         closed.__cause__ = cause
-        if isinstance(cause, PriodError) and cause.code not in ("closed",):
+        if cause.code != "closed":
             self._closed_exc = cause  # a refusal (permission, limit...) is more useful than "closed"
         else:
             self._closed_exc = closed
-        sock.close()
+        if self._sock is not None:
+            self._sock.set_listener(None)
+            self._sock.close()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(self._closed_exc)
@@ -413,13 +419,8 @@ class Client:
 
     async def close(self) -> None:
         """Close the connection; the daemon releases this connection's regions."""
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
-            self._reader = None
+        if self._sock is not None and self._closed_exc is None:
+            self._lost(ConnectionClosed("connection closed by this client"))
         if self._sock is not None:
             self._sock.close()
         for region in self._regions:
