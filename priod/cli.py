@@ -128,6 +128,7 @@ def format_status(st: dict[str, Any]) -> str:
     lines = [
         f"priod {st['version']}  backend={st['backend']}  mode={st['mode']}  uptime={st['uptime_s']:.0f}s  socket={st['socket']}",
         f"max_block_us={st['max_block_us']}  classes: " + ", ".join(f"{c['name']}({'strict' if c['strict'] else 'w=' + str(c['weight'])})" for c in st["classes"]),
+        *(f"{'gpu' + str(g['index']):<10} {g['uuid']}" for g in st.get("gpus", [])),
         "",
         f"{'lane':<10} {'GB/s':>7} {'chunk':>11} {'bound':>11} {'in flight':>11} {'express':>11}  queued (requests by class)",
     ]

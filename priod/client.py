@@ -83,6 +83,9 @@ class Region:
         self.nbytes = reply.nbytes
         self.kind = reply.kind
         self.device = reply.device
+        """The daemon's ordinal of the region's GPU; yours may differ (CUDA_VISIBLE_DEVICES)."""
+        self.device_uuid = reply.device_uuid
+        """The region's GPU by UUID (``GPU-...``), the same in every process; None for host memory."""
         self.export: Message = reply.export or {}
         self.generation = generation
         self._mapping: mmap.mmap | None = None
@@ -103,9 +106,12 @@ class Region:
         """
         if self.export.get("kind") != "cuda_ipc":
             raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
-        from .cuda_ipc import open_device_export
+        from .cuda_ipc import local_ordinal, open_device_export
 
-        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, self.device or 0)
+        # Opened on this process's ordinal of the GPU, found by UUID: the daemon's ordinal names
+        # another GPU here, or none, when CUDA_VISIBLE_DEVICES differs between the two processes.
+        device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
+        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, device)
 
     def unmap(self) -> None:
         self.array = None
@@ -150,10 +156,18 @@ def _copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOpt
 
 
 def _cuda_register_request(obj: Any) -> RegisterDevice:
-    from .cuda_ipc import export_cuda_array
+    from .cuda_ipc import export_cuda_array, gpu_uuid
 
     handle, offset, nbytes, device = export_cuda_array(obj)
-    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device)
+    # ``device`` is this process's ordinal; the UUID is what the daemon goes by (its ordinals
+    # may differ). The ordinal still goes along for a daemon that predates UUIDs.
+    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device, device_uuid=gpu_uuid(device))
+
+
+def _alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
+    if isinstance(device, str):
+        return AllocDevice(nbytes, device_uuid=device)
+    return AllocDevice(nbytes, device)
 
 
 Reply = tuple[Message, list[int]]
@@ -358,9 +372,15 @@ class Client:
         _close(got)
         return self._region((msg, [os.dup(fd)]))  # map our own copy, so .array works as for alloc_host
 
-    async def alloc_device(self, nbytes: int, device: int = 0) -> Region:
-        """Device memory the daemon allocates; sim: ``.array`` maps it; cuda: ``.cuda()`` opens it."""
-        return self._region(await self._request(AllocDevice(nbytes, device)))
+    async def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
+        """Device memory the daemon allocates; sim: ``.array`` maps it; cuda: ``.cuda()`` opens it.
+
+        ``device``: the GPU's UUID (``GPU-...``; `priod.cuda_ipc.gpu_uuid` gives it for one of
+        your ordinals), or the daemon's ordinal of it. Name it by UUID wherever your
+        CUDA_VISIBLE_DEVICES may differ from the daemon's (containers): your ordinal 0 may be
+        the daemon's gpu3.
+        """
+        return self._region(await self._request(_alloc_device_request(nbytes, device)))
 
     async def register_device(self, obj: Any) -> Region:
         """Share your own GPU buffer (anything with ``__cuda_array_interface__``); keep it alive
@@ -533,8 +553,9 @@ class SyncClient:
         _close(got)
         return self._region((msg, [os.dup(fd)]))
 
-    def alloc_device(self, nbytes: int, device: int = 0) -> Region:
-        return self._region(self._request(AllocDevice(nbytes, device)))
+    def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
+        """See `Client.alloc_device`."""
+        return self._region(self._request(_alloc_device_request(nbytes, device)))
 
     def register_device(self, obj: Any) -> Region:
         return self._region(self._request(_cuda_register_request(obj)))

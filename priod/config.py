@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
 from .engines.sim import SimSettings
-from .errors import ConfigError
+from .errors import ConfigError, InvalidRequest
+from .gpus import uuid_key
 from .policy import (
     DEFAULT_CLASSES,
     ClassSpec,
@@ -235,6 +236,10 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r} must be a string")
         return value
+    if getattr(hint, "__origin__", None) is tuple and get_args(hint)[0] is str:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} = {value!r} must be a list of strings, like [\"GPU-...\", \"GPU-...\"]")
+        return tuple(value)
     if getattr(hint, "__origin__", None) is tuple:
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{where} = {value!r} must be a list of whole numbers, like [1000, 1001]")
@@ -290,8 +295,24 @@ def _validate(cfg: Config) -> None:
         0 <= sim.cotenant_stall_us < float("inf"),
         f"[sim] cotenant_stall_us = {sim.cotenant_stall_us} is invalid; set cotenant_stall_us to a finite number >= 0 (microseconds; 0: no co-tenant computes)",
     )
+    _validate_sim_uuids(sim)
     need(0 <= cfg.metrics.port <= 65535, f"[metrics] port = {cfg.metrics.port} is invalid; 0 turns metrics off")
     need(cfg.service.shutdown_timeout_s > 0, "[service] shutdown_timeout_s must be > 0")
+
+
+def _validate_sim_uuids(sim: SimSettings) -> None:
+    if not sim.uuids:
+        return
+    if len(sim.uuids) != sim.devices:
+        raise ConfigError(f"[sim] uuids lists {len(sim.uuids)} UUIDs for devices = {sim.devices}; give one per device, or leave it empty")
+    keys = []
+    for text in sim.uuids:
+        try:
+            keys.append(uuid_key(text))
+        except InvalidRequest as exc:
+            raise ConfigError(f"[sim] uuids: {exc}") from exc
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"[sim] uuids = {list(sim.uuids)} names one GPU twice; give each device its own UUID")
 
 
 def _as_raw(cfg: Config) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import pytest
 import priod
 from priod import systemd
 from priod.client import Client, SyncClient
+from priod.gpus import sim_uuid
 from priod.testing import DaemonProcess, daemon_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,10 +299,11 @@ def test_status_cli_table_and_json(daemon: DaemonProcess) -> None:
         lines = r.stdout.splitlines()
         assert re.fullmatch(rf"priod {re.escape(priod.__version__)}  backend=sim  mode=priod  uptime=\d+s  socket={re.escape(daemon.socket_path)}", lines[0])
         assert lines[1] == "max_block_us=1000.0  classes: urgent(strict), high(w=8), normal(w=4), bulk(w=1)"
-        assert lines[3].split() == ["lane", "GB/s", "chunk", "bound", "in", "flight", "express", "queued", "(requests", "by", "class)"]
-        assert [ln.split()[:2] for ln in lines[4:7]] == [["gpu0/d2d", "8.00"], ["gpu0/d2h", "2.00"], ["gpu0/h2d", "2.00"]]
-        assert re.fullmatch(r"clients: 2   copies: \d+   bytes: \d+\.\d{3} GB   deadline misses: \d+", lines[8])
-        mine = [ln for ln in lines[9:] if f" pid {me['pid']} " in ln]
+        assert lines[2].split() == ["gpu0", sim_uuid(0)]
+        assert lines[4].split() == ["lane", "GB/s", "chunk", "bound", "in", "flight", "express", "queued", "(requests", "by", "class)"]
+        assert [ln.split()[:2] for ln in lines[5:8]] == [["gpu0/d2d", "8.00"], ["gpu0/d2h", "2.00"], ["gpu0/h2d", "2.00"]]
+        assert re.fullmatch(r"clients: 2   copies: \d+   bytes: \d+\.\d{3} GB   deadline misses: \d+", lines[9])
+        mine = [ln for ln in lines[10:] if f" pid {me['pid']} " in ln]
         assert len(mine) == 1 and re.search(r"regions 2 +pending 0 +copies 1$", mine[0]), lines
 
         r = run_cli("status", "--json", "--socket", daemon.socket_path)
