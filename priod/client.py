@@ -27,7 +27,7 @@ from typing import Any, TypedDict, Unpack
 import numpy as np
 import numpy.typing as npt
 
-from .config import default_socket_path
+from .config import find_socket
 from .errors import Cancelled, ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
 from .messages import (
     PROTOCOL_VERSION,
@@ -137,6 +137,18 @@ def _no_daemon(path: str, exc: OSError) -> ConnectionClosed:
     return ConnectionClosed(f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path")
 
 
+async def _discover(deadline: float) -> str:
+    """`find_socket`, tried again until ``deadline`` (``time.monotonic()``): a daemon that is
+    starting has not made its socket yet."""
+    while True:
+        try:
+            return find_socket()
+        except ConnectionClosed:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
 def _check_owner(sock: socket.socket, path: str, expect_uid: int | None) -> None:
     """Refuse a daemon that does not run as ``expect_uid`` (SO_PEERCRED: who called listen())."""
     if expect_uid is None:
@@ -235,11 +247,14 @@ class Client:
     async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> Client:
         """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
 
+        ``path``: None looks for the socket (`priod.config.find_socket`), for ``wait_s`` too.
+
         ``expect_uid``: refuse (`PermissionDenied`) a daemon whose process does not run as this
         uid, so a socket path that another user took over never gets this client's requests.
         """
-        client = cls(path or default_socket_path(), name, expect_uid)
-        await client._open(wait_s)
+        deadline = time.monotonic() + wait_s
+        client = cls(path or await _discover(deadline), name, expect_uid)
+        await client._open(max(0.0, deadline - time.monotonic()))
         return client
 
     async def _open(self, wait_s: float) -> None:
@@ -474,7 +489,8 @@ class _Connecting:
 
 
 def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> _Connecting:
-    """Connect to the daemon at ``path`` (default: $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock);
+    """Connect to the daemon at ``path`` (default: the first that exists of $PRIOD_SOCKET,
+    $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.config.find_socket`);
     with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`)."""
     return _Connecting(path, name, wait_s, expect_uid)
 
@@ -493,7 +509,7 @@ class SyncClient:
     ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
         sleeping (lower latency for urgent copies, at the cost of a core while waiting)."""
-        self.path = path or default_socket_path()
+        self.path = path or find_socket()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.path)  # blocking: waits while the daemon's listen backlog is full
