@@ -43,7 +43,7 @@ __all__ = [
     "status_codes",
 ]
 
-INSTALL_HINT = "pip install 'priod[cuda]'"
+INSTALL_HINT = "pip install 'priod[cuda13]' (NVIDIA driver >= 580) or 'priod[cuda12]' (driver >= 525)"
 SIM_HINT = "--backend sim runs without a GPU"
 
 # The cuda.bindings modules and their success/not-ready codes, loaded on first use.
