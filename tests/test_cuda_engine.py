@@ -72,12 +72,13 @@ def device_view(mem: DeviceMemory) -> Any:
 
 
 def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without cuda-bindings, constructing the engine says how to install it and names --backend sim."""
+    """Without cuda-bindings, constructing the engine says which extra to install for which
+    driver, and names --backend sim."""
     from priod.engines.cuda import _driver
 
     monkeypatch.setattr(_driver, "_rt", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(EngineError, match=r"pip install 'priod\[cuda\]'.*--backend sim"):
+    with pytest.raises(EngineError, match=r"pip install 'priod\[cuda13\]' \(NVIDIA driver >= 580\) or 'priod\[cuda12\]' \(driver >= 525\); --backend sim runs without a GPU$"):
         CudaEngine()
     assert _driver.gpu_available() is False
 
