@@ -186,6 +186,9 @@ def cmd_install_units(args: argparse.Namespace) -> int:
 
     try:
         written = install_units(args.dest, args.prefix, force=args.force)
+    except FileNotFoundError as exc:  # a shipped file is missing: the installation, not the destination
+        print(f"priod: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"priod: cannot write the units under {args.dest}: {exc}; run as root, or pass --dest DIR", file=sys.stderr)
         return 1
@@ -202,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{serve,status,install-units,demo}")
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", help="TOML config file (see config/priod.toml)")
-    serve.add_argument("--socket", help="socket path (default $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock)")
+    serve.add_argument("--socket", help="socket path (default: $PRIOD_SOCKET if set, else $XDG_RUNTIME_DIR/priod.sock if set, else /run/priod/priod.sock)")
     serve.add_argument("--backend", choices=["auto", "sim", "cuda"], help="copy engine (default: auto)")
     serve.set_defaults(func=cmd_serve)
     status = sub.add_parser("status", help="show a running daemon's lanes, queues and clients")

@@ -76,7 +76,7 @@ def install_units(dest: str | os.PathLike[str] = "/", prefix: str | None = None,
     for f in SHIPPED:
         src = shipped(f.source)
         if not src.is_file():
-            raise FileNotFoundError(f"{f.source} is missing from this priod installation ({src}); reinstall priod")
+            raise FileNotFoundError(f"{f.source} is missing from this priod installation ({src}); reinstall priod from its wheel")
         text = src.read_text()
         if f.source == "systemd/priod.service" and executable != SHIPPED_EXEC:
             old = f"ExecStart={SHIPPED_EXEC} "

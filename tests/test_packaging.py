@@ -198,3 +198,17 @@ def test_install_units_into_an_unwritable_root_says_what_to_do(tmp_path: Path, c
     assert main(["install-units", "--dest", str(blocker)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"priod: cannot write the units under {blocker}: ") and err.endswith("; run as root, or pass --dest DIR\n")
+
+
+def test_install_units_from_a_broken_install_says_to_reinstall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A shipped file missing from the installation is reported as such (not as a permission
+    problem with the destination), and nothing is written."""
+    import priod.units
+    from priod.cli import main
+
+    monkeypatch.setattr(priod.units, "shipped", lambda name: tmp_path / "gone" / name)
+    assert main(["install-units", "--dest", str(tmp_path / "root")]) == 1
+    assert capsys.readouterr().err == (
+        f"priod: systemd/priod.service is missing from this priod installation ({tmp_path}/gone/systemd/priod.service); reinstall priod from its wheel\n"
+    )
+    assert not (tmp_path / "root").exists()
