@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import sys
 from typing import Any
 
 from . import __version__
-from .config import Config, load_config
+from .config import Config, find_socket, load_config
 from .errors import ConfigError, PriodError
 
 __all__ = ["main"]
@@ -27,7 +28,32 @@ def _load(args: argparse.Namespace) -> Config:
     return cfg.replace(server=server) if server else cfg
 
 
+DAEMON_MODULES = ("uvloop", "structlog", "prometheus_client")
+"""What the daemon imports beyond the client's dependencies: the ``daemon`` extra."""
+
+
+def missing_daemon_modules() -> list[str]:
+    """The daemon's dependencies that are not installed (a client-only install has none)."""
+    return [name for name in DAEMON_MODULES if importlib.util.find_spec(name) is None]
+
+
+def _need_daemon(command: str) -> int:
+    """0 if the daemon's dependencies are installed; else say which extra to install, and 1."""
+    missing = missing_daemon_modules()
+    if not missing:
+        return 0
+    print(
+        f"priod: 'priod {command}' runs the daemon, whose dependencies are not installed (missing: {', '.join(missing)}). "
+        "This is a client-only install; install the daemon with: pip install 'priod[daemon]' "
+        "(on a GPU host 'priod[daemon,cuda13]' for driver >= 580, or 'priod[daemon,cuda12]' for driver >= 525)",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if rc := _need_daemon("serve"):
+        return rc
     import uvloop
 
     from .log import configure_logging
@@ -106,8 +132,10 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .client import SyncClient
 
-    path = args.socket or _load(args).socket_path
     try:
+        # --socket, then [server] socket of --config, then the first socket that exists
+        # (find_socket: $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock).
+        path = args.socket or _load(args).server.socket or find_socket()
         with SyncClient(path, name="priod-status", timeout=10) as c:
             st = c.status()
     except PriodError as exc:
@@ -128,6 +156,7 @@ def format_status(st: dict[str, Any]) -> str:
     lines = [
         f"priod {st['version']}  backend={st['backend']}  mode={st['mode']}  uptime={st['uptime_s']:.0f}s  socket={st['socket']}",
         f"max_block_us={st['max_block_us']}  classes: " + ", ".join(f"{c['name']}({'strict' if c['strict'] else 'w=' + str(c['weight'])})" for c in st["classes"]),
+        *(f"{'gpu' + str(g['index']):<10} {g['uuid']}" for g in st.get("gpus", [])),
         "",
         f"{'lane':<10} {'GB/s':>7} {'chunk':>11} {'bound':>11} {'in flight':>11} {'express':>11}  queued (requests by class)",
     ]
@@ -145,25 +174,55 @@ def format_status(st: dict[str, Any]) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if rc := _need_daemon("demo"):
+        return rc
     from .demo import run_demo
 
     return run_demo(seconds=args.seconds, urgent_bytes=args.urgent_kib * 1024, bulk_bytes=args.bulk_mib << 20)
 
 
+def cmd_install_units(args: argparse.Namespace) -> int:
+    from .units import install_units
+
+    try:
+        written = install_units(args.dest, args.prefix, force=args.force)
+    except FileNotFoundError as exc:  # a shipped file is missing: the installation, not the destination
+        print(f"priod: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"priod: cannot write the units under {args.dest}: {exc}; run as root, or pass --dest DIR", file=sys.stderr)
+        return 1
+    for w in written:
+        print(f"{w.action:<9} {w.path}" + ("  (exists; --force replaces it)" if w.action == "kept" else ""))
+    if os.path.abspath(args.dest) == "/":
+        print("next: systemd-sysusers && systemctl daemon-reload && systemctl enable --now priod.socket  (docs/operations.md)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="priod", description="Transfer scheduler daemon for GPU hosts.")
     p.add_argument("--version", action="version", version=f"priod {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", metavar="{serve,status,install-units,demo}")
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", help="TOML config file (see config/priod.toml)")
-    serve.add_argument("--socket", help="socket path (default $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock)")
+    serve.add_argument("--socket", help="socket path (default: $PRIOD_SOCKET if set, else $XDG_RUNTIME_DIR/priod.sock if set, else /run/priod/priod.sock)")
     serve.add_argument("--backend", choices=["auto", "sim", "cuda"], help="copy engine (default: auto)")
     serve.set_defaults(func=cmd_serve)
     status = sub.add_parser("status", help="show a running daemon's lanes, queues and clients")
     status.add_argument("--config")
-    status.add_argument("--socket")
+    status.add_argument("--socket", help="default: [server] socket of --config, else the first that exists of $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
+    units = sub.add_parser(
+        "install-units",
+        help="write the systemd units, sysusers.d fragment and example config that ship with priod",
+        description="Writes <dest>/etc/systemd/system/priod.{service,socket}, <dest>/usr/lib/sysusers.d/priod.conf and "
+        "<dest>/etc/priod/priod.toml (an existing config is kept). Units are replaced: put local changes in drop-ins.",
+    )
+    units.add_argument("--dest", default="/", help="root to write under (default /; a staging directory for packages)")
+    units.add_argument("--prefix", help=f"priod's installation prefix: ExecStart= runs <prefix>/bin/priod (default: this installation's, {sys.prefix})")
+    units.add_argument("--force", action="store_true", help="replace an existing etc/priod/priod.toml too")
+    units.set_defaults(func=cmd_install_units, prefix=None)
     demo = sub.add_parser("demo", help="urgent latency and bulk throughput, fifo vs priod, on the sim engine")
     demo.add_argument("--seconds", type=float, default=3.0, help="length of each run")
     demo.add_argument("--urgent-kib", type=int, default=1024)
@@ -173,7 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        # No command is a usage error, as argparse treats a missing argument: the help (not
+        # only the usage line) on stderr, and exit status 2. `priod --help` exits 0.
+        parser.print_help(sys.stderr)
+        return 2
     if getattr(args, "config", None) is None:
         args.config = os.environ.get("PRIOD_CONFIG")
     try:

@@ -28,7 +28,7 @@ from typing import Any, TypedDict, Unpack
 import numpy as np
 import numpy.typing as npt
 
-from .config import default_socket_path
+from .config import find_socket
 from .errors import Cancelled, ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
 from .messages import (
     PROTOCOL_VERSION,
@@ -84,6 +84,9 @@ class Region:
         self.nbytes = reply.nbytes
         self.kind = reply.kind
         self.device = reply.device
+        """The daemon's ordinal of the region's GPU; yours may differ (CUDA_VISIBLE_DEVICES)."""
+        self.device_uuid = reply.device_uuid
+        """The region's GPU by UUID (``GPU-...``), the same in every process; None for host memory."""
         self.export: Message = reply.export or {}
         self.generation = generation
         self._mapping: mmap.mmap | None = None
@@ -104,9 +107,12 @@ class Region:
         """
         if self.export.get("kind") != "cuda_ipc":
             raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
-        from .cuda_ipc import open_device_export
+        from .cuda_ipc import local_ordinal, open_device_export
 
-        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, self.device or 0)
+        # Opened on this process's ordinal of the GPU, found by UUID: the daemon's ordinal names
+        # another GPU here, or none, when CUDA_VISIBLE_DEVICES differs between the two processes.
+        device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
+        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, device)
 
     def unmap(self) -> None:
         self.array = None
@@ -132,6 +138,18 @@ def _no_daemon(path: str, exc: OSError) -> ConnectionClosed:
     return ConnectionClosed(f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path")
 
 
+async def _discover(deadline: float) -> str:
+    """`find_socket`, tried again until ``deadline`` (``time.monotonic()``): a daemon that is
+    starting has not made its socket yet."""
+    while True:
+        try:
+            return find_socket()
+        except ConnectionClosed:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
 def _check_owner(sock: socket.socket, path: str, expect_uid: int | None) -> None:
     """Refuse a daemon that does not run as ``expect_uid`` (SO_PEERCRED: who called listen())."""
     if expect_uid is None:
@@ -151,10 +169,18 @@ def _copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOpt
 
 
 def _cuda_register_request(obj: Any) -> RegisterDevice:
-    from .cuda_ipc import export_cuda_array
+    from .cuda_ipc import export_cuda_array, gpu_uuid
 
     handle, offset, nbytes, device = export_cuda_array(obj)
-    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device)
+    # ``device`` is this process's ordinal; the UUID is what the daemon goes by (its ordinals
+    # may differ). The ordinal still goes along for a daemon that predates UUIDs.
+    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device, device_uuid=gpu_uuid(device))
+
+
+def _alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
+    if isinstance(device, str):
+        return AllocDevice(nbytes, device_uuid=device)
+    return AllocDevice(nbytes, device)
 
 
 Reply = tuple[Message, list[int]]
@@ -221,11 +247,14 @@ class Client:
     async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> Client:
         """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
 
+        ``path``: None looks for the socket (`priod.config.find_socket`), for ``wait_s`` too.
+
         ``expect_uid``: refuse (`PermissionDenied`) a daemon whose process does not run as this
         uid, so a socket path that another user took over never gets this client's requests.
         """
-        client = cls(path or default_socket_path(), name, expect_uid)
-        await client._open(wait_s)
+        deadline = time.monotonic() + wait_s
+        client = cls(path or await _discover(deadline), name, expect_uid)
+        await client._open(max(0.0, deadline - time.monotonic()))
         return client
 
     async def _open(self, wait_s: float) -> None:
@@ -364,9 +393,15 @@ class Client:
         _close(got)
         return self._region((msg, [os.dup(fd)]))  # map our own copy, so .array works as for alloc_host
 
-    async def alloc_device(self, nbytes: int, device: int = 0) -> Region:
-        """Device memory the daemon allocates; sim: ``.array`` maps it; cuda: ``.cuda()`` opens it."""
-        return self._region(await self._request(AllocDevice(nbytes, device)))
+    async def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
+        """Device memory the daemon allocates; sim: ``.array`` maps it; cuda: ``.cuda()`` opens it.
+
+        ``device``: the GPU's UUID (``GPU-...``; `priod.cuda_ipc.gpu_uuid` gives it for one of
+        your ordinals), or the daemon's ordinal of it. Name it by UUID wherever your
+        CUDA_VISIBLE_DEVICES may differ from the daemon's (containers): your ordinal 0 may be
+        the daemon's gpu3.
+        """
+        return self._region(await self._request(_alloc_device_request(nbytes, device)))
 
     async def register_device(self, obj: Any) -> Region:
         """Share your own GPU buffer (anything with ``__cuda_array_interface__``); keep it alive
@@ -455,7 +490,8 @@ class _Connecting:
 
 
 def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> _Connecting:
-    """Connect to the daemon at ``path`` (default: $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock);
+    """Connect to the daemon at ``path`` (default: the first that exists of $PRIOD_SOCKET,
+    $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.config.find_socket`);
     with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`)."""
     return _Connecting(path, name, wait_s, expect_uid)
 
@@ -474,7 +510,7 @@ class SyncClient:
     ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
         sleeping (lower latency for urgent copies, at the cost of a core while waiting)."""
-        self.path = path or default_socket_path()
+        self.path = path or find_socket()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.path)  # blocking: waits while the daemon's listen backlog is full
@@ -534,8 +570,9 @@ class SyncClient:
         _close(got)
         return self._region((msg, [os.dup(fd)]))
 
-    def alloc_device(self, nbytes: int, device: int = 0) -> Region:
-        return self._region(self._request(AllocDevice(nbytes, device)))
+    def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
+        """See `Client.alloc_device`."""
+        return self._region(self._request(_alloc_device_request(nbytes, device)))
 
     def register_device(self, obj: Any) -> Region:
         return self._region(self._request(_cuda_register_request(obj)))

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
 from .engines.sim import SimSettings
-from .errors import ConfigError
+from .errors import ConfigError, ConnectionClosed, InvalidRequest
+from .gpus import uuid_key
 from .policy import (
     DEFAULT_CLASSES,
     ClassSpec,
@@ -24,19 +25,52 @@ from .policy import (
     validate_policy,
 )
 
-__all__ = ["Config", "default_socket_path", "load_config"]
+__all__ = ["SYSTEM_SOCKET", "Config", "default_socket_path", "find_socket", "load_config", "socket_candidates"]
 
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def default_socket_path(environ: Mapping[str, str] | None = None) -> str:
-    """``$PRIOD_SOCKET``, else ``$XDG_RUNTIME_DIR/priod.sock``, else ``/run/priod/priod.sock``."""
+SYSTEM_SOCKET = "/run/priod/priod.sock"
+"""Where systemd's priod.socket (config/systemd) and the Kubernetes hostPath put the socket."""
+
+
+def socket_candidates(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """(where it came from, path) of each place a daemon's socket may be, in order:
+    ``$PRIOD_SOCKET``, ``$XDG_RUNTIME_DIR/priod.sock``, ``/run/priod/priod.sock``; a variable
+    that is unset or empty adds nothing."""
     env = os.environ if environ is None else environ
+    out = []
     if env.get("PRIOD_SOCKET"):
-        return env["PRIOD_SOCKET"]
+        out.append(("$PRIOD_SOCKET", env["PRIOD_SOCKET"]))
     if env.get("XDG_RUNTIME_DIR"):
-        return os.path.join(env["XDG_RUNTIME_DIR"], "priod.sock")
-    return "/run/priod/priod.sock"
+        out.append(("$XDG_RUNTIME_DIR/priod.sock", os.path.join(env["XDG_RUNTIME_DIR"], "priod.sock")))
+    out.append(("the system socket", SYSTEM_SOCKET))
+    return out
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> str:
+    """Where a daemon binds when told nothing: the first of `socket_candidates`."""
+    return socket_candidates(environ)[0][1]
+
+
+def find_socket(environ: Mapping[str, str] | None = None) -> str:
+    """Where a client connects when told nothing: the first of `socket_candidates` that exists.
+
+    Not simply the first one set: any login sets ``$XDG_RUNTIME_DIR``, and a user's own daemon
+    there is rarer than the system's under ``/run/priod``.
+
+    Raises:
+        ConnectionClosed: none exists; the message lists every path tried and what to do.
+    """
+    candidates = socket_candidates(environ)
+    for _, path in candidates:
+        if os.path.exists(path):
+            return path
+    tried = ", ".join(f"{path} ({origin})" for origin, path in candidates)
+    raise ConnectionClosed(
+        f"no priod daemon socket found; tried {tried} and none exists. Start the daemon (systemctl start priod.socket, "
+        "or priod serve), or give its path (--socket, or PRIOD_SOCKET)"
+    )
 
 
 @dataclass(frozen=True)
@@ -239,6 +273,10 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r} must be a string")
         return value
+    if getattr(hint, "__origin__", None) is tuple and get_args(hint)[0] is str:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} = {value!r} must be a list of strings, like [\"GPU-...\", \"GPU-...\"]")
+        return tuple(value)
     if getattr(hint, "__origin__", None) is tuple:
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{where} = {value!r} must be a list of whole numbers, like [1000, 1001]")
@@ -299,8 +337,24 @@ def _validate(cfg: Config) -> None:
         0 <= sim.cotenant_stall_us < float("inf"),
         f"[sim] cotenant_stall_us = {sim.cotenant_stall_us} is invalid; set cotenant_stall_us to a finite number >= 0 (microseconds; 0: no co-tenant computes)",
     )
+    _validate_sim_uuids(sim)
     need(0 <= cfg.metrics.port <= 65535, f"[metrics] port = {cfg.metrics.port} is invalid; 0 turns metrics off")
     need(cfg.service.shutdown_timeout_s > 0, "[service] shutdown_timeout_s must be > 0")
+
+
+def _validate_sim_uuids(sim: SimSettings) -> None:
+    if not sim.uuids:
+        return
+    if len(sim.uuids) != sim.devices:
+        raise ConfigError(f"[sim] uuids lists {len(sim.uuids)} UUIDs for devices = {sim.devices}; give one per device, or leave it empty")
+    keys = []
+    for text in sim.uuids:
+        try:
+            keys.append(uuid_key(text))
+        except InvalidRequest as exc:
+            raise ConfigError(f"[sim] uuids: {exc}") from exc
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"[sim] uuids = {list(sim.uuids)} names one GPU twice; give each device its own UUID")
 
 
 def _as_raw(cfg: Config) -> dict[str, Any]:

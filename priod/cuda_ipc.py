@@ -8,6 +8,10 @@ This is what the client library uses, and it never imports the engine: its only 
 `priod.engines.cuda._driver`, which loads cuda-bindings on first use (importing this module
 needs neither a GPU nor cuda-bindings). Calls run with the array's device made current and the
 caller's current device restored afterwards, so the application's own device is left alone.
+
+GPUs are named to the daemon by UUID (`gpu_uuid` of this process's ordinal), and a UUID the
+daemon returns is mapped back to this process's ordinal (`local_ordinal`): the two processes
+may number the GPUs differently (CUDA_VISIBLE_DEVICES, containers).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from priod.engines.cuda._driver import (
     IpcTable,
     bindings,
     check,
+    gpu_uuid,
     handle_to_bytes,
+    local_ordinal,
 )
 from priod.errors import CudaError, EngineError
 
-__all__ = ["CudaBuffer", "export_cuda_array", "open_device_export"]
+__all__ = ["CudaBuffer", "export_cuda_array", "gpu_uuid", "local_ordinal", "open_device_export"]
 
 _client_ipc = IpcTable()
 """The daemon allocations this process has open, each opened once however many buffers use it."""

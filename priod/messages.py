@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self, Union, cast, get_args, get_origin, get_type_hints
 
 from .errors import InvalidRequest, PriodError, error_for_code
+from .gpus import uuid_key
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -178,27 +179,40 @@ class RegisterHost(_Request):
         _need_size(self.nbytes, "a region holds")
 
 
+def _need_uuid(device_uuid: str | None) -> None:
+    if device_uuid is not None:
+        uuid_key(device_uuid)  # raises InvalidRequest showing the expected form
+
+
 @dataclass(frozen=True, slots=True)
 class AllocDevice(_Request):
+    """``device_uuid``, when given, names the GPU and ``device`` (the daemon's ordinal) is ignored."""
+
     op: ClassVar[str] = "alloc_device"
     nbytes: int
     device: int = 0
+    device_uuid: str | None = None
 
     def check(self) -> None:
         _need_size(self.nbytes, "a region holds")
+        _need_uuid(self.device_uuid)
 
 
 @dataclass(frozen=True, slots=True)
 class RegisterDevice(_Request):
+    """``device_uuid``, when given, names the GPU and ``device`` (the daemon's ordinal) is ignored."""
+
     op: ClassVar[str] = "register_device"
     handle: bytes
     nbytes: int
     offset: int = 0
     device: int = 0
+    device_uuid: str | None = None
 
     def check(self) -> None:
         _need_size(self.nbytes, "a region holds")
         _need_offset("offset", self.offset)
+        _need_uuid(self.device_uuid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,12 +369,17 @@ class RegionReply(_Reply):
     nbytes: int
     kind: str
     device: int | None = None
+    """The daemon's ordinal of the region's GPU (None for host memory)."""
     export: dict[str, Any] | None = None
+    device_uuid: str | None = None
+    """The region's GPU by UUID: what the client maps to its own ordinal (None for host memory)."""
 
     def encode(self, req_id: int) -> Message:
         msg = {"id": req_id, "ok": True, "region": self.region, "nbytes": self.nbytes, "kind": self.kind, "device": self.device}
         if self.export is not None:
             msg["export"] = self.export
+        if self.device_uuid is not None:
+            msg["device_uuid"] = self.device_uuid
         return msg
 
 

@@ -409,7 +409,10 @@ class RegionTable:
             holder.pinned_bytes += nbytes
         else:
             holder.device_bytes += nbytes
-        log.debug("region_added", region=region.id, kind=kind, nbytes=nbytes)
+        if device is None:
+            log.debug("region_added", region=region.id, kind=kind, nbytes=nbytes)
+        else:
+            log.debug("region_added", region=region.id, kind=kind, nbytes=nbytes, device=device, gpu=self.engine.device_uuid(device))
         return region
 
     # -- sharing and freeing ---------------------------------------------------------------

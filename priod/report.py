@@ -41,9 +41,11 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
         "stopping": d.stopping,
         "max_block_us": d.cfg.scheduler.max_block_us,
         "classes": [{"name": c.name, "weight": c.weight, "strict": c.strict} for c in st.classes],
+        "gpus": [{"index": i, "uuid": u} for i, u in sorted(d.engine.device_uuids().items())],
         "lanes": [
             {
                 "lane": ls.lane,
+                "gpu": d.engine.device_uuid(ls.device),
                 "bandwidth_gbps": round(ls.bandwidth / 1e9, 3),
                 "chunk_bytes": ls.chunk_bytes,
                 "inflight_bound": ls.inflight_bound,

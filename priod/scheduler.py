@@ -134,6 +134,8 @@ class LaneStats:
     """Clients (uids, or connections where unknown) the lane keeps state for."""
     urgent_budget_bytes_per_s: float = 0.0
     """Each tenant's strict budget on this lane: the lower of the two settings."""
+    device: int = 0
+    """The lane's GPU by the daemon's ordinal; `Engine.device_uuid` gives its UUID (the ``gpu`` label)."""
 
 
 @dataclass(frozen=True)
@@ -404,6 +406,7 @@ class Scheduler:
         lanes = tuple(
             LaneStats(
                 lane=str(lane.key),
+                device=lane.key.device,
                 bandwidth=lane.info.bandwidth,
                 chunk_bytes=lane.params.chunk_bytes,
                 inflight_bound=lane.params.inflight_bytes,

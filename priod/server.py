@@ -216,6 +216,7 @@ class Daemon:
             backend=self.engine.name,
             mode=self.cfg.scheduler.mode,
             lanes={ls.lane: {"gbps": round(ls.bandwidth / 1e9, 2), "chunk_bytes": ls.chunk_bytes, "inflight_bytes": ls.inflight_bound} for ls in lanes},
+            gpus={f"gpu{i}": u for i, u in sorted(self.engine.device_uuids().items())},
             metrics_port=self.metrics_port,
         )
 

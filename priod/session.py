@@ -400,19 +400,30 @@ class Session:
     # -- regions ---------------------------------------------------------------------------
     async def _alloc_host(self, req: AllocHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
         region, fd = await self.shared.regions.alloc_host(self.holdings, req.nbytes)
-        return _region_reply(region), [fd]
+        return self._region_reply(region), [fd]
 
     async def _register_host(self, req: RegisterHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
         region = await self.shared.regions.register_host(self.holdings, req.nbytes, fds[0])
-        return _region_reply(region), []
+        return self._region_reply(region), []
 
     async def _alloc_device(self, req: AllocDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
-        region, export, out_fds = await self.shared.regions.alloc_device(self.holdings, req.nbytes, req.device)
-        return _region_reply(region, export), out_fds
+        device = self._device(req.device, req.device_uuid)
+        region, export, out_fds = await self.shared.regions.alloc_device(self.holdings, req.nbytes, device)
+        return self._region_reply(region, export), out_fds
 
     async def _register_device(self, req: RegisterDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
-        region = await self.shared.regions.register_device(self.holdings, req.handle, req.offset, req.nbytes, req.device)
-        return _region_reply(region), []
+        device = self._device(req.device, req.device_uuid)
+        region = await self.shared.regions.register_device(self.holdings, req.handle, req.offset, req.nbytes, device)
+        return self._region_reply(region), []
+
+    def _device(self, ordinal: int, device_uuid: str | None) -> int:
+        """The daemon's ordinal of the GPU a request names: by UUID when it gives one, since the
+        client's own ordinal of that GPU may differ (CUDA_VISIBLE_DEVICES renumbers per process)."""
+        return ordinal if device_uuid is None else self.shared.engine.device_ordinal(device_uuid)
+
+    def _region_reply(self, region: Region, export: dict[str, Any] | None = None) -> RegionReply:
+        gpu = None if region.device is None else self.shared.engine.device_uuids().get(region.device)
+        return RegionReply(region.id, region.nbytes, region.kind, region.device, export, gpu)
 
     def _free(self, req: Free, fds: list[int]) -> Empty:
         self.shared.regions.free(self.holdings, req.region)
@@ -530,6 +541,7 @@ class Session:
             uid=self.peer.uid,
             priority=req.cls,
             lane=str(req.lane),
+            gpu=shared.engine.device_uuid(req.lane.device),
             path=req.path.value if req.path else None,
             nbytes=req.nbytes,
             bytes_done=f.bytes_done,
@@ -538,10 +550,6 @@ class Session:
             total_us=round(total_s * _US, 1),
             **(error_fields(f.error) if f.error else {}),
         )
-
-
-def _region_reply(region: Region, export: dict[str, Any] | None = None) -> RegionReply:
-    return RegionReply(region.id, region.nbytes, region.kind, region.device, export)
 
 
 def _outcome_reply(f: Finished, cancel_code: str, queued_s: float, transfer_s: float, total_s: float) -> CopyReply | ErrorReply:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 import time
@@ -72,12 +73,13 @@ def device_view(mem: DeviceMemory) -> Any:
 
 
 def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without cuda-bindings, constructing the engine says how to install it and names --backend sim."""
+    """Without cuda-bindings, constructing the engine says which extra to install for which
+    driver, and names --backend sim."""
     from priod.engines.cuda import _driver
 
     monkeypatch.setattr(_driver, "_rt", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(EngineError, match=r"pip install 'priod\[cuda\]'.*--backend sim"):
+    with pytest.raises(EngineError, match=r"pip install 'priod\[cuda13\]' \(NVIDIA driver >= 580\) or 'priod\[cuda12\]' \(driver >= 525\); --backend sim runs without a GPU$"):
         CudaEngine()
     assert _driver.gpu_available() is False
 
@@ -258,6 +260,23 @@ class TestOnGpu:
         register = stats["host_register"]
         assert isinstance(register, dict) and register["count"] >= 1 and register["ms_total"] > 0
         print(stats)
+
+    def test_each_gpu_is_known_by_its_uuid(self, engine: CudaEngine) -> None:
+        """The engine reports each GPU's UUID as nvidia-smi prints it (``GPU-`` and 8-4-4-4-12
+        hex, the same as the client-side `gpu_uuid` of that ordinal in this process), maps it
+        back to the ordinal in any spelling, and lists it in statistics()."""
+        from priod.engines.cuda._driver import gpu_uuid, local_ordinal
+
+        uuids = engine.device_uuids()
+        assert 0 in uuids
+        for ordinal, text in uuids.items():
+            assert re.fullmatch(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", text), text
+            assert text == gpu_uuid(ordinal) == engine.device_uuid(ordinal)
+            assert engine.device_ordinal(text.upper()) == ordinal == local_ordinal(text)
+        devices = engine.statistics()["devices"]
+        assert isinstance(devices, list) and [d["uuid"] for d in devices] == [uuids[d["index"]] for d in devices]
+        with pytest.raises(InvalidRequest, match=r"^this daemon serves no GPU GPU-00000000-0000-0000-0000-000000000000; it serves gpu0=GPU-"):
+            engine.device_ordinal("GPU-00000000-0000-0000-0000-000000000000")
 
     def test_bad_submissions_are_refused(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
         """Mismatched directions, ranges past the end and foreign memory raise InvalidRequest."""

@@ -6,7 +6,10 @@ processes sharing one daemon, one of them copying into its own CuPy buffer.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +149,63 @@ def test_bulk_and_urgent_together_in_each_poll_mode(bulk_poll: str) -> None:
         bulk.join()
         assert errors == []
         assert "express" in paths and rounds > 1
+
+
+def _pod_client(path: str, expect_uuid: str, q: mp.Queue[str]) -> None:
+    """A process that sees one GPU only, by ``CUDA_VISIBLE_DEVICES=<its UUID>`` as a pod does:
+    whatever the daemon calls it, this process calls it 0. It names the GPU by UUID both ways
+    (its own CuPy buffer, a daemon allocation) and opens the daemon's region on its own ordinal."""
+    import cupy as cp
+
+    from priod.cuda_ipc import gpu_uuid
+
+    try:
+        mine = gpu_uuid(0)
+        if mine != expect_uuid:
+            q.put(f"this process's gpu 0 is {mine}, not {expect_uuid}: CUDA_VISIBLE_DEVICES did not apply")
+            return
+        n = 3 << 20
+        with priod.SyncClient(path, name="pod") as c:
+            buf = cp.zeros(n, dtype=cp.uint8)
+            own = c.register_device(buf)
+            theirs = c.alloc_device(n, device=mine)
+            host = c.alloc_host(n)
+            assert host.array is not None
+            host.array[:] = np.arange(n, dtype=np.uint32).astype(np.uint8)
+            c.copy(own, host, priority="bulk")
+            c.copy(theirs, host, priority="urgent")
+            cp.cuda.runtime.deviceSynchronize()
+            view = theirs.cuda()  # opened on this process's ordinal of the UUID, not the daemon's
+            try:
+                same = np.array_equal(cp.asnumpy(buf), host.array) and np.array_equal(cp.asnumpy(cp.asarray(view)), host.array)
+            finally:
+                view.close()
+            q.put(json.dumps({"same": same, "own": [own.device, own.device_uuid], "theirs": [theirs.device, theirs.device_uuid]}))
+    except Exception as exc:
+        q.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_pod_with_one_visible_gpu_names_it_by_uuid(gpu_daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's last GPU, seen by a client process as its only one (CUDA_VISIBLE_DEVICES=UUID):
+    its buffer and a daemon allocation it names by UUID both land on that GPU (the daemon's
+    ordinal comes back), and the bytes are right. The UUIDs match what nvidia-smi prints."""
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        gpus = c.status()["gpus"]
+    assert gpus and all(g["uuid"].startswith("GPU-") for g in gpus)
+    if shutil.which("nvidia-smi"):
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60).stdout.split()
+        assert {g["uuid"] for g in gpus} <= set(listed)
+    target = gpus[-1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", target["uuid"])  # the spawned child's environment only
+    ctx = mp.get_context("spawn")
+    q: mp.Queue[str] = ctx.Queue()
+    child = ctx.Process(target=_pod_client, args=(gpu_daemon.socket_path, target["uuid"], q))
+    child.start()
+    got = q.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert got.startswith("{"), got
+    assert json.loads(got) == {"same": True, "own": [target["index"], target["uuid"]], "theirs": [target["index"], target["uuid"]]}, got
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import InvalidRequest
+from ..gpus import uuid_key
+
 __all__ = [
     "Completion",
     "DeviceExport",
@@ -209,6 +212,35 @@ class Engine(ABC):
     def statistics(self) -> dict[str, object]:
         """Engine-specific figures for `priod status` (calibration, registration times...)."""
         return {}
+
+    def device_uuids(self) -> dict[int, str]:
+        """Each served GPU's UUID (``GPU-xxxxxxxx-...``, as nvidia-smi prints it) by this
+        daemon's ordinal. Empty for an engine that has none (test fakes)."""
+        return {}
+
+    def device_uuid(self, ordinal: int) -> str:
+        """What names GPU ``ordinal`` in status, logs and metric labels: its UUID, or
+        ``gpu<ordinal>`` where the engine reports none. The one place that label is made."""
+        return self.device_uuids().get(ordinal) or f"gpu{ordinal}"
+
+    def device_ordinal(self, device_uuid: str) -> int:
+        """This daemon's ordinal of the GPU a client named by UUID (its own ordinal may differ:
+        ``CUDA_VISIBLE_DEVICES`` renumbers what each process sees).
+
+        Raises:
+            InvalidRequest: ``device_uuid`` is malformed, or names no GPU this engine serves;
+                the message lists the GPUs it does serve.
+        """
+        key = uuid_key(device_uuid)
+        served = self.device_uuids()
+        for ordinal, text in served.items():
+            if uuid_key(text) == key:
+                return ordinal
+        have = ", ".join(f"gpu{i}={u}" for i, u in sorted(served.items())) or "none with a UUID"
+        raise InvalidRequest(
+            f"this daemon serves no GPU {device_uuid}; it serves {have}. Check the UUID your process reports "
+            "(nvidia-smi -L) and that the daemon sees that GPU ([cuda] devices, its own CUDA_VISIBLE_DEVICES)"
+        )
 
     @abstractmethod
     def close(self) -> None:

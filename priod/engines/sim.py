@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import EngineError, InvalidRequest
+from ..gpus import sim_uuid
 from .base import (
     Completion,
     DeviceExport,
@@ -75,6 +76,10 @@ class SimSettings:
     8192^3 bf16 GEMMs in another process: 1,500-2,200 us; 0: the SMs are idle). The wait holds
     no bandwidth and delays neither the DMA path nor other lanes. Changed at run time with
     `SimEngine.set_cotenant_stall`."""
+    uuids: tuple[str, ...] = ()
+    """Each device's UUID, as nvidia-smi would print it (``GPU-xxxxxxxx-...``), one per device.
+    Empty: made-up ones that are the same every run (`priod.gpus.sim_uuid`). Tests set them to
+    play GPUs that clients name by UUID."""
 
 
 def sealed_memfd(name: str, nbytes: int) -> int:
@@ -240,6 +245,9 @@ class SimEngine(Engine):
         """``seed`` seeds this engine's own random draws (the co-tenant waits), for tests that
         want the same waits every run; None: seeded from the OS."""
         self.cfg = cfg or SimSettings()
+        if self.cfg.uuids and len(self.cfg.uuids) != self.cfg.devices:
+            raise ValueError(f"[sim] uuids lists {len(self.cfg.uuids)} UUIDs for {self.cfg.devices} devices; give one per device, or none")
+        self._uuids = {i: (self.cfg.uuids[i] if self.cfg.uuids else sim_uuid(i)) for i in range(self.cfg.devices)}
         self._wake: Callable[[], None] = lambda: None
         self._cotenant_lock = threading.Lock()
         self._cotenant_rng = random.Random(seed)
@@ -317,6 +325,9 @@ class SimEngine(Engine):
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wake = wakeup
 
+    def device_uuids(self) -> dict[int, str]:
+        return dict(self._uuids)
+
     def set_cotenant_stall(self, us: float) -> None:
         """Switch the co-tenant compute model: express chunks submitted from now on each wait
         uniform [0.5, 1.0] x ``us`` microseconds for a time slice before copying (0: off).
@@ -337,6 +348,7 @@ class SimEngine(Engine):
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         return {
             "engine": "sim",
+            "devices": [{"index": i, "uuid": u} for i, u in self._uuids.items()],
             "busy_fraction": {str(k): round(link.busy_seconds / elapsed, 4) for k, link in sorted(self._links.items())},
             "cotenant_stall_us": round(self._cotenant_stall_s * 1e6, 3),
             "cotenant_stalled_chunks": sum(w.stalled for w in self._workers.values()),

@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 from priod.errors import CudaError, EngineError, InvalidRequest
+from priod.gpus import format_uuid, uuid_key
 
 __all__ = [
     "INSTALL_HINT",
@@ -35,12 +36,14 @@ __all__ = [
     "device_count",
     "error",
     "gpu_available",
+    "gpu_uuid",
     "handle_from_bytes",
     "handle_to_bytes",
+    "local_ordinal",
     "status_codes",
 ]
 
-INSTALL_HINT = "pip install 'priod[cuda]'"
+INSTALL_HINT = "pip install 'priod[cuda13]' (NVIDIA driver >= 580) or 'priod[cuda12]' (driver >= 525)"
 SIM_HINT = "--backend sim runs without a GPU"
 
 # The cuda.bindings modules and their success/not-ready codes, loaded on first use.
@@ -150,6 +153,40 @@ def device_count() -> int:
     else:
         why = f"CUDA could not start ({error(err)})"
     raise EngineError(f"the cuda backend cannot run here: {why}; {SIM_HINT}")
+
+
+def gpu_uuid(ordinal: int) -> str:
+    """The UUID of this process's GPU ``ordinal`` (as CUDA_VISIBLE_DEVICES numbers them here),
+    formatted as nvidia-smi prints it. The driver API's ``cuDeviceGetUuid_v2`` where the bindings
+    have it (12.x: the plain call predates MIG UUIDs), else ``cuDeviceGetUuid`` (13.x: MIG-aware)."""
+    _, drv = bindings()
+    check(drv.cuInit(0))
+    dev = check(drv.cuDeviceGet(ordinal))
+    get = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
+    uuid = check(get(dev))
+    # Through its address, as for IPC handles: ``CUuuid.bytes`` has not had one type in every release.
+    return format_uuid(ctypes.string_at(int(uuid.getPtr()), 16))
+
+
+def local_ordinal(device_uuid: str) -> int:
+    """This process's ordinal of the GPU with that UUID, whatever its CUDA_VISIBLE_DEVICES.
+
+    Raises:
+        EngineError: no GPU visible to this process has that UUID (the message lists those that are).
+    """
+    _, drv = bindings()
+    check(drv.cuInit(0))
+    key = uuid_key(device_uuid)
+    seen = []
+    for ordinal in range(int(check(drv.cuDeviceGetCount()))):
+        text = gpu_uuid(ordinal)
+        if uuid_key(text) == key:
+            return ordinal
+        seen.append(f"{ordinal}={text}")
+    raise EngineError(
+        f"GPU {device_uuid} is not visible to this process (it sees {', '.join(seen) or 'no GPU'}); "
+        "check its CUDA_VISIBLE_DEVICES, or the container's GPU assignment"
+    )
 
 
 class DeviceScope:

@@ -25,7 +25,7 @@ from typing import Any
 from priod.engines.base import Direction, LaneKey
 from priod.errors import CudaError
 
-from ._driver import bindings, check, error, status_codes
+from ._driver import bindings, check, error, gpu_uuid, status_codes
 from .events import EventPool
 
 __all__ = ["HOST_ENDS", "Device", "Lane", "open_device"]
@@ -89,6 +89,8 @@ class Device:
     def __init__(self, index: int) -> None:
         self.index = index
         self.name = ""
+        self.uuid = ""
+        """``GPU-xxxxxxxx-...`` as nvidia-smi prints it: what clients name this GPU by."""
         self.pci_bus_id = ""
         self.sm_count = 0
         self.events = EventPool(index)
@@ -155,6 +157,7 @@ def open_device(
     props = check(rt.cudaGetDeviceProperties(index))
     dev = Device(index)
     dev.name = bytes(props.name).split(b"\0", 1)[0].decode(errors="replace")
+    dev.uuid = gpu_uuid(index)
     dev.sm_count = int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, index)))
     try:
         dev.pci_bus_id = bytes(check(rt.cudaDeviceGetPCIBusId(32, index))).split(b"\0", 1)[0].decode()

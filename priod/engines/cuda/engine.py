@@ -236,6 +236,9 @@ class CudaEngine(Engine):
         check(rt.cudaEventRecord(event, stream))
         return EventCompletion(event, pool)
 
+    def device_uuids(self) -> dict[int, str]:
+        return {index: dev.uuid for index, dev in self._devices.items()}
+
     def statistics(self) -> dict[str, object]:
         lanes: dict[str, object] = {}
         devices: list[dict[str, object]] = []
@@ -243,6 +246,7 @@ class CudaEngine(Engine):
             devices.append(
                 {
                     "index": dev.index,
+                    "uuid": dev.uuid,
                     "name": dev.name,
                     "pci_bus_id": dev.pci_bus_id,
                     "sm_count": dev.sm_count,
