@@ -110,7 +110,9 @@ def test_dma_chunks_do_not_wait(engine: SimEngine) -> None:
     engine.set_cotenant_stall(STALL_US * 4)  # 80-160 ms per express chunk
     express = [engine.submit(H2D, Path.EXPRESS, dev, i * CHUNK, host, i * CHUNK, CHUNK) for i in range(4)]
     dma = [timed(engine, H2D, Path.DMA, dev, host, off=(8 + i) * CHUNK) for i in range(4)]
-    assert max(dma) < LOWER_S, dma
+    # Each stalled express chunk here waits at least 4 x LOWER_S (80 ms); a DMA chunk that
+    # waited for the stall would too. A busy machine may delay one thread wake-up by tens of ms.
+    assert max(dma) < 4 * LOWER_S and np.median(dma) < LOWER_S, dma
     assert not any(c.done() for c in express[1:]), "the express chunks finished before the DMA ones: this run shows nothing"
     for c in express:
         wait(c)
