@@ -294,7 +294,7 @@ class Daemon:
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits
         # Series of classes that are gone would otherwise keep their last value forever.
-        self.metrics.queue_depth.clear()
+        self.metrics.forget_classes()
         self.refresh_metrics()
         log.info("config_reloaded", source=cfg.source, classes=[c.name for c in cfg.classes], mode=cfg.scheduler.mode)
         self.pump.kick()

@@ -210,6 +210,11 @@ class Engine(ABC):
         """Engine-specific figures for `priod status` (calibration, registration times...)."""
         return {}
 
+    def busy_seconds(self) -> dict[LaneKey, float]:
+        """Per lane, the running total of seconds its copy engine was busy (the metrics' busy
+        counter); an engine that cannot tell returns no lane."""
+        return {}
+
     @abstractmethod
     def close(self) -> None:
         """Stop the engine's threads and free what it holds. Idempotent."""
