@@ -10,64 +10,23 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import priod
 from priod.client import Client
 from priod.engines.base import Direction, LaneKey
 from priod.metrics import gpu_label, lane_labels, nvidia_device_nodes
 from priod.testing import DaemonProcess, daemon_process
+from priod.testing.scrape import Samples, Scraper, free_port, get, total
 
 MiB = 1 << 20
 T = TypeVar("T")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Scraper:
-    def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}/metrics"
-        self.families: dict[str, str] = {}
-
-    def text(self) -> str:
-        with urllib.request.urlopen(self.url, timeout=30) as r:
-            assert r.status == 200
-            return str(r.read().decode())
-
-    def __call__(self) -> Samples:
-        """Every sample of one scrape, keyed by (name, labels)."""
-        out: Samples = {}
-        for fam in text_string_to_metric_families(self.text()):
-            self.families[fam.name] = fam.type
-            for s in fam.samples:
-                out[(s.name, frozenset(s.labels.items()))] = s.value
-        return out
-
-
-def get(samples: Samples, name: str, **labels: str) -> float:
-    """The one series of ``name`` with exactly these labels (0 where it does not exist)."""
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """The sum over every series of ``name`` that has these labels (and any others), as
-    PromQL's ``sum(name{labels})``."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
 async def poll(check: Callable[[], T | None], timeout: float = 30.0, what: str = "metrics") -> T:
