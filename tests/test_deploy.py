@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib.util
 import json
 import re
 import shutil
@@ -22,7 +21,6 @@ import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import kubernetes_validate
@@ -33,6 +31,7 @@ from jsonschema import Draft7Validator
 import priod
 from priod.testing import daemon_process
 from priod.testing.scrape import Samples, Scraper, free_port
+from priod.testing.scripts import import_script
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -161,15 +160,7 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
 CRD_MODELS = CRD_SCHEMAS
 
 
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deploy_manifests", ROOT / "scripts" / "deploy_manifests.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-manifests = _load_script()
+manifests = import_script(ROOT / "scripts" / "deploy_manifests.py", "priod_deploy_manifests")
 
 
 @pytest.fixture(scope="module")
