@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ import yaml
 from jsonschema import Draft7Validator
 
 import priod
+from priod.config import load_config
 from priod.testing import daemon_process
 from priod.testing.scrape import Samples, Scraper, free_port
 from priod.testing.scripts import import_script
@@ -236,7 +238,7 @@ def test_plain_manifests_are_the_chart_rendered() -> None:
     assert all("helm.sh/chart" not in d["metadata"].get("labels", {}) for d in docs)
 
 
-def test_daemonset_is_what_a_gpu_node_daemon_needs(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_daemonset_is_what_a_gpu_node_daemon_needs(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The DaemonSet runs on GPU nodes under the nvidia runtime with every GPU visible and none
     claimed, binds its socket in a hostPath directory, runs as the image's non-root user with
     nothing it does not need, is probed through `priod status` on the socket it serves, shares
@@ -271,6 +273,13 @@ def test_daemonset_is_what_a_gpu_node_daemon_needs(rendered: dict[str, list[dict
     # ServiceMonitor name.
     config = next(d for d in by_kind(docs, "ConfigMap") if "priod.toml" in d["data"])["data"]["priod.toml"]
     port = tomllib.loads(config)["metrics"]["port"]
+    cfg_file = tmp_path / "priod.toml"
+    cfg_file.write_text(config)
+    monkeypatch.delenv("PRIOD_CONFIG", raising=False)
+    for key in [k for k in os.environ if k.startswith("PRIOD_")]:
+        monkeypatch.delenv(key)
+    cfg = load_config(str(cfg_file))  # the daemon accepts the file as the chart writes it
+    assert (cfg.metrics.address, cfg.metrics.port) == ("0.0.0.0", port)
     assert c["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
     svc = one(docs, "Service")
     assert svc["spec"]["ports"][0]["targetPort"] == "metrics" and svc["spec"]["publishNotReadyAddresses"] is True
