@@ -70,16 +70,14 @@ def render(values: dict[str, Any] | None = None, release: str = "priod", namespa
         with helm_python.Chart.load(str(CHART)) as chart:
             rendered = chart.render(values, name=release, namespace=namespace)
         # The SDK returns one text per template file; NOTES.txt is not a manifest.
-        texts = [text for name, text in sorted(rendered.items(), key=lambda kv: _template_order(kv[0])) if name.endswith((".yaml", ".yml"))]
-    return [doc for text in texts for doc in yaml.safe_load_all(text) if doc]
+        texts = [text for name, text in rendered.items() if name.endswith((".yaml", ".yml"))]
+    docs = [doc for text in texts for doc in yaml.safe_load_all(text) if doc]
+    # One order whichever renderer ran (helm sorts by kind, the SDK returns files), so the plain
+    # manifests come out the same: what kubectl apply needs first comes first.
+    return sorted(docs, key=lambda d: (KIND_ORDER.index(d["kind"]) if d["kind"] in KIND_ORDER else len(KIND_ORDER), d["kind"], d["metadata"]["name"]))
 
 
-def _template_order(name: str) -> tuple[int, str]:
-    # helm template orders by kind (namespaces first, as Helm's install order does); the SDK
-    # by file name. The plain manifests keep Helm's order for kubectl apply.
-    order = ["namespace", "priorityclass", "configmap", "service.yaml", "daemonset", "servicemonitor", "prometheusrule", "dashboard"]
-    base = name.rsplit("/", 1)[-1]
-    return next((i for i, key in enumerate(order) if base.startswith(key)), len(order)), base
+KIND_ORDER = ["Namespace", "PriorityClass", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor", "PrometheusRule"]
 
 
 def lint() -> list[str]:
