@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
+from .metrics import lane_labels
 from .transport import Peer
 
 if TYPE_CHECKING:
@@ -84,19 +85,24 @@ async def refresh_metrics_loop(d: Daemon) -> None:
 
 def refresh_metrics(d: Daemon) -> None:
     m = d.metrics
+    m.set_engine(d.engine.name)
+    # Scheduler and path figures name lanes by their text; the labels come from the key.
+    keys = {str(info.key): info.key for info in d.engine.lanes()}
     st = d.scheduler.statistics()
     for ls in st.lanes:
+        gpu, direction = lane_labels(keys[ls.lane], m.gpu_names)
         for cls, n in ls.queued_requests.items():
-            m.queue_depth.labels(ls.lane, cls).set(n)
-        m.inflight.labels(ls.lane, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
-        m.inflight.labels(ls.lane, "express").set(ls.express_inflight_bytes)
-    busy = d.engine.statistics().get("busy_fraction")
-    if isinstance(busy, dict):
-        for lane, frac in busy.items():
-            m.busy.labels(lane).set(float(frac))
+            m.queued_requests.labels(gpu, direction, cls).set(n)
+        for cls, n in ls.queued_bytes.items():
+            m.queued_bytes.labels(gpu, direction, cls).set(n)
+        m.inflight.labels(gpu, direction, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
+        m.inflight.labels(gpu, direction, "express").set(ls.express_inflight_bytes)
+    for lane, seconds in d.engine.busy_seconds().items():
+        m.add_busy(lane, seconds)
     for e in d.scheduler.path_estimates():
+        gpu, direction = lane_labels(keys[e.lane], m.gpu_names)
         for path, us in (("express", e.express_us), ("dma", e.dma_us)):
             if us is not None:
-                m.urgent_path_latency.labels(e.lane, path, str(e.size_bytes)).set(us / 1e6)
+                m.urgent_path_latency.labels(gpu, direction, path, str(e.size_bytes)).set(us / 1e6)
     m.clients.set(len(d.sessions))
     m.pinned.set(sum(s.holdings.pinned_bytes for s in d.sessions.values()))

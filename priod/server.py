@@ -144,7 +144,7 @@ class Daemon:
     ) -> None:
         self.engine = engine
         self.scheduler = Scheduler(cfg.policy(), engine.lanes())
-        self.metrics = Metrics()
+        self.metrics = Metrics(engine.device_uuids())
         self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll)
         self.own_uid = os.geteuid()
         """With uid 0, the uid that sees every client in `status` and may use PRIVILEGED_RESERVE."""
@@ -295,7 +295,7 @@ class Daemon:
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits
         # Series of classes that are gone would otherwise keep their last value forever.
-        self.metrics.queue_depth.clear()
+        self.metrics.forget_classes()
         self.refresh_metrics()
         log.info("config_reloaded", source=cfg.source, classes=[c.name for c in cfg.classes], mode=cfg.scheduler.mode)
         self.pump.kick()

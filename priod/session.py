@@ -26,7 +26,7 @@ import structlog
 
 from . import __version__
 from .config import Config
-from .engines.base import Engine, Memory, Path
+from .engines.base import Engine, Memory
 from .errors import ConnectionClosed, InvalidRequest, LimitExceeded, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
 from .log import error_fields
 from .messages import (
@@ -524,9 +524,7 @@ class Session:
         # below wait for no one (they cost tens of microseconds, most of a small copy's time).
         if not self.closed:
             self.sock.send(_outcome_reply(f, p.cancel_code, queued_s, end - first, total_s).encode(p.client_id))
-        shared.metrics.copy_finished(
-            req.cls, outcome, req.lane.direction.value, f.bytes_done, queued_s, total_s, req.path is Path.EXPRESS, f.missed_deadline
-        )
+        shared.metrics.copy_finished(req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline)
         # One line per copy at debug level: at thousands of copies a second an info line each
         # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.
         # Its fields are not even built when the line would be dropped.

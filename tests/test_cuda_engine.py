@@ -120,6 +120,42 @@ def test_check_turns_results_into_values_or_cuda_errors() -> None:
     assert "invalid argument" in str(info.value)
 
 
+def test_lane_busy_time_is_time_with_a_chunk_outstanding() -> None:
+    """A lane's busy time (the busy-seconds metric on the cuda engine) runs from a chunk's
+    submission to the poll that finds it done, overlapping chunks counting once, and stops
+    while nothing is outstanding. Runs on a stand-in event pool: no GPU needed."""
+    from priod.engines.cuda.events import Busy, EventCompletion, EventPool
+
+    ok, not_ready = object(), object()
+    state: dict[str, object] = {}
+    pool = EventPool.__new__(EventPool)  # its __init__ needs cuda-bindings
+    pool.free, pool.created, pool.closed, pool.ok, pool.not_ready = [], [], False, ok, not_ready
+    pool.query = lambda event: (state[event],)
+
+    busy = Busy()
+    state["a"] = state["b"] = not_ready
+    a = EventCompletion("a", pool, busy)
+    time.sleep(0.02)
+    b = EventCompletion("b", pool, busy)  # overlaps a: the lane is busy once, not twice
+    time.sleep(0.02)
+    assert not a.done() and busy.outstanding == 2
+    state["a"] = ok
+    assert a.done() and a.done() and busy.outstanding == 1  # a second done() counts nothing
+    time.sleep(0.02)
+    state["b"] = ok
+    assert b.done() and busy.outstanding == 0
+    first = busy.total()
+    assert 0.06 <= first < 0.5
+    time.sleep(0.05)  # idle: no time counted
+    assert busy.total() == first
+    c = EventCompletion("c", pool, busy)
+    state["c"] = not_ready
+    time.sleep(0.02)
+    assert busy.total() - first >= 0.02  # the stretch under way counts before it ends
+    state["c"] = ok
+    assert c.done() and busy.total() == busy.seconds
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

@@ -10,54 +10,23 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import priod
 from priod.client import Client
+from priod.engines.base import Direction, LaneKey
+from priod.metrics import gpu_label, lane_labels, nvidia_device_nodes
 from priod.testing import DaemonProcess, daemon_process
+from priod.testing.scrape import Samples, Scraper, free_port, get, total
 
 MiB = 1 << 20
 T = TypeVar("T")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Scraper:
-    def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}/metrics"
-        self.families: dict[str, str] = {}
-
-    def text(self) -> str:
-        with urllib.request.urlopen(self.url, timeout=30) as r:
-            assert r.status == 200
-            return str(r.read().decode())
-
-    def __call__(self) -> Samples:
-        """Every sample of one scrape, keyed by (name, labels)."""
-        out: Samples = {}
-        for fam in text_string_to_metric_families(self.text()):
-            self.families[fam.name] = fam.type
-            for s in fam.samples:
-                out[(s.name, frozenset(s.labels.items()))] = s.value
-        return out
-
-
-def get(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 async def poll(check: Callable[[], T | None], timeout: float = 30.0, what: str = "metrics") -> T:
@@ -73,6 +42,12 @@ async def poll(check: Callable[[], T | None], timeout: float = 30.0, what: str =
 
 
 SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536"}
+
+
+def gpu0(d: DaemonProcess) -> str:
+    """The ``gpu`` label of the daemon's GPU 0: its UUID, as `priod status` shows it."""
+    with priod.SyncClient(d.socket_path) as c:
+        return str(c.status()["gpus"][0]["uuid"])
 
 
 @pytest.fixture(scope="module")
@@ -107,34 +82,80 @@ async def test_counters_and_histograms_move_with_copies(metered: tuple[DaemonPro
     after = await asyncio.to_thread(scrape)
 
     def delta(name: str, **labels: str) -> float:
-        return get(after, name, **labels) - get(before, name, **labels)
+        return total(after, name, **labels) - total(before, name, **labels)
 
-    assert delta("priod_requests_total", priority="urgent", outcome="done") == 1
+    lane = {"gpu": gpu0(d)}
+    assert delta("priod_requests_total", priority="urgent", outcome="done", direction="h2d", **lane) == 1
     assert delta("priod_requests_total", priority="bulk", outcome="done") + delta("priod_requests_total", priority="bulk", outcome="cancelled") == 3 + 4
     assert delta("priod_requests_total", priority="bulk", outcome="cancelled") >= 1
     assert delta("priod_requests_total", priority="normal", outcome="done") == 1
     assert delta("priod_requests_total", priority="normal", outcome="failed") == 1
-    assert delta("priod_bytes_copied_total", direction="d2h") == 3 * 256 * 1024
-    assert delta("priod_bytes_copied_total", direction="h2d") >= MiB + 65536
-    assert delta("priod_express_copies_total", direction="h2d") == (urgent_path == "express")
-    assert delta("priod_deadline_misses_total", priority="normal") == 1
+    assert delta("priod_copied_bytes_total", direction="d2h", priority="bulk", **lane) == 3 * 256 * 1024
+    assert delta("priod_copied_bytes_total", direction="d2h") == 3 * 256 * 1024
+    assert delta("priod_copied_bytes_total", direction="h2d", priority="urgent") == MiB
+    assert delta("priod_copied_bytes_total", direction="h2d") >= MiB + 65536
+    # The path each completed copy took is a label of the histograms: the express choice is
+    # their count by path.
+    assert delta("priod_request_duration_seconds_count", priority="urgent", path=urgent_path) == 1
+    assert delta("priod_request_duration_seconds_count", priority="bulk", path="dma", direction="d2h") == 3
+    assert delta("priod_request_duration_seconds_count", path="express") == (urgent_path == "express")
+    assert delta("priod_deadline_misses_total", priority="normal", direction="h2d", **lane) == 1
     assert delta("priod_refused_requests_total", code="bad_request") == 1
     assert delta("priod_refused_requests_total", code="limit") == 1
     for hist in ("priod_request_duration_seconds", "priod_queue_wait_seconds"):
         assert delta(f"{hist}_count", priority="urgent") == 1
         assert delta(f"{hist}_count", priority="bulk") >= 3
         assert delta(f"{hist}_sum", priority="bulk") > 0
-        buckets = sorted((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == f"{hist}_bucket" and ("priority", "bulk") in k[1])
-        assert buckets[-1] == (float("inf"), get(after, f"{hist}_count", priority="bulk"))
+        series = {"gpu": gpu0(d), "direction": "d2h", "priority": "bulk", "path": "dma"}
+        buckets = sorted((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == f"{hist}_bucket" and set(series.items()) <= k[1])
+        assert buckets[-1] == (float("inf"), get(after, f"{hist}_count", **series))
         assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
     assert scrape.families["priod_requests"] == "counter"
+    assert scrape.families["priod_copied_bytes"] == "counter"
     assert scrape.families["priod_request_duration_seconds"] == "histogram"
 
 
+def test_names_follow_prometheus_conventions(metered: tuple[DaemonProcess, Scraper]) -> None:
+    """Counters end in _total, no name says fraction (ratios are rates of busy-seconds
+    counters), units are base units, lanes are gpu and direction labels rather than one packed
+    label, and the process collector and the engine's name are served."""
+    _, scrape = metered
+    s = scrape()
+    for (name, labels), _v in s.items():
+        if not name.startswith("priod_"):
+            continue
+        assert "lane" not in dict(labels), name
+        assert not re.search(r"fraction|_ms$|_us$|_milliseconds|_microseconds|_kib|_mib|_gb", name), name
+        family = scrape.families.get(re.sub(r"_(total|created|bucket|count|sum|info)$", "", name), "")
+        if family == "counter" and not name.endswith("_created"):
+            assert name.endswith("_total"), name
+    assert get(s, "priod_engine_info", engine="sim") == 1
+    assert get(s, "priod_nvidia_device_nodes") == nvidia_device_nodes()
+    assert get(s, "priod_build_info", version=priod.__version__) == 1
+    assert get(s, "process_resident_memory_bytes") > 10 * MiB
+    assert get(s, "process_open_fds") > 3
+    assert get(s, "process_cpu_seconds_total") > 0
+    assert get(s, "process_max_fds") > 0
+
+
+def test_lane_labels_come_from_one_helper() -> None:
+    """The gpu label's value comes from gpu_label alone: the GPU's UUID where the engine names
+    one, else the ordinal; a lane splits into its gpu and direction."""
+    uuids = {3: "GPU-00000000-0000-0000-0000-000000000003"}
+    assert gpu_label(3, uuids) == uuids[3]
+    assert gpu_label(3) == gpu_label(3, {}) == "3"
+    assert lane_labels(LaneKey(3, Direction.D2H), uuids) == (uuids[3], "d2h")
+    assert lane_labels(LaneKey(3, Direction.D2H)) == ("3", "d2h")
+
+
 async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[DaemonProcess, Scraper]) -> None:
-    """Queue depth by lane and class, bytes in flight by lane and path, the engine's busy
-    fraction, clients and pinned bytes follow the daemon's state within a refresh or two."""
+    """Queued requests and bytes by lane and class, bytes in flight by lane and path, the
+    engine's busy seconds, clients and pinned bytes follow the daemon's state within a refresh
+    or two."""
     d, scrape = metered
+    h2d = {"gpu": gpu0(d), "direction": "h2d"}
+    busy_before = get(await asyncio.to_thread(scrape), "priod_engine_busy_seconds_total", **h2d)
+    started = time.monotonic()
     async with priod.client.connect(d.socket_path) as c:
         host, dev = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
         # 65 ms each, 13 s in all: far longer than a gauge refresh; cancelled once seen.
@@ -142,24 +163,26 @@ async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[Daem
 
         def busy() -> Samples | None:
             s = scrape()
-            lane = {"lane": "gpu0/h2d"}
-            ok = get(s, "priod_queue_depth", priority="bulk", **lane) >= 1 and get(s, "priod_inflight_bytes", path="dma", **lane) > 0
+            ok = get(s, "priod_queued_requests", priority="bulk", **h2d) >= 1 and get(s, "priod_inflight_bytes", path="dma", **h2d) > 0
             return s if ok else None
 
-        s = await poll(busy, what="bulk queued and in flight on gpu0/h2d")
+        s = await poll(busy, what="bulk queued and in flight on gpu 0 h2d")
+        assert get(s, "priod_queued_bytes", priority="bulk", **h2d) >= 4 * MiB
         assert get(s, "priod_clients") >= 1
         assert get(s, "priod_pinned_bytes") >= 4 * MiB
-        assert get(s, "priod_queue_depth", lane="gpu0/h2d", priority="urgent") == 0
-        assert ("priod_inflight_bytes", frozenset({"lane": "gpu0/d2h", "path": "express"}.items())) in s
+        assert get(s, "priod_queued_requests", priority="urgent", **h2d) == 0
+        assert ("priod_inflight_bytes", frozenset({"gpu": gpu0(d), "direction": "d2h", "path": "express"}.items())) in s
         await asyncio.wait_for(asyncio.gather(*(h.cancel() for h in queued)), 60)
-        await poll(lambda: get(scrape(), "priod_engine_busy_fraction", lane="gpu0/h2d") > 0, what="a busy h2d engine")
+        await poll(lambda: get(scrape(), "priod_engine_busy_seconds_total", **h2d) > busy_before, what="a busy h2d engine")
     s = await poll(
-        lambda: (lambda s: s if get(s, "priod_queue_depth", lane="gpu0/h2d", priority="bulk") == 0 and get(s, "priod_clients") == 0 else None)(scrape()),
+        lambda: (lambda s: s if get(s, "priod_queued_requests", priority="bulk", **h2d) == 0 and get(s, "priod_clients") == 0 else None)(scrape()),
         what="queues drained and the client gone",
     )
     assert get(s, "priod_pinned_bytes") == 0
-    assert get(s, "priod_inflight_bytes", lane="gpu0/h2d", path="dma") == 0
-    assert 0 <= get(s, "priod_engine_busy_fraction", lane="gpu0/h2d") <= 1
+    assert get(s, "priod_queued_bytes", priority="bulk", **h2d) == 0
+    assert get(s, "priod_inflight_bytes", path="dma", **h2d) == 0
+    # A counter of seconds: it grew by no more than the time that passed.
+    assert 0 < get(s, "priod_engine_busy_seconds_total", **h2d) - busy_before <= time.monotonic() - started + 1.0
 
 
 def test_every_served_metric_is_documented(metered: tuple[DaemonProcess, Scraper]) -> None:
@@ -177,7 +200,7 @@ def test_every_served_metric_is_documented(metered: tuple[DaemonProcess, Scraper
 
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_reload_drops_queue_depth_of_removed_classes(tmp_path: Path) -> None:
-    """After a reload removes a class, its queue-depth series goes away instead of freezing at
+    """After a reload removes a class, its queued-requests series goes away instead of freezing at
     its last value."""
     config = tmp_path / "priod.toml"
     config.write_text("[classes.urgent]\nstrict = true\n[classes.normal]\nweight = 2\n[classes.bulk]\nweight = 1\n")
@@ -186,10 +209,10 @@ async def test_reload_drops_queue_depth_of_removed_classes(tmp_path: Path) -> No
     with daemon_process({"PRIOD_METRICS__PORT": str(port)}, config=str(config)) as d:
         c = await Client.connect(d.socket_path)
         await c.ping()  # the daemon's signal handlers are in place once it serves requests
-        series = {"lane": "gpu0/h2d", "priority": "normal"}
-        await poll(lambda: ("priod_queue_depth", frozenset(series.items())) in scrape(), what="queue depth of class normal")
+        series = {"gpu": gpu0(d), "direction": "h2d", "priority": "normal"}
+        await poll(lambda: ("priod_queued_requests", frozenset(series.items())) in scrape(), what="queue depth of class normal")
         config.write_text("[classes.urgent]\nstrict = true\n[classes.bulk]\nweight = 1\n")
         d.proc.send_signal(signal.SIGHUP)
-        await poll(lambda: ("priod_queue_depth", frozenset(series.items())) not in scrape(), what="class normal gone from queue depth")
-        assert ("priod_queue_depth", frozenset({**series, "priority": "bulk"}.items())) in scrape()
+        await poll(lambda: ("priod_queued_requests", frozenset(series.items())) not in scrape(), what="class normal gone from queue depth")
+        assert ("priod_queued_requests", frozenset({**series, "priority": "bulk"}.items())) in scrape()
         await c.close()

@@ -242,6 +242,11 @@ class Engine(ABC):
             "(nvidia-smi -L) and that the daemon sees that GPU ([cuda] devices, its own CUDA_VISIBLE_DEVICES)"
         )
 
+    def busy_seconds(self) -> dict[LaneKey, float]:
+        """Per lane, the running total of seconds its copy engine was busy (the metrics' busy
+        counter); an engine that cannot tell returns no lane."""
+        return {}
+
     @abstractmethod
     def close(self) -> None:
         """Stop the engine's threads and free what it holds. Idempotent."""

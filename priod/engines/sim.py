@@ -355,8 +355,8 @@ class SimEngine(Engine):
             "cotenant_stalled_seconds": round(sum(w.stalled_seconds for w in self._workers.values()), 6),
         }
 
-    def busy_seconds(self) -> dict[str, float]:
-        return {str(k): link.busy_seconds for k, link in sorted(self._links.items())}
+    def busy_seconds(self) -> dict[LaneKey, float]:
+        return {k: link.busy_seconds for k, link in self._links.items()}
 
     def close(self) -> None:
         if self._closed:

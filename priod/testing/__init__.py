@@ -5,6 +5,8 @@
 - `priod.testing.load`: synthetic clients: a bulk load (in this process or its own, its bytes
   checked or not), urgent probes, the plumbing of a client in a process of its own.
 - `priod.testing.stats`: percentiles and latency summaries.
+- `priod.testing.scrape`: a daemon's /metrics as tests read it (`Scraper`, `get`, `total`).
+- `priod.testing.scripts`: a checkout's ``scripts/*.py`` imported as modules (`import_script`).
 - `priod.testing.procfs`: a process's CPU time, memory and open fds, read from ``/proc``.
 - `priod.testing.fakes`: `ManualEngine` (an engine whose copies finish on command) and
   `framed_pair` (connected framed sockets), for tests of the daemon's parts.

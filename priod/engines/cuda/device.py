@@ -19,14 +19,14 @@ engine's hook, and creates the streams; `Device.close` undoes it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from priod.engines.base import Direction, LaneKey
 from priod.errors import CudaError
 
 from ._driver import bindings, check, error, gpu_uuid, status_codes
-from .events import EventPool
+from .events import Busy, EventPool
 
 __all__ = ["HOST_ENDS", "Device", "Lane", "open_device"]
 
@@ -71,6 +71,8 @@ class Lane:
     express_bandwidth: float = 0.0
     express_min: int = 0
     express_max: int = 0
+    busy: Busy = field(default_factory=Busy)
+    """Time with a chunk of this lane outstanding (the metrics' busy counter)."""
 
     @property
     def streams(self) -> tuple[Any, Any, Any]:

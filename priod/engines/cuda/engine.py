@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from priod.engines.base import (
@@ -83,6 +84,7 @@ class CudaEngine(Engine):
         log: Log | None = None,
     ) -> None:
         rt, _ = bindings()
+        self._started = time.perf_counter()
         self._rt = rt
         """The runtime API module, held for the per-chunk path."""
         self._log: Log = log if log is not None else _StdLog(logging.getLogger("priod.engines.cuda"))
@@ -234,12 +236,16 @@ class CudaEngine(Engine):
         pool = dev.events
         event = pool.free.pop() if pool.free else pool.take()
         check(rt.cudaEventRecord(event, stream))
-        return EventCompletion(event, pool)
+        return EventCompletion(event, pool, info.busy)
+
+    def busy_seconds(self) -> dict[LaneKey, float]:
+        return {lane.key: lane.busy.total() for dev in self._devices.values() for lane in dev.lanes}
 
     def device_uuids(self) -> dict[int, str]:
         return {index: dev.uuid for index, dev in self._devices.items()}
 
     def statistics(self) -> dict[str, object]:
+        elapsed = max(time.perf_counter() - self._started, 1e-9)
         lanes: dict[str, object] = {}
         devices: list[dict[str, object]] = []
         for dev in self._devices.values():
@@ -263,6 +269,7 @@ class CudaEngine(Engine):
                 }
         return {
             "backend": self.name,
+            "busy_fraction": {str(lane): round(s / elapsed, 4) for lane, s in self.busy_seconds().items()},
             "devices": devices,
             "lanes": lanes,
             "express": bool(self._express_wanted and self._express_error is None and self._devices),

@@ -7,11 +7,14 @@ never blocks; `EventCompletion.release` puts the event back in the pool for the 
 Polling rather than a host callback or a blocking wait keeps everything on the event loop.
 
 Only ``cudaEventDisableTiming`` events: they are the cheapest to record and query. An event
-must be recorded on a stream of its own device, hence one pool per device.
+must be recorded on a stream of its own device, hence one pool per device. Without timing
+events, a lane's busy time (`Busy`) is what the poller sees: from a chunk's submission until
+the poll that finds it done, while any chunk of the lane is outstanding.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +23,7 @@ from priod.errors import EngineError
 
 from ._driver import bindings, check, error, status_codes
 
-__all__ = ["Done", "EventCompletion", "EventPool"]
+__all__ = ["Busy", "Done", "EventCompletion", "EventPool"]
 
 
 class EventPool:
@@ -56,15 +59,48 @@ class EventPool:
         self.free.clear()
 
 
+class Busy:
+    """One lane's busy time: seconds during which at least one of its chunks was outstanding.
+
+    A copy engine runs a lane's chunks back to back, so time with a chunk outstanding is time
+    the engine works, give or take the launch and the polling lag (the poller finds a chunk
+    done up to one poll late; on the timer path it wakes when the chunk is due). Costs two
+    ``perf_counter`` calls a chunk, on the loop's thread only.
+    """
+
+    __slots__ = ("outstanding", "seconds", "since")
+
+    def __init__(self) -> None:
+        self.outstanding = 0
+        self.since = 0.0
+        self.seconds = 0.0
+
+    def start(self) -> None:
+        if not self.outstanding:
+            self.since = time.perf_counter()
+        self.outstanding += 1
+
+    def end(self) -> None:
+        self.outstanding -= 1
+        if not self.outstanding:
+            self.seconds += time.perf_counter() - self.since
+
+    def total(self) -> float:
+        """Busy seconds so far, the stretch under way included."""
+        return self.seconds + (time.perf_counter() - self.since if self.outstanding else 0.0)
+
+
 class EventCompletion(Completion):
     """Done when the event recorded after the chunk has completed."""
 
-    __slots__ = ("_done", "_event", "_pool")
+    __slots__ = ("_busy", "_done", "_event", "_pool")
 
-    def __init__(self, event: Any, pool: EventPool) -> None:
+    def __init__(self, event: Any, pool: EventPool, busy: Busy) -> None:
         self._event = event
         self._pool = pool
         self._done = False
+        self._busy = busy
+        busy.start()
 
     def done(self) -> bool:
         if self._done:
@@ -75,6 +111,7 @@ class EventCompletion(Completion):
         err = pool.query(self._event)[0]
         if err is pool.ok:
             self._done = True
+            self._busy.end()
             return True
         if err is pool.not_ready:
             return False
