@@ -22,6 +22,7 @@ import collections
 import fcntl
 import os
 import queue
+import select
 import socket
 import struct
 import termios
@@ -622,12 +623,25 @@ class BlockingFramedSocket:
 
     def receive(self) -> tuple[Message, list[int]]:
         while not self._messages:
-            data, ancdata, flags = self._recv()
-            fds = _fds_from_ancdata(ancdata, flags)
-            if not data:
-                close_received(fds)
-                raise ConnectionClosed("the daemon closed the connection")
-            self._messages.extend(self._inbox.feed(data, fds))
+            self._take_in(*self._recv())
+        return self._messages.popleft()
+
+    def _take_in(self, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
+        fds = _fds_from_ancdata(ancdata, flags)
+        if not data:
+            close_received(fds)
+            raise ConnectionClosed("the daemon closed the connection")
+        self._messages.extend(self._inbox.feed(data, fds))
+
+    def receive_within(self, timeout: float) -> tuple[Message, list[int]] | None:
+        """The next message if one arrives within ``timeout`` seconds (0: only what is already
+        here), else None. For clients that wait for one of several replies with a deadline."""
+        deadline = time.perf_counter() + max(timeout, 0.0)
+        while not self._messages:
+            ready, _, _ = select.select([self.sock], [], [], max(deadline - time.perf_counter(), 0.0))
+            if not ready:
+                return None
+            self._take_in(*_recvmsg(self.sock))
         return self._messages.popleft()
 
     def close(self) -> None:
