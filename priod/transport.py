@@ -637,6 +637,14 @@ class BlockingFramedSocket:
         """The next message if one arrives within ``timeout`` seconds (0: only what is already
         here), else None. For clients that wait for one of several replies with a deadline."""
         deadline = time.perf_counter() + max(timeout, 0.0)
+        # Spin first, as `_recv` does (no wake-up to pay), but only on a socket without a timeout
+        # of its own: Python waits for readiness up to that timeout even with MSG_DONTWAIT.
+        spin_until = min(deadline, time.perf_counter() + self.spin_s) if self.sock.gettimeout() is None else 0.0
+        while not self._messages and time.perf_counter() < spin_until:
+            try:
+                self._take_in(*_recvmsg(self.sock, socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                continue
         while not self._messages:
             ready, _, _ = select.select([self.sock], [], [], max(deadline - time.perf_counter(), 0.0))
             if not ready:
