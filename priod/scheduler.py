@@ -486,7 +486,15 @@ class Scheduler:
         req, lane, cq = t.req, t.lane, t.cq
         offset = req.submitted_bytes
         if req.segments is not None:
-            size = req.segments.cut(offset, size, int(lane.info.bandwidth * SEGMENT_COST_S))
+            if path is Path.EXPRESS:
+                # One kernel row per segment: no per-descriptor cost, only the cap per chunk.
+                size = req.segments.cut(offset, size, 0)
+            else:
+                # The cost budget is a whole chunk of the lane even when fewer bytes are left
+                # (``size`` is then the rest): else each chunk would be cut against what remains
+                # and a batch would shrink into ever smaller chunks.
+                budget = max(size, lane.bound(now)[0])
+                size = min(size, req.segments.cut(offset, budget, int(lane.info.bandwidth * SEGMENT_COST_S)))
         if req.state is RequestState.QUEUED:
             req.state = RequestState.ACTIVE
             req.first_submit = now

@@ -5,6 +5,7 @@ ones, timeouts, hostile tables; SyncClient's start/poll/cancel."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -168,7 +169,7 @@ def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
     contiguous chunk, and fifo mode hands out all of it too."""
     lane = LaneKey(0, Direction.H2D)
     info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)  # 1 us a segment = 1000 bytes
-    table = Segments.decode(encode_segments(scattered(200, 1000, 400, seed=2)))
+    table = Segments.decode(encode_segments(scattered(2000, 1000, 4000, seed=2)))
     for mode in ("priod", "fifo"):
         s = Scheduler(Policy(mode=mode, min_chunk_bytes=4096), [info])
         s.enqueue(Request(1, "a", lane, "bulk", table.total, 0.0, segments=table), 0.0)
@@ -177,14 +178,20 @@ def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
         if mode == "priod":
             chunk_bytes = s.lane_params(lane).chunk_bytes
             assert all(c.nbytes + 1000 * len(table.piece(c.offset, c.nbytes)[2]) <= chunk_bytes for c in chunks)
-        done = 0
+        done = handed = 0
         while not s.idle:
+            handed += len(chunks)
             for c in chunks:
                 for f in s.chunk_done(c, 0.0):
                     assert f.outcome == "done" and f.bytes_done == table.total
                 done += c.nbytes
             chunks = s.next_chunks(0.0)
         assert done == table.total
+        if mode == "priod":
+            # Each chunk is cut against a whole chunk's budget, also when less than that is left:
+            # as few chunks as the cost allows (not ever smaller ones as the batch runs out).
+            cost = table.total + 1000 * len(table)
+            assert handed <= -(-cost // chunk_bytes) + 1, (handed, cost, chunk_bytes)
 
 
 # -- through the daemon -----------------------------------------------------------------------
@@ -385,3 +392,27 @@ def test_sync_client_start_poll_cancel_and_batches(daemon: DaemonProcess) -> Non
             c.copy(d, h, priority="bulk", timeout=0.005)
         assert 0 < info.value.bytes_done < size
         c.ping()
+
+
+async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonProcess) -> None:
+    """A client that sends 24 batches at the segment cap, each checked in full and refused at its
+    last segment, holds the daemon's loop for about one batch's checks at a time: another
+    client's pings keep coming back within milliseconds throughout."""
+    async with priod.connect(daemon.socket_path) as bad, priod.connect(daemon.socket_path) as honest:
+        dev = await bad.alloc_device(8 << 20)
+        segs = scattered(MAX_SEGMENTS, 64, 2 * MAX_SEGMENTS, seed=21)
+        segs[:, 1] += 4 << 20  # sources in the region's upper half ...
+        segs[-1, 1] = segs[0, 0]  # ... but the last one reads what the first one writes
+        frame = {"op": "copy_batch", "dst": dev.id, "src": dev.id, "segments": encode_segments(segs)}
+        flood = asyncio.gather(*(bad.raw_request(frame) for _ in range(24)), return_exceptions=True)
+        rtts: list[float] = []
+        while not flood.done():
+            t0 = time.perf_counter()
+            await honest.ping()
+            rtts.append(time.perf_counter() - t0)
+        errors = await flood
+        assert all(isinstance(e, InvalidRequest) and f"source segment {MAX_SEGMENTS - 1} overlaps" in str(e) for e in errors)
+        assert len(rtts) >= 5, "the flood ended before the pings could measure anything"
+        print(f"pings during the flood: {len(rtts)}, worst {max(rtts) * 1e3:.1f} ms, median {statistics.median(rtts) * 1e3:.2f} ms")
+        # One batch's checks is a few ms; 64 of them (a turn without the bound) would be ~200 ms.
+        assert max(rtts) < 0.06
