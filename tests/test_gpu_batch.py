@@ -92,6 +92,10 @@ def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str)
             whole(h2d, dst, dst_h.mem)
         path = Path.EXPRESS if mode == "express" else Path.DMA
         _wait(engine.submit_segments(LaneKey(0, direction), path, dst, table.dst, src, table.src, table.size))
+        if mode == "batched":
+            # A batched call that failed on first use falls back to the loop silently (and says
+            # so in status): here that must fail the test, or it would pass without the API.
+            assert engine._batched.error is None, engine._batched.error
         if direction is not Direction.D2H:
             dst_h.view[:] = 0
             whole(d2h, dst_h.mem, dst)
@@ -115,7 +119,8 @@ def gpu_daemon() -> Iterator[DaemonProcess]:
 @pytest.mark.parametrize("priority", ["normal", "urgent"])
 def test_copy_batch_through_the_daemon(gpu_daemon: DaemonProcess, priority: str) -> None:
     """256 scattered 64 KiB blocks host -> device -> device -> host as three batches (DMA for
-    normal, express allowed for urgent): the blocks come back where the segments say."""
+    normal; urgent ones take whichever path the daemon finds faster): the blocks come back where
+    the segments say, and the daemon's DMA path is cuMemcpyBatchAsync (CUDA >= 12.8)."""
     block, n = 64 << 10, 256
     rng = np.random.default_rng(3)
     with priod.SyncClient(gpu_daemon.socket_path) as c:
@@ -132,6 +137,8 @@ def test_copy_batch_through_the_daemon(gpu_daemon: DaemonProcess, priority: str)
         a, b, z = blocks(4), blocks(5), blocks(6)
         results = [c.copy_batch(d1, h, a, priority=priority), c.copy_batch(d2, d1, b, priority=priority), c.copy_batch(back, d2, z, priority=priority)]
         assert all(r.segments == n and r.nbytes == n * block for r in results)
+        engine = c.status()["engine"]
+        assert engine["batch_dma"] == "cuMemcpyBatchAsync", engine.get("batch_dma_error")
         stage1 = np.zeros_like(h.array)
         for d, s, k in a:
             stage1[d : d + k] = h.array[s : s + k]
