@@ -51,6 +51,12 @@ class _Host:
         self.view = np.frombuffer(self.mapping, dtype=np.uint8)
         self.mem = engine.map_host(self.fd, REGION)
 
+    def close(self, engine: Any) -> None:
+        engine.release_host(self.mem)
+        del self.view
+        self.mapping.close()
+        os.close(self.fd)
+
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
@@ -107,7 +113,7 @@ def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str)
         for mem in (dev_a, dev_b):
             engine.release_device(mem)
         for h in (src_h, dst_h):
-            engine.release_host(h.mem)
+            h.close(engine)
 
 
 @pytest.fixture(scope="module")
