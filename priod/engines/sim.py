@@ -51,6 +51,8 @@ __all__ = ["SimEngine", "SimSettings", "sealed_memfd"]
 OVERSHOOT_CREDIT_S = 200e-6
 INLINE_MAX_S = 20e-6
 """Jobs the model times at or below this run at once on an idle engine (see run_inline)."""
+INLINE_MAX_SEGMENTS = 16
+"""A batch's chunk of more segments than this never runs inline, however few its bytes."""
 SLICE_BYTES = 1 << 20
 """Granularity of pacing; the chunk as a whole is still never preempted."""
 
@@ -171,6 +173,8 @@ class _Worker(threading.Thread):
         """
         if job.stall_s > 0 or self.submitted != self.completed or job.nbytes / self.link.rate(self.path) > INLINE_MAX_S:
             return False
+        if job.segments is not None and len(job.segments[0]) > INLINE_MAX_SEGMENTS:
+            return False  # a Python step per segment: thousands of tiny ones would hold the loop
         started = time.perf_counter()
         for dst, src in job.parts():
             dst[:] = src
