@@ -56,6 +56,16 @@ def scattered(n: int, block: int, seed: int) -> npt.NDArray[np.int64]:
     return np.stack([rng.choice(2 * n, n, replace=False) * block, rng.choice(2 * n, n, replace=False) * block, np.full(n, block)], axis=1).astype(np.int64)
 
 
+def release(c: priod.SyncClient, *regions: Any) -> None:
+    """Free regions on the way out without hiding the error that got us there (a region whose
+    copy failed may still be busy: the daemon frees it with the connection)."""
+    for region in regions:
+        try:
+            c.free(region)
+        except priod.PriodError as exc:
+            log(f"could not free {region!r}: {exc}")
+
+
 def summary(us: list[float]) -> dict[str, float]:
     return {"p50": percentile(us, 50), "p99": percentile(us, 99), "n": len(us)}
 
@@ -172,8 +182,7 @@ def urgent_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, co
             "paths": {k: sorted(v) for k, v in paths.items()},
         }
     finally:
-        c.free(h)
-        c.free(d)
+        release(c, h, d)
 
 
 def batch_bulk(c: priod.SyncClient, direction: str, bulk_mib: int, seconds: float, timeout: float) -> dict[str, Any]:
@@ -197,8 +206,7 @@ def batch_bulk(c: priod.SyncClient, direction: str, bulk_mib: int, seconds: floa
                 pending.append(c.start_copy_batch(dst, src, segs, priority="bulk"))
         return throughput_between(done, done[0][0], done[-1][0])
     finally:
-        c.free(h)
-        c.free(d)
+        release(c, h, d)
 
 
 def priod_rows(args: argparse.Namespace, save: Any, results: dict[str, Any]) -> None:
@@ -213,7 +221,7 @@ def priod_rows(args: argparse.Namespace, save: Any, results: dict[str, Any]) -> 
         log(f"priod-bulk: a bulk client streams {args.bulk_mib} MiB copies")
         bulk = BulkProcess(d.socket_path, args.bulk_mib * MiB, 2, args.direction)
         try:
-            bulk.wait_ready(timeout=180)
+            bulk.wait_ready(timeout=120)
             time.sleep(0.5)
             t0 = time.perf_counter()
             results["priod_bulk"] = urgent_rows(c, args.direction, args.blocks, args.block_kib * KiB, args.count, args.timeout)
@@ -283,6 +291,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds any one copy may take before the run fails")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="daemon setting")
     ap.add_argument("--out", default="out/bench_gpu_batch")
+    ap.add_argument("--inprocess-timeout", type=float, default=180.0, help="seconds the in-process rows may take in all")
     ap.add_argument("--skip-inprocess", action="store_true", help="no in-process rows (they need CuPy)")
     ap.add_argument("--backend", choices=["cuda", "sim"], default="cuda", help="sim: a dry run of the daemon rows on any machine (with --skip-inprocess)")
     args = ap.parse_args()
@@ -297,7 +306,7 @@ def main() -> int:
         log("in-process rows (no daemon)")
         q = SPAWN.Queue()
         with child(inprocess, args.direction, args.blocks, args.block_kib * KiB, args.count, args.bulk_mib, q) as p:
-            results["inprocess"] = get_result(q, [p], timeout=600)
+            results["inprocess"] = get_result(q, [p], timeout=args.inprocess_timeout)
         save()
         if "error" in results["inprocess"]:
             log(f"in-process rows failed: {results['inprocess']['error']} (going on with the priod rows)")
