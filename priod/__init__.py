@@ -4,11 +4,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"  # before the imports: modules below read it
 
-from .client import Client, CopyHandle, CopyResult, Region, SyncClient, connect
+from .client import BatchHandle, BatchResult, Client, CopyHandle, CopyResult, Region, SyncClient, SyncCopyHandle, connect
 from .errors import (
     Cancelled,
     ConfigError,
     ConnectionClosed,
+    CopyTimeout,
     CudaError,
     EngineError,
     InvalidRequest,
@@ -23,12 +24,15 @@ from .errors import (
 
 
 __all__ = [
+    "BatchHandle",
+    "BatchResult",
     "Cancelled",
     "Client",
     "ConfigError",
     "ConnectionClosed",
     "CopyHandle",
     "CopyResult",
+    "CopyTimeout",
     "CudaError",
     "EngineError",
     "InvalidRequest",
@@ -41,6 +45,7 @@ __all__ = [
     "RequestError",
     "ShuttingDown",
     "SyncClient",
+    "SyncCopyHandle",
     "__version__",
     "connect",
 ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+from .batch import SEGMENT_COST_S
 from .policy import Policy
 
 if TYPE_CHECKING:
@@ -76,12 +77,18 @@ def refill(lane: Lane, tenant: Tenant, policy: Policy, now: float) -> None:
 def admit(t: Track, policy: Policy, now: float) -> bool:
     """Charge a strict request to its tenant's budget; False: past it (nothing charged).
 
-    A request costs its bytes, but at least one short-bound chunk of the lane
-    (``urgent_chunk_bytes``, capped at the burst): while it is queued or in flight by DMA,
-    bulk is held, which costs the others about that much however small the copy.
+    A request costs its bytes (a batch, its segments' engine time as bytes too), but at least
+    one short-bound chunk of the lane (``urgent_chunk_bytes``, capped at the burst): while it
+    is queued or in flight by DMA, bulk is held, which costs the others about that much however
+    small the copy.
     """
     lane, tenant, req = t.lane, t.tenant, t.req
-    cost = max(req.nbytes - req.submitted_bytes, min(lane.params.urgent_chunk_bytes, policy.urgent_burst_bytes))
+    left = req.nbytes - req.submitted_bytes
+    if req.segments is not None:
+        # A batch also costs the engine time per segment, as its chunks are cut (batch.py): an
+        # urgent batch of many tiny segments holds bulk back far longer than its bytes say.
+        left += len(req.segments) * int(lane.info.bandwidth * SEGMENT_COST_S)
+    cost = max(left, min(lane.params.urgent_chunk_bytes, policy.urgent_burst_bytes))
     refill(lane, tenant, policy, now)
     if cost > tenant.tokens or tenant.pending + cost > policy.urgent_inflight_bytes:
         return False

@@ -4,6 +4,7 @@
     h = await c.alloc_host(nbytes)              # h.array: numpy view of the shared memory
     d = await c.alloc_device(nbytes)            # under sim, d.array too
     r = await c.copy(d, h, nbytes, priority="urgent")
+    b = await c.copy_batch(d, h, [(0, 0, 4096), (65536, 8192, 4096)])  # many blocks, one request
     await c.close()
 
 Copies never carry data: they name regions both sides can reach. Replies may come back out of
@@ -17,25 +18,29 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import math
 import mmap
 import os
 import socket
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import TracebackType
-from typing import Any, TypedDict, Unpack
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
+from .batch import encode_segments
 from .config import find_socket
-from .errors import Cancelled, ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
+from .errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied, PriodError, ProtocolError
 from .messages import (
     PROTOCOL_VERSION,
     AllocDevice,
     AllocHost,
     Cancel,
     Copy,
+    CopyBatch,
+    CopyBatchReply,
     CopyReply,
     Free,
     Hello,
@@ -54,7 +59,20 @@ from .messages import (
 from .protocol import REPLY_LIMITS
 from .transport import BlockingFramedSocket, FramedSocket, peer_credentials
 
-__all__ = ["Client", "CopyHandle", "CopyOptions", "CopyResult", "Region", "SyncClient", "connect"]
+__all__ = [
+    "BatchHandle",
+    "BatchOptions",
+    "BatchResult",
+    "Client",
+    "CopyHandle",
+    "CopyOptions",
+    "CopyResult",
+    "Region",
+    "SyncBatchHandle",
+    "SyncClient",
+    "SyncCopyHandle",
+    "connect",
+]
 
 BUSY_WAIT_S = 0.5
 """How long a connect retries while the daemon's listen backlog is full (EAGAIN), at least:
@@ -63,6 +81,12 @@ a burst of connections fills it for a moment, and a client should not fail for t
 
 CopyResult = CopyReply
 """What the daemon measured for one finished copy (microseconds, daemon clock)."""
+BatchResult = CopyBatchReply
+"""What the daemon measured for one finished batch: total bytes, segments, timings."""
+R = TypeVar("R", CopyReply, CopyBatchReply)
+
+BATCH_FRAME_SLACK = 256
+"""Bytes of a copy_batch frame besides its segment table (header, keys, ids, class name)."""
 
 
 class CopyOptions(TypedDict, total=False):
@@ -74,6 +98,13 @@ class CopyOptions(TypedDict, total=False):
     """A class from the daemon's ``hello`` reply; default ``normal``."""
     deadline_ms: float | None
     """Orders work within its class, earliest first; a miss is counted, not an error."""
+
+
+class BatchOptions(TypedDict, total=False):
+    """The optional settings of a batch (docs/protocol.md, ``copy_batch``)."""
+
+    priority: str
+    deadline_ms: float | None
 
 
 class Region:
@@ -168,6 +199,16 @@ def _copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOpt
     return Copy(dst.id, src.id, nbytes, **options)
 
 
+def _batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions, max_frame: int) -> CopyBatch:
+    raw = encode_segments(segments)
+    if len(raw) + BATCH_FRAME_SLACK > max_frame:
+        raise InvalidRequest(
+            f"{len(raw) // 24} segments make a frame of about {len(raw) + BATCH_FRAME_SLACK} bytes, over the daemon's "
+            f"max_frame_bytes = {max_frame}; split them into batches of at most {(max_frame - BATCH_FRAME_SLACK) // 24} segments"
+        )
+    return CopyBatch(dst.id, src.id, raw, **options)
+
+
 def _cuda_register_request(obj: Any) -> RegisterDevice:
     from .cuda_ipc import export_cuda_array, gpu_uuid
 
@@ -192,32 +233,84 @@ def _close(fds: list[int]) -> None:
         os.close(fd)
 
 
-class CopyHandle:
-    """A copy in progress: await it for the `CopyResult`, or `cancel()` it."""
+def _raise_if_cancelled(req_id: int, timeout: float | None, msg: Message) -> None:
+    """The copy's last reply after a timeout cancelled it: `CopyTimeout` if the cancel took."""
+    exc = error_of(msg)
+    if isinstance(exc, Cancelled):
+        raise CopyTimeout(
+            f"copy {req_id} did not finish within {timeout} s and was cancelled in the daemon: {exc}", exc.bytes_done, exc.segments_done
+        )
+
+
+def _progress(msg: Message, decode: Callable[[Message], R]) -> tuple[int, int | None]:
+    """Bytes and (for a batch) whole segments moved, from the last reply of a copy that was
+    asked to stop: cancelled part way, or finished meanwhile. Other errors are raised."""
+    exc = error_of(msg)
+    if isinstance(exc, Cancelled):
+        return exc.bytes_done, exc.segments_done
+    if exc is not None:
+        raise exc
+    result = decode(msg)
+    return result.nbytes, result.segments if isinstance(result, CopyBatchReply) else None
+
+
+class _Handle(Generic[R]):
+    """A copy (or batch) in progress: await it (or `wait`) for its result, or `cancel()` it."""
+
+    _decode: Callable[[Message], R]
 
     def __init__(self, client: Client, req_id: int, future: asyncio.Future[Reply]) -> None:
         self.client, self.id, self._future = client, req_id, future
+        self.segments_done: int | None = None
+        """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
 
-    def __await__(self) -> Generator[Any, None, CopyResult]:
+    def __await__(self) -> Generator[Any, None, R]:
         msg, _fds = yield from self._future.__await__()
         if (exc := error_of(msg)) is not None:
             raise exc
-        return CopyReply.decode(msg)
+        return self._decode(msg)
 
     def done(self) -> bool:
         return self._future.done()
 
-    async def cancel(self) -> int:
-        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had finished)."""
+    async def wait(self, timeout: float | None = None) -> R:
+        """The result; with ``timeout`` (seconds), cancel the copy in the daemon once it passes
+        and raise `CopyTimeout` with how far it got (unless it finished meanwhile)."""
+        if timeout is not None and not self._future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._future), timeout)
+            except TimeoutError:
+                await self._stop()
+                _raise_if_cancelled(self.id, timeout, self._future.result()[0])
+        return await self
+
+    async def _stop(self) -> None:
+        """Ask the daemon to cancel, then wait for the copy's own last reply."""
         if not self._future.done():
             try:
                 await self.client._request(Cancel(self.id))
             except PriodError:
                 pass  # finished meanwhile: its own reply says how
-        try:
-            return (await self).nbytes
-        except Cancelled as exc:
-            return exc.bytes_done
+        await asyncio.wait([self._future])
+
+    async def cancel(self) -> int:
+        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had
+        finished). For a batch, `segments_done` then says how many segments landed whole."""
+        await self._stop()
+        nbytes, self.segments_done = _progress(self._future.result()[0], self._decode)
+        return nbytes
+
+
+class CopyHandle(_Handle[CopyReply]):
+    """A copy in progress: await it (or `wait`) for its `CopyResult`, or `cancel()` it."""
+
+    _decode = staticmethod(CopyReply.decode)
+
+
+class BatchHandle(_Handle[CopyBatchReply]):
+    """A batch in progress: await it (or `wait`) for its `BatchResult`, or `cancel()` it."""
+
+    _decode = staticmethod(CopyBatchReply.decode)
 
 
 class Client:
@@ -429,14 +522,40 @@ class Client:
         req_id, fut = self._send(_copy_request(dst, src, nbytes, options))
         return CopyHandle(self, req_id, fut)
 
-    async def copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
+    def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> BatchHandle:
+        """Send many copies between ``src`` and ``dst`` as one request and return at once.
+
+        ``segments``: an (N, 3) integer array or a sequence of ``(dst_offset, src_offset,
+        nbytes)`` triples, at most ``priod.batch.MAX_SEGMENTS`` of them; every segment must fit
+        its region, and no two destination segments (nor, in one memory, a destination and a
+        source segment) may overlap. The daemon checks all of them before queuing any, and
+        schedules the batch as one copy of its class. One reply: total bytes, segment count,
+        timings. Cancelled or failed, the error's ``segments_done`` says how many of the first
+        segments landed whole.
+        """
+        self._check_region(dst, src)
+        req_id, fut = self._send(_batch_request(dst, src, segments, options, self.server.max_frame_bytes))
+        return BatchHandle(self, req_id, fut)
+
+    async def copy(
+        self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]
+    ) -> CopyResult:
         """Copy ``nbytes`` from ``src`` to ``dst`` and wait for it (see `start_copy`).
 
-        If the awaiting task is cancelled, the copy is cancelled in the daemon too.
+        With ``timeout`` (seconds), a copy still unfinished then is cancelled in the daemon and
+        `CopyTimeout` raised, carrying ``bytes_done``. If the awaiting task is cancelled, the
+        copy is cancelled in the daemon too.
         """
-        handle = self.start_copy(dst, src, nbytes, **options)
+        return await self._wait(self.start_copy(dst, src, nbytes, **options), timeout)
+
+    async def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
+        """Copy every segment and wait for the batch (see `start_copy_batch`; ``timeout`` as
+        for `copy`, the `CopyTimeout` carrying ``segments_done`` too)."""
+        return await self._wait(self.start_copy_batch(dst, src, segments, **options), timeout)
+
+    async def _wait(self, handle: _Handle[R], timeout: float | None) -> R:
         try:
-            return await handle
+            return await handle.wait(timeout)
         except asyncio.CancelledError:
             if self._sock is not None and not self._sock.closed and self._closed_exc is None:
                 try:
@@ -496,8 +615,78 @@ def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0, exp
     return _Connecting(path, name, wait_s, expect_uid)
 
 
+class _SyncHandle(Generic[R]):
+    """A copy (or batch) started by `SyncClient.start_copy` / `start_copy_batch`: `poll` it
+    without blocking, `wait` for it, or `cancel` it. Other requests may go meanwhile."""
+
+    _decode: Callable[[Message], R]
+
+    def __init__(self, client: SyncClient, req_id: int) -> None:
+        self.client, self.id = client, req_id
+        self._reply: Message | None = None
+        self.segments_done: int | None = None
+        """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
+
+    def done(self) -> bool:
+        return self.poll_reply(0.0) is not None
+
+    def poll_reply(self, timeout: float) -> Message | None:
+        """The copy's reply if it came within ``timeout`` seconds (0: never blocks)."""
+        if self._reply is None:
+            self._reply = self.client._take(self.id, timeout)
+        return self._reply
+
+    def poll(self) -> R | None:
+        """The result if the copy has ended, else None; never blocks. Raises the copy's error."""
+        msg = self.poll_reply(0.0)
+        return None if msg is None else self._result(msg)
+
+    def _result(self, msg: Message) -> R:
+        if (exc := error_of(msg)) is not None:
+            raise exc
+        return self._decode(msg)
+
+    def wait(self, timeout: float | None = None) -> R:
+        """Block for the result; with ``timeout`` (seconds), cancel the copy in the daemon once it
+        passes and raise `CopyTimeout` with how far it got (unless it finished meanwhile)."""
+        msg = self.poll_reply(math.inf if timeout is None else timeout)
+        if msg is None:
+            msg = self._stop()
+            _raise_if_cancelled(self.id, timeout, msg)
+        return self._result(msg)
+
+    def _stop(self) -> Message:
+        if self.poll_reply(0.0) is None:
+            try:
+                self.client._request(Cancel(self.id))
+            except PriodError:
+                pass  # finished meanwhile: its own reply says how
+        msg = self.poll_reply(math.inf)
+        assert msg is not None
+        return msg
+
+    def cancel(self) -> int:
+        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had
+        finished). For a batch, `segments_done` then says how many segments landed whole."""
+        nbytes, self.segments_done = _progress(self._stop(), self._decode)
+        return nbytes
+
+
+class SyncCopyHandle(_SyncHandle[CopyReply]):
+    """A copy started by `SyncClient.start_copy`."""
+
+    _decode = staticmethod(CopyReply.decode)
+
+
+class SyncBatchHandle(_SyncHandle[CopyBatchReply]):
+    """A batch started by `SyncClient.start_copy_batch`."""
+
+    _decode = staticmethod(CopyBatchReply.decode)
+
+
 class SyncClient:
-    """The same API, blocking, for code without an event loop. One request at a time."""
+    """The same API, blocking, for code without an event loop. One request at a time, except
+    copies started with `start_copy` / `start_copy_batch`, which go on while others are made."""
 
     def __init__(
         self,
@@ -528,6 +717,8 @@ class SyncClient:
         self._sock = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
         self._ids = itertools.count(1)
         self._regions: list[Region] = []
+        self._started: dict[int, Message | None] = {}
+        """Copies started and not yet collected by their handle: their reply once it came."""
         msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
         self.server = HelloReply.decode(msg)
         """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
@@ -542,9 +733,37 @@ class SyncClient:
                     _close(got)
                     raise exc
                 return reply, got
-            _close(got)
-            if not reply.get("id") and (exc := error_of(reply)) is not None:
-                raise exc
+            self._keep(reply, got)
+
+    def _keep(self, reply: Message, fds: list[int]) -> None:
+        """A reply that is not the one awaited: a started copy's is kept for its handle."""
+        _close(fds)
+        rid = reply.get("id")
+        if rid in self._started:
+            self._started[rid] = reply
+        elif not rid and (exc := error_of(reply)) is not None:
+            raise exc
+
+    def _start(self, msg: Request) -> int:
+        req_id = next(self._ids)
+        self._started[req_id] = None
+        try:
+            self._sock.send(msg.encode(req_id))
+        except BaseException:
+            del self._started[req_id]
+            raise
+        return req_id
+
+    def _take(self, req_id: int, timeout: float) -> Message | None:
+        """A started copy's reply, read within ``timeout`` seconds, else None."""
+        deadline = time.perf_counter() + timeout
+        while self._started.get(req_id) is None:
+            left = deadline - time.perf_counter()
+            got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
+            if got is None:
+                return None
+            self._keep(*got)
+        return self._started.pop(req_id)
 
     def raw_request(self, msg: Message) -> Message:
         """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields (see `Client.raw_request`)."""
@@ -584,10 +803,25 @@ class SyncClient:
     def share(self, region: Region, uid: int) -> None:
         self._request(Share(region.id, uid))
 
-    def copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
-        """Copy and wait for it (see `Client.start_copy`)."""
+    def copy(self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
+        """Copy and wait for it (see `Client.start_copy`; ``timeout`` as in `Client.copy`)."""
+        if timeout is not None:
+            return self.start_copy(dst, src, nbytes, **options).wait(timeout)
         msg, _ = self._request(_copy_request(dst, src, nbytes, options))
         return CopyReply.decode(msg)
+
+    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> SyncCopyHandle:
+        """Send a copy and return at once (see `Client.start_copy`)."""
+        return SyncCopyHandle(self, self._start(_copy_request(dst, src, nbytes, options)))
+
+    def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
+        """Copy every segment and wait for the batch (see `Client.start_copy_batch`)."""
+        return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
+
+    def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> SyncBatchHandle:
+        """Send a batch and return at once (see `Client.start_copy_batch`)."""
+        req = _batch_request(dst, src, segments, options, self.server.max_frame_bytes)
+        return SyncBatchHandle(self, self._start(req))
 
     def status(self) -> dict[str, Any]:
         msg, _ = self._request(StatusRequest())

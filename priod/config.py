@@ -102,6 +102,8 @@ class LimitsConfig:
     max_regions: int = 1024
     max_queued_requests: int = 4096
     max_queued_bytes: int = 64 << 30
+    max_queued_segments: int = 1 << 20
+    """Segments of pending batches (copy_batch): about 32 bytes of daemon memory each."""
     # Per uid, over all its connections (uid 0 and the daemon's own uid included, except for
     # the connection count).
     max_connections_per_uid: int = 64
@@ -114,6 +116,7 @@ class LimitsConfig:
     """Requests (of any kind) a uid's connections may send per second together; past it priod
     reads them more slowly (nothing is refused). 0: no cap."""
     request_burst_per_uid: int = 2_000
+    max_queued_segments_per_uid: int = 4 << 20
     # The whole daemon. 0: derived (see config/priod.toml).
     max_pinned_total_bytes: int = 0
     max_device_total_bytes: int = 0
@@ -316,10 +319,10 @@ def _validate(cfg: Config) -> None:
     need(0 < sv.hello_timeout_s < float("inf"), f"[server] hello_timeout_s = {sv.hello_timeout_s} is invalid; set a finite number of seconds > 0")
     need(0 <= sv.idle_timeout_s < float("inf"), f"[server] idle_timeout_s = {sv.idle_timeout_s} is invalid; set a finite number of seconds >= 0 (0: never)")
     lim = cfg.limits
-    for name in ("max_pinned_bytes", "max_device_bytes", "max_regions", "max_queued_requests", "max_queued_bytes"):
+    for name in ("max_pinned_bytes", "max_device_bytes", "max_regions", "max_queued_requests", "max_queued_bytes", "max_queued_segments"):
         need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
     per_uid = ("max_connections_per_uid", "max_pinned_bytes_per_uid", "max_device_bytes_per_uid", "max_regions_per_uid", "max_queued_requests_per_uid")
-    for name in (*per_uid, "max_queued_bytes_per_uid"):
+    for name in (*per_uid, "max_queued_bytes_per_uid", "max_queued_segments_per_uid"):
         need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
     need(
         0 <= lim.max_requests_per_s_per_uid < float("inf"),

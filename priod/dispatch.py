@@ -61,7 +61,8 @@ class Dispatcher:
         q = lane.fifo
         while q:
             t = q.popleft()
-            if t.queued:
+            # A batch's chunks are cut by segment (scheduler's hand_out): all of them, in order.
+            while t.queued:
                 out.append(self.hand_out(t, t.req.nbytes - t.req.submitted_bytes, Path.DMA, now))
 
     def serve(self, lane: Lane, now: float, out: list[Chunk]) -> None:
@@ -118,7 +119,10 @@ class Dispatcher:
                 rr.rotate(-1)
                 continue
             cq.deficit -= size
-            out.append(self.hand_out(t, size, Path.DMA, now))
+            handed = self.hand_out(t, size, Path.DMA, now)
+            if handed.nbytes < size and cq.live:
+                cq.deficit += size - handed.nbytes  # a batch's chunk, cut at its segments, came out shorter
+            out.append(handed)
             skipped = 0
             g.ring.rotate(-1)
             cq.ring.rotate(-1)

@@ -11,6 +11,7 @@ __all__ = [
     "Cancelled",
     "ConfigError",
     "ConnectionClosed",
+    "CopyTimeout",
     "CudaError",
     "EngineError",
     "InvalidRequest",
@@ -47,6 +48,11 @@ class RequestError(PriodError):
     """The daemon refused or failed one request; the connection stays usable."""
 
     code = "bad_request"
+    bytes_done: int = 0
+    """For a copy that ended early (cancelled, failed, timed out): the bytes that landed."""
+    segments_done: int | None = None
+    """For a batch that ended early: how many of its segments, the first ones, landed whole
+    (None for a single copy)."""
 
 
 class InvalidRequest(RequestError):
@@ -78,9 +84,18 @@ class Cancelled(RequestError):
 
     code = "cancelled"
 
-    def __init__(self, message: str, bytes_done: int = 0) -> None:
+    def __init__(self, message: str, bytes_done: int = 0, segments_done: int | None = None) -> None:
         super().__init__(message)
         self.bytes_done = bytes_done
+        self.segments_done = segments_done
+
+
+class CopyTimeout(Cancelled, TimeoutError):
+    """A copy given a ``timeout`` did not finish in time: the client cancelled it in the daemon,
+    and ``bytes_done`` (``segments_done`` for a batch) says how far it got. Never sent on the
+    wire; ``except priod.Cancelled`` and ``except TimeoutError`` both catch it."""
+
+    code = "timeout"
 
 
 class EngineError(RequestError):
@@ -127,8 +142,13 @@ _BY_CODE: dict[str, type[PriodError]] = {
 }
 
 
-def error_for_code(code: str, message: str, bytes_done: int = 0) -> PriodError:
-    """Build the exception that an error reply with ``code`` stands for."""
+def error_for_code(code: str, message: str, bytes_done: int = 0, segments_done: int | None = None) -> PriodError:
+    """Build the exception that an error reply with ``code`` stands for; a copy's progress
+    (``bytes_done``, ``segments_done``) is kept on it whatever the code."""
     if code == Cancelled.code:
-        return Cancelled(message, bytes_done)
-    return _BY_CODE.get(code, PriodError)(message)
+        return Cancelled(message, bytes_done, segments_done)
+    exc = _BY_CODE.get(code, PriodError)(message)
+    if isinstance(exc, RequestError) and (bytes_done or segments_done is not None):
+        exc.bytes_done = bytes_done
+        exc.segments_done = segments_done
+    return exc

@@ -29,6 +29,8 @@ __all__ = [
     "Cancel",
     "CancelReply",
     "Copy",
+    "CopyBatch",
+    "CopyBatchReply",
     "CopyReply",
     "Empty",
     "ErrorReply",
@@ -279,16 +281,36 @@ class Copy(_Request):
         _need_size(self.nbytes, "copy")
         _need_offset("dst_offset", self.dst_offset)
         _need_offset("src_offset", self.src_offset)
-        deadline_ms = self.deadline_ms
-        if deadline_ms is not None:
-            if not math.isfinite(deadline_ms):
-                raise InvalidRequest(f"deadline_ms = {deadline_ms} is invalid; give a finite number of milliseconds, or leave it out")
-            # A deadline orders only its own connection's copies (scheduler.py), but an absurd
-            # one is a client bug or an attempt to jump a queue: refuse it. One hour at most.
-            if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
-                raise InvalidRequest(
-                    f"deadline_ms = {deadline_ms} is invalid; give 0 <= deadline_ms <= {MAX_DEADLINE_MS} (milliseconds from now), or leave it out"
-                )
+        _check_deadline(self.deadline_ms)
+
+
+def _check_deadline(deadline_ms: float | None) -> None:
+    if deadline_ms is not None:
+        if not math.isfinite(deadline_ms):
+            raise InvalidRequest(f"deadline_ms = {deadline_ms} is invalid; give a finite number of milliseconds, or leave it out")
+        # A deadline orders only its own connection's copies (scheduler.py), but an absurd
+        # one is a client bug or an attempt to jump a queue: refuse it. One hour at most.
+        if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
+            raise InvalidRequest(
+                f"deadline_ms = {deadline_ms} is invalid; give 0 <= deadline_ms <= {MAX_DEADLINE_MS} (milliseconds from now), or leave it out"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CopyBatch(_Request):
+    """Many copies between two regions as one request: ``segments`` is the wire form of a
+    segment table (priod/batch.py: little-endian uint64 triples ``dst_offset, src_offset,
+    nbytes``). Its structure is checked at decode, its bounds against the regions in the session."""
+
+    op: ClassVar[str] = "copy_batch"
+    dst: int
+    src: int
+    segments: bytes
+    priority: str = "normal"
+    deadline_ms: float | None = None
+
+    def check(self) -> None:
+        _check_deadline(self.deadline_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,10 +319,10 @@ class Cancel(_Request):
     target: int
 
 
-Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | Cancel
+Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | CopyBatch | Cancel
 
 REQUEST_TYPES: dict[str, type[_Request]] = {
-    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, Cancel)
+    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, CopyBatch, Cancel)
 }
 """Every operation a client may send; anything else is refused with ``bad_request``."""
 
@@ -416,6 +438,20 @@ class CopyReply(_Reply):
 
 
 @dataclass(frozen=True, slots=True)
+class CopyBatchReply(_Reply):
+    """A batch that finished: every segment landed. Timings as `CopyReply`'s."""
+
+    nbytes: int
+    """Total bytes of all segments."""
+    segments: int
+    queued_us: float
+    transfer_us: float
+    total_us: float
+    path: str
+    missed_deadline: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class CancelReply(_Reply):
     target: int
     state: str
@@ -440,23 +476,33 @@ class ErrorReply(_Reply):
     code: str
     message: str
     bytes_done: int | None = None
+    segments_done: int | None = None
+    """A batch that ended early: how many of its segments (the first ones) landed whole."""
 
     def encode(self, req_id: int) -> Message:
         err: Message = {"code": self.code, "message": self.message}
         if self.bytes_done is not None:
             err["bytes_done"] = self.bytes_done
+        if self.segments_done is not None:
+            err["segments_done"] = self.segments_done
         return {"id": req_id, "ok": False, "error": err}
 
     @classmethod
     def decode(cls, msg: Message) -> ErrorReply:
         err = msg.get("error")
         err = err if isinstance(err, dict) else {}
-        done = err.get("bytes_done")
-        return cls(str(err.get("code", "internal")), str(err.get("message", "request failed")), done if isinstance(done, int) else None)
+        done, segs = err.get("bytes_done"), err.get("segments_done")
+        return cls(
+            str(err.get("code", "internal")),
+            str(err.get("message", "request failed")),
+            done if type(done) is int else None,
+            segs if type(segs) is int else None,
+        )
 
     def exception(self) -> PriodError:
-        """The exception this reply stands for (``except priod.LimitExceeded`` works client-side)."""
-        return error_for_code(self.code, self.message, self.bytes_done or 0)
+        """The exception this reply stands for (``except priod.LimitExceeded`` works client-side);
+        a copy's progress (``bytes_done``, ``segments_done``) stays on it."""
+        return error_for_code(self.code, self.message, self.bytes_done or 0, self.segments_done)
 
     @classmethod
     def of(cls, exc: PriodError, bytes_done: int | None = None) -> ErrorReply:

@@ -48,6 +48,7 @@ OPS = frozenset(
         "free",
         "share",
         "copy",
+        "copy_batch",
         "cancel",
         "status",
     }
@@ -86,10 +87,13 @@ class DecodeLimits:
         )
 
 
-REQUEST_LIMITS = DecodeLimits(max_str_len=1024, max_bin_len=256, max_array_len=0, max_map_len=32, max_ext_len=0, flat=True)
+REQUEST_LIMITS = DecodeLimits(max_str_len=1024, max_bin_len=1 << 24, max_array_len=0, max_map_len=32, max_ext_len=0, flat=True)
 """What the daemon decodes a client's frame with (docs/protocol.md, "Frames"). Every request is
 a flat map of fewer than 16 keys whose longest values are a client name or class name (str) and
-a 64-byte CUDA IPC handle (bin); no request holds an array, a map or an ext."""
+a bin: a 64-byte CUDA IPC handle, or a batch's segment table (24 bytes a segment). A bin is one
+object however long, and the frame size bounds it, so its limit is loose: a table with too
+many segments is then refused as a request (``bad_request``, naming the cap), not as a frame
+that closes the connection. No request holds an array, a map or an ext."""
 
 REPLY_LIMITS = DecodeLimits(max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 20, max_ext_len=1 << 20)
 """What a client decodes the daemon's replies with: generous (a status reply nests lists of

@@ -237,16 +237,23 @@ class Pump:
             req = chunk.request
             target = cast(CopyTarget, req.payload)
             try:
-                completion = self.engine.submit(
-                    req.lane,
-                    chunk.path,
-                    target.dst_mem,
-                    target.dst_offset + chunk.offset,
-                    target.src_mem,
-                    target.src_offset + chunk.offset,
-                    chunk.nbytes,
-                    strict=chunk.strict,
-                )
+                if req.segments is None:
+                    completion = self.engine.submit(
+                        req.lane,
+                        chunk.path,
+                        target.dst_mem,
+                        target.dst_offset + chunk.offset,
+                        target.src_mem,
+                        target.src_offset + chunk.offset,
+                        chunk.nbytes,
+                        strict=chunk.strict,
+                    )
+                else:
+                    # A batch's chunk: the parts of its segments that bytes [offset, +nbytes) cover.
+                    dst_offs, src_offs, sizes = req.segments.piece(chunk.offset, chunk.nbytes)
+                    completion = self.engine.submit_segments(
+                        req.lane, chunk.path, target.dst_mem, dst_offs, target.src_mem, src_offs, sizes, strict=chunk.strict
+                    )
             except PriodError as exc:
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):

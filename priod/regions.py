@@ -58,6 +58,8 @@ class UidHoldings:
     device_bytes: int = 0
     queued_requests: int = 0
     queued_bytes: int = 0
+    queued_segments: int = 0
+    """Segments of pending batches (copy_batch), for [limits] max_queued_segments_per_uid."""
     holders: int = 0
     """Connections of this uid now open (their `Holdings`)."""
     requests: RequestRate = field(default_factory=RequestRate)
@@ -65,7 +67,9 @@ class UidHoldings:
 
     @property
     def unused(self) -> bool:
-        return not (self.holders or self.regions or self.pinned_bytes or self.device_bytes or self.queued_requests or self.queued_bytes)
+        return not (
+            self.holders or self.regions or self.pinned_bytes or self.device_bytes or self.queued_requests or self.queued_bytes or self.queued_segments
+        )
 
     def figures(self) -> dict[str, int]:
         return {
@@ -254,17 +258,24 @@ class RegionTable:
         return lane
 
     @staticmethod
-    def overlapping(dst: Region, dst_offset: int, src: Region, src_offset: int, nbytes: int) -> bool:
-        """Whether a copy's source and destination bytes overlap: in one region, or in device
-        regions over one allocation (cuda imports of the same IPC handle share it). Copy
-        engines do not copy overlapping ranges as memmove does."""
+    def memory_shift(dst: Region, src: Region) -> int | None:
+        """Where ``src``'s offsets lie in ``dst``'s offsets' terms when the two may be one memory:
+        one region (0), or device regions over one allocation (cuda imports of the same IPC
+        handle share it: the pointers' difference); None when they cannot overlap."""
         if dst is src:
-            return abs(dst_offset - src_offset) < nbytes
+            return 0
         if dst.kind == "device" and src.kind == "device" and dst.device == src.device:
             a, b = getattr(dst.mem, "pointer", None), getattr(src.mem, "pointer", None)  # cuda's device address
             if isinstance(a, int) and isinstance(b, int):
-                return abs((a + dst_offset) - (b + src_offset)) < nbytes
-        return False
+                return b - a
+        return None
+
+    @staticmethod
+    def overlapping(dst: Region, dst_offset: int, src: Region, src_offset: int, nbytes: int) -> bool:
+        """Whether a copy's source and destination bytes overlap (see `memory_shift`). Copy
+        engines do not copy overlapping ranges as memmove does."""
+        shift = RegionTable.memory_shift(dst, src)
+        return shift is not None and abs(dst_offset - (src_offset + shift)) < nbytes
 
     # -- making regions --------------------------------------------------------------------
     def _claim(self, holder: Holdings, kind: str, nbytes: int) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import budget
+from .batch import SEGMENT_COST_S, Segments
 from .budget import TenantKey
 from .choice import PathChooser, PathEstimate
 from .dispatch import Dispatcher
@@ -77,6 +78,9 @@ class Request:
     """The client's gid, for ``[classes.NAME] gids``; None: unknown."""
     groups: tuple[int, ...] = ()
     """Supplementary groups, also checked against ``gids`` (empty where not known)."""
+    segments: Segments | None = None
+    """A batch's segment table: its chunks are cut so that their bytes plus a cost per segment
+    fit the size a contiguous chunk would get (batch.py); None for a contiguous copy."""
     # Bookkeeping, owned by the scheduler:
     state: RequestState = RequestState.QUEUED
     submitted_bytes: int = 0
@@ -484,6 +488,16 @@ class Scheduler:
         """Cut the next ``size`` bytes of ``t`` and account for them as in flight."""
         req, lane, cq = t.req, t.lane, t.cq
         offset = req.submitted_bytes
+        if req.segments is not None:
+            if path is Path.EXPRESS:
+                # One kernel row per segment: no per-descriptor cost, only the cap per chunk.
+                size = req.segments.cut(offset, size, 0)
+            else:
+                # The cost budget is a whole chunk of the lane even when fewer bytes are left
+                # (``size`` is then the rest): else each chunk would be cut against what remains
+                # and a batch would shrink into ever smaller chunks.
+                budget = max(size, lane.bound(now)[0])
+                size = min(size, req.segments.cut(offset, budget, int(lane.info.bandwidth * SEGMENT_COST_S)))
         if req.state is RequestState.QUEUED:
             req.state = RequestState.ACTIVE
             req.first_submit = now

@@ -2,6 +2,7 @@
 
     frame -> messages.decode_request -> handler -> reply frame
     copy  -> checks (regions, bounds, limits) -> scheduler.enqueue -> pump.kick
+    copy_batch -> the same, its segment table checked as a unit (batch.py) -> one request
           ... pump -> `Session.copy_finished` -> reply frame, metrics, log line
 
 Requests are handled in arrival order, without awaiting, except region set-up (pinning takes
@@ -25,8 +26,9 @@ from typing import Any
 import structlog
 
 from . import __version__
+from .batch import MAX_SEGMENTS, SEGMENT_BYTES, Segments
 from .config import Config
-from .engines.base import Engine, Memory
+from .engines.base import Engine, LaneKey, Memory
 from .errors import ConnectionClosed, InvalidRequest, LimitExceeded, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
 from .log import error_fields
 from .messages import (
@@ -36,6 +38,8 @@ from .messages import (
     Cancel,
     CancelReply,
     Copy,
+    CopyBatch,
+    CopyBatchReply,
     CopyReply,
     Empty,
     ErrorReply,
@@ -67,6 +71,10 @@ _US = 1e6
 REQUESTS_PER_TURN = 64
 """Requests of one connection handled in one loop turn; the rest wait a turn, so a client
 that sends thousands at once cannot hold the loop from the others."""
+SEGMENTS_PER_TURN = MAX_SEGMENTS
+"""Batch segments one connection's requests may bring in one loop turn: checking a table costs
+O(N log N) of the loop (a few milliseconds for the largest), so a client sending batch after
+batch ends its turn after one of the largest and other clients are served between."""
 
 _CANCEL_WHY = {
     "cancelled": "copy cancelled",
@@ -105,6 +113,8 @@ class PendingCopy:
     src: Region
     src_offset: int
     cancel_code: str = "cancelled"
+    segments: Segments | None = None
+    """A batch's segment table (offsets relative to the regions); None for a single copy."""
 
     @property
     def dst_mem(self) -> Memory:
@@ -142,6 +152,9 @@ class Session:
         self.pending: dict[int, QueuedCopy] = {}
         """Copies queued or in flight, by the client's request id."""
         self.queued_bytes = 0
+        self.queued_segments = 0
+        """Segments of this connection's pending batches ([limits] max_queued_segments)."""
+        self._turn_segments = 0
         self.greeted = False
         self.closed = False
         self.copies = 0
@@ -219,10 +232,13 @@ class Session:
         granted = rate.grant(REQUESTS_PER_TURN, lim.max_requests_per_s_per_uid, lim.request_burst_per_uid, time.monotonic())
         used = 0
         self._draining = True
+        self._turn_segments = 0
         try:
             for _ in range(granted):
                 if self._setup is not None or self._ended.done():
                     return
+                if self._turn_segments >= SEGMENTS_PER_TURN:
+                    break  # checked a large batch this turn: the others go first
                 try:
                     item = self.sock.take()
                 except ConnectionClosed:
@@ -333,6 +349,9 @@ class Session:
             if type(req) is Copy:
                 self._copy(req_id, req)  # answered when it ends (copy_finished)
                 return None
+            if type(req) is CopyBatch:
+                self._copy_batch(req_id, req)
+                return None
             reply = self._handlers[type(req)](req, fds)
             if asyncio.iscoroutine(reply):
                 owned, fds = fds, []
@@ -436,14 +455,7 @@ class Session:
     # -- copies ----------------------------------------------------------------------------
     def _copy(self, req_id: int, req: Copy) -> None:
         now = time.perf_counter()
-        shared = self.shared
-        if shared.stopping:
-            raise ShuttingDown("the daemon is stopping and takes no new copies; retry once it is back")
-        if req_id in self.pending:
-            raise InvalidRequest(f"request id {req_id} is already pending on this connection; use a new id per request")
-        regions = shared.regions
-        dst = regions.usable(self.holdings, req.dst)
-        src = regions.usable(self.holdings, req.src)
+        dst, src = self._copy_regions(req_id, req.dst, req.src)
         nbytes = req.nbytes
         for name, region, offset in (("dst", dst, req.dst_offset), ("src", src, req.src_offset)):
             if offset + nbytes > region.nbytes:
@@ -451,6 +463,7 @@ class Session:
                     f"{name}_offset {offset} + nbytes {nbytes} is outside region {region.id} of {region.nbytes} bytes; "
                     "copy within the region's size"
                 )
+        regions = self.shared.regions
         lane = regions.lane_between(dst, src)
         if (dst is src or dst.kind == src.kind) and regions.overlapping(dst, req.dst_offset, src, req.src_offset, nbytes):
             raise InvalidRequest(
@@ -458,7 +471,35 @@ class Session:
                 f"{req.dst_offset}..{req.dst_offset + nbytes} of region {dst.id}; a copy engine does not copy overlapping ranges "
                 "as memmove does: copy through another region, or in pieces that do not overlap"
             )
-        lim = shared.cfg.limits
+        self._check_limits(nbytes, 0)
+        payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
+        self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
+
+    def _copy_batch(self, req_id: int, req: CopyBatch) -> None:
+        """A batch: checked as a unit (every segment, or none, is queued), then one request."""
+        now = time.perf_counter()
+        self._turn_segments += len(req.segments) // SEGMENT_BYTES
+        dst, src = self._copy_regions(req_id, req.dst, req.src)
+        segments = Segments.decode(req.segments)
+        regions = self.shared.regions
+        lane = regions.lane_between(dst, src)
+        self._check_limits(segments.total, len(segments))
+        segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
+        payload = PendingCopy(self, req_id, dst, 0, src, 0, segments=segments)
+        self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
+
+    def _copy_regions(self, req_id: int, dst_id: int, src_id: int) -> tuple[Region, Region]:
+        """The two regions a copy names, once it may be taken at all."""
+        if self.shared.stopping:
+            raise ShuttingDown("the daemon is stopping and takes no new copies; retry once it is back")
+        if req_id in self.pending:
+            raise InvalidRequest(f"request id {req_id} is already pending on this connection; use a new id per request")
+        regions = self.shared.regions
+        return regions.usable(self.holdings, dst_id), regions.usable(self.holdings, src_id)
+
+    def _check_limits(self, nbytes: int, segments: int) -> None:
+        """Refuse (LimitExceeded) a copy of ``nbytes`` (``segments`` for a batch) past a limit."""
+        lim = self.shared.cfg.limits
         if len(self.pending) >= lim.max_queued_requests:
             raise LimitExceeded(
                 f"this connection has {len(self.pending)} copies pending ([limits] max_queued_requests = {lim.max_queued_requests}); "
@@ -480,16 +521,35 @@ class Session:
                 f"{nbytes} more bytes would exceed [limits] max_queued_bytes_per_uid = {lim.max_queued_bytes_per_uid} pending over "
                 f"uid {tally.uid}'s connections; wait for replies before sending more"
             )
-        payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
-        deadline = now + req.deadline_ms / 1e3 if req.deadline_ms is not None else None
-        queued = QueuedCopy(next(shared.request_ids), self.id, lane, req.priority, nbytes, now, deadline, payload, uid=self.peer.uid, gid=self.peer.gid)
+        if segments and self.queued_segments + segments > lim.max_queued_segments:
+            raise LimitExceeded(
+                f"{segments} more segments would exceed [limits] max_queued_segments = {lim.max_queued_segments} pending on this "
+                "connection; wait for replies before sending more"
+            )
+        if segments and tally.queued_segments + segments > lim.max_queued_segments_per_uid:
+            raise LimitExceeded(
+                f"{segments} more segments would exceed [limits] max_queued_segments_per_uid = {lim.max_queued_segments_per_uid} "
+                f"pending over uid {tally.uid}'s connections; wait for replies before sending more"
+            )
+
+    def _enqueue(self, req_id: int, now: float, payload: PendingCopy, lane: LaneKey, priority: str, deadline_ms: float | None, nbytes: int) -> None:
+        shared = self.shared
+        deadline = now + deadline_ms / 1e3 if deadline_ms is not None else None
+        segments = payload.segments
+        queued = QueuedCopy(
+            next(shared.request_ids), self.id, lane, priority, nbytes, now, deadline, payload, uid=self.peer.uid, gid=self.peer.gid, segments=segments
+        )
         shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
         self.pending[req_id] = queued
         self.queued_bytes += nbytes
+        tally = self.holdings.tally
         tally.queued_requests += 1
         tally.queued_bytes += nbytes
-        dst.users.add(queued.id)
-        src.users.add(queued.id)
+        if segments is not None:
+            self.queued_segments += len(segments)
+            tally.queued_segments += len(segments)
+        payload.dst.users.add(queued.id)
+        payload.src.users.add(queued.id)
         shared.pump.kick()
 
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
@@ -509,6 +569,9 @@ class Session:
             tally = self.holdings.tally
             tally.queued_requests -= 1
             tally.queued_bytes -= req.nbytes
+            if p.segments is not None:
+                self.queued_segments -= len(p.segments)
+                tally.queued_segments -= len(p.segments)
             if self.closed:
                 shared.regions.forget_if_unused(tally)
         shared.regions.copy_ended(req.id, p.dst, p.src)
@@ -523,7 +586,7 @@ class Session:
         # The reply goes first: the client waits for it, while the metrics and the log line
         # below wait for no one (they cost tens of microseconds, most of a small copy's time).
         if not self.closed:
-            self.sock.send(_outcome_reply(f, p.cancel_code, queued_s, end - first, total_s).encode(p.client_id))
+            self.sock.send(_outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
         shared.metrics.copy_finished(req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline)
         # One line per copy at debug level: at thousands of copies a second an info line each
         # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.
@@ -543,6 +606,7 @@ class Session:
             path=req.path.value if req.path else None,
             nbytes=req.nbytes,
             bytes_done=f.bytes_done,
+            **({"segments": len(p.segments)} if p.segments is not None else {}),
             outcome=outcome,
             queued_us=round(queued_s * _US, 1),
             total_us=round(total_s * _US, 1),
@@ -550,19 +614,22 @@ class Session:
         )
 
 
-def _outcome_reply(f: Finished, cancel_code: str, queued_s: float, transfer_s: float, total_s: float) -> CopyReply | ErrorReply:
-    """The reply that ends a copy: its timings when done, else why not and how far it got."""
+def _outcome_reply(f: Finished, p: PendingCopy, queued_s: float, transfer_s: float, total_s: float) -> CopyReply | CopyBatchReply | ErrorReply:
+    """The reply that ends a copy: its timings when done, else why not and how far it got
+    (for a batch, in whole segments too)."""
     req = f.request
+    segments = p.segments
     if f.outcome == "done":
-        return CopyReply(
-            nbytes=req.nbytes,
-            queued_us=round(queued_s * _US, 3),
-            transfer_us=round(transfer_s * _US, 3),
-            total_us=round(total_s * _US, 3),
-            path=req.path.value if req.path else "dma",
-            missed_deadline=f.missed_deadline,
-        )
+        path = req.path.value if req.path else "dma"
+        queued_us, transfer_us, total_us = round(queued_s * _US, 3), round(transfer_s * _US, 3), round(total_s * _US, 3)
+        if segments is not None:
+            return CopyBatchReply(req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline)
+        return CopyReply(req.nbytes, queued_us, transfer_us, total_us, path, f.missed_deadline)
     progress = f"after {f.bytes_done} of {req.nbytes} bytes"
+    done = None
+    if segments is not None:
+        done = segments.segments_done(f.bytes_done)
+        progress += f" ({done} of {len(segments)} segments whole)"
     if f.outcome == "failed":
-        return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done)
-    return ErrorReply(cancel_code, f"{_CANCEL_WHY[cancel_code]} {progress}", f.bytes_done)
+        return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done, done)
+    return ErrorReply(p.cancel_code, f"{_CANCEL_WHY[p.cancel_code]} {progress}", f.bytes_done, done)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -482,12 +483,33 @@ class BlockingFramedSocket:
 
     def receive(self) -> tuple[Message, list[int]]:
         while not self._messages:
-            data, ancdata, flags = self._recv()
-            fds = fds_from_ancdata(ancdata, flags)
-            if not data:
-                close_received(fds)
-                raise ConnectionClosed("the daemon closed the connection")
-            self._messages.extend(self._inbox.feed(data, fds))
+            self._take_in(*self._recv())
+        return self._messages.popleft()
+
+    def _take_in(self, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
+        fds = fds_from_ancdata(ancdata, flags)
+        if not data:
+            close_received(fds)
+            raise ConnectionClosed("the daemon closed the connection")
+        self._messages.extend(self._inbox.feed(data, fds))
+
+    def receive_within(self, timeout: float) -> tuple[Message, list[int]] | None:
+        """The next message if one arrives within ``timeout`` seconds (0: only what is already
+        here), else None. For clients that wait for one of several replies with a deadline."""
+        deadline = time.perf_counter() + max(timeout, 0.0)
+        # Spin first, as `_recv` does (no wake-up to pay), but only on a socket without a timeout
+        # of its own: Python waits for readiness up to that timeout even with MSG_DONTWAIT.
+        spin_until = min(deadline, time.perf_counter() + self.spin_s) if self.sock.gettimeout() is None else 0.0
+        while not self._messages and time.perf_counter() < spin_until:
+            try:
+                self._take_in(*recvmsg(self.sock, socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                continue
+        while not self._messages:
+            ready, _, _ = select.select([self.sock], [], [], max(deadline - time.perf_counter(), 0.0))
+            if not ready:
+                return None
+            self._take_in(*recvmsg(self.sock))
         return self._messages.popleft()
 
     def close(self) -> None:

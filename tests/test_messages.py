@@ -9,8 +9,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from priod.errors import Cancelled, InvalidRequest, LimitExceeded
+from priod.errors import Cancelled, EngineError, InvalidRequest, LimitExceeded
 from priod.messages import (
+    CopyBatch,
+    CopyBatchReply,
     REQUEST_TYPES,
     AllocDevice,
     AllocHost,
@@ -47,6 +49,8 @@ REQUESTS: list[Request] = [
     Share(3, 1000),
     Copy(1, 2, 4096, 8, 16, "urgent", 2.5),
     Copy(1, 2, 4096),
+    CopyBatch(1, 2, bytes(48), "urgent", 1.0),
+    CopyBatch(1, 2, bytes(24)),
     Cancel(7),
 ]
 
@@ -60,7 +64,7 @@ def test_every_request_survives_the_wire(req: Request) -> None:
 
 
 def test_every_op_has_a_type() -> None:
-    assert set(REQUEST_TYPES) == {"hello", "ping", "status", "alloc_host", "register_host", "alloc_device", "register_device", "free", "share", "copy", "cancel"}
+    assert set(REQUEST_TYPES) == {"hello", "ping", "status", "alloc_host", "register_host", "alloc_device", "register_device", "free", "share", "copy", "copy_batch", "cancel"}
 
 
 def test_replies_survive_the_wire() -> None:
@@ -69,6 +73,7 @@ def test_replies_survive_the_wire() -> None:
         (RegionReply(5, 4096, "device", 0, {"kind": "memfd", "offset": 0}), RegionReply),
         (RegionReply(6, 4096, "host"), RegionReply),
         (CopyReply(4096, 1.5, 2.5, 4.0, "dma", True), CopyReply),
+        (CopyBatchReply(8192, 512, 1.5, 2.5, 4.0, "express", False), CopyBatchReply),
         (CancelReply(9, "stopping"), CancelReply),
         (StatusReply({"lanes": []}), StatusReply),
         (Empty(), Empty),
@@ -85,6 +90,16 @@ def test_an_error_reply_becomes_the_exception_it_stands_for() -> None:
     exc = error_of(wire)
     assert isinstance(exc, Cancelled) and exc.bytes_done == 4096
     assert isinstance(error_of(ErrorReply.of(LimitExceeded("too much")).encode(1)), LimitExceeded)
+
+
+def test_an_error_reply_keeps_a_batch_s_progress_whatever_its_code() -> None:
+    """bytes_done and segments_done survive the wire on cancelled and on failed copies alike."""
+    cancelled = error_of(ErrorReply("cancelled", "copy cancelled", 4096, 3).encode(1))
+    assert isinstance(cancelled, Cancelled) and (cancelled.bytes_done, cancelled.segments_done) == (4096, 3)
+    failed = error_of(ErrorReply("engine", "copy failed", 8192, 5).encode(1))
+    assert isinstance(failed, EngineError) and (failed.bytes_done, failed.segments_done) == (8192, 5)
+    single = error_of(ErrorReply("engine", "copy failed", 100).encode(1))
+    assert isinstance(single, EngineError) and (single.bytes_done, single.segments_done) == (100, None)
 
 
 @pytest.mark.parametrize(

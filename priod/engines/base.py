@@ -29,6 +29,7 @@ from ..errors import InvalidRequest
 from ..gpus import uuid_key
 
 __all__ = [
+    "AllOf",
     "Completion",
     "DeviceExport",
     "DeviceMemory",
@@ -149,6 +150,33 @@ class Completion(ABC):
         """Give back resources (an event to its pool). Called once, after `done()` is final."""
 
 
+class AllOf(Completion):
+    """Done when every one of ``parts`` is: a chunk submitted as several engine operations."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: list[Completion]) -> None:
+        self._parts = parts
+
+    def done(self) -> bool:
+        # A failed part is reported only once every part has ended: the caller releases all of
+        # them then, and a part still running must not have its token given back.
+        failure: Exception | None = None
+        for part in self._parts:
+            try:
+                if not part.done():
+                    return False
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return True
+
+    def release(self) -> None:
+        for part in self._parts:
+            part.release()
+
+
 class Engine(ABC):
     """A copy backend. All methods are called from the daemon's event-loop thread."""
 
@@ -201,6 +229,30 @@ class Engine(ABC):
         ``strict`` marks an urgent DMA chunk: an engine with a separate queue for those (CUDA:
         a second stream, which small copies can use to pass the bulk stream) may use it.
         """
+
+    def submit_segments(
+        self,
+        lane: LaneKey,
+        path: Path,
+        dst: Memory,
+        dst_offsets: npt.NDArray[np.uint64],
+        src: Memory,
+        src_offsets: npt.NDArray[np.uint64],
+        sizes: npt.NDArray[np.uint64],
+        *,
+        strict: bool = False,
+    ) -> Completion:
+        """Start one chunk of a batch: ``sizes[i]`` bytes from ``src_offsets[i]`` to
+        ``dst_offsets[i]`` for each i, in no set order, as one unit (one completion, FIFO with
+        the lane's other chunks). The caller has checked the table (priod/batch.py).
+
+        This default submits one chunk per segment; engines with a batched call override it.
+        """
+        parts = [
+            self.submit(lane, path, dst, int(d), src, int(s_), int(n), strict=strict)
+            for d, s_, n in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(), strict=True)
+        ]
+        return parts[0] if len(parts) == 1 else AllOf(parts)
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:  # noqa: B027 - optional hook
         """Register a thread-safe callable the engine may call when some chunk completes.

@@ -52,6 +52,8 @@ __all__ = ["SimEngine", "SimSettings", "sealed_memfd"]
 OVERSHOOT_CREDIT_S = 200e-6
 INLINE_MAX_S = 20e-6
 """Jobs the model times at or below this run at once on an idle engine (see run_inline)."""
+INLINE_MAX_SEGMENTS = 16
+"""A batch's chunk of more segments than this never runs inline, however few its bytes."""
 SLICE_BYTES = 1 << 20
 """Granularity of pacing; the chunk as a whole is still never preempted."""
 
@@ -117,12 +119,22 @@ class SimCompletion(Completion):
 
 
 class _Job:
-    __slots__ = ("completion", "dst", "fail", "nbytes", "src", "stall_s")
+    __slots__ = ("completion", "dst", "fail", "nbytes", "segments", "src", "stall_s")
 
     def __init__(self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool, stall_s: float = 0.0) -> None:
         self.dst, self.src, self.nbytes, self.completion, self.fail = dst, src, nbytes, completion, fail
         self.stall_s = stall_s
         """Co-tenant compute wait before the copy starts (express only), drawn at submission."""
+        self.segments: tuple[list[int], list[int], list[int]] | None = None
+        """A batch's chunk: (dst offsets, src offsets, sizes) into ``dst`` and ``src``, which
+        are then the whole regions. The views are cut on the engine's thread, not the loop's."""
+
+    def parts(self) -> list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]:
+        """(destination, source) views, one per segment: the job's bytes in order."""
+        if self.segments is None:
+            return [(self.dst, self.src)]
+        dst, src = self.dst, self.src
+        return [(dst[d : d + n], src[s : s + n]) for d, s, n in zip(*self.segments, strict=True)]
 
 
 class _Link:
@@ -166,8 +178,11 @@ class _Worker(threading.Thread):
         """
         if job.stall_s > 0 or self.submitted != self.completed or job.nbytes / self.link.rate(self.path) > INLINE_MAX_S:
             return False
+        if job.segments is not None and len(job.segments[0]) > INLINE_MAX_SEGMENTS:
+            return False  # a Python step per segment: thousands of tiny ones would hold the loop
         started = time.perf_counter()
-        job.dst[:] = job.src
+        for dst, src in job.parts():
+            dst[:] = src
         self._complete(job)
         self.link.busy_seconds += time.perf_counter() - started
         return True
@@ -222,17 +237,30 @@ class _Worker(threading.Thread):
         # engine left idle by the scheduler still shows as idle.
         now = time.perf_counter()
         due = max(self._last_due, now - OVERSHOOT_CREDIT_S)
-        done = 0
-        while done < job.nbytes:
-            k = min(SLICE_BYTES, job.nbytes - done)
-            job.dst[done : done + k] = job.src[done : done + k]
-            done += k
-            due += k / self.link.rate(self.path)
-            delay = due - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
+        moved = 0  # bytes since the last pause: a batch's small segments are paced together
+        for dst, src in job.parts():
+            size = len(dst)
+            done = 0
+            while done < size:
+                k = min(SLICE_BYTES - moved, size - done)
+                dst[done : done + k] = src[done : done + k]
+                done += k
+                moved += k
+                if moved >= SLICE_BYTES:
+                    due = self._pace(due, moved)
+                    moved = 0
+        if moved:
+            due = self._pace(due, moved)
         self._last_due = due
         self._complete(job)
+
+    def _pace(self, due: float, nbytes: int) -> float:
+        """Sleep until ``nbytes`` more would have moved at the modelled rate; the new due time."""
+        due += nbytes / self.link.rate(self.path)
+        delay = due - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return due
 
 
 class SimEngine(Engine):
@@ -316,6 +344,37 @@ class SimEngine(Engine):
             fail=nbytes == self.cfg.fault_on_nbytes,
             stall_s=self._draw_stall() if path is Path.EXPRESS and self._cotenant_stall_s > 0 else 0.0,
         )
+        worker = self._workers[(lane, path)]
+        if not worker.run_inline(job):
+            worker.submitted += 1
+            worker.jobs.put(job)
+        return completion
+
+    def submit_segments(
+        self,
+        lane: LaneKey,
+        path: Path,
+        dst: Memory,
+        dst_offsets: npt.NDArray[np.uint64],
+        src: Memory,
+        src_offsets: npt.NDArray[np.uint64],
+        sizes: npt.NDArray[np.uint64],
+        *,
+        strict: bool = False,
+    ) -> Completion:
+        """One job for the whole chunk: its segments move one after another on the lane's
+        thread, paced by their bytes together, as one entry of the lane's FIFO."""
+        nbytes = int(sizes.sum())
+        completion = SimCompletion()
+        job = _Job(
+            _view(dst),
+            _view(src),
+            nbytes,
+            completion,
+            fail=nbytes == self.cfg.fault_on_nbytes,
+            stall_s=self._draw_stall() if path is Path.EXPRESS and self._cotenant_stall_s > 0 else 0.0,
+        )
+        job.segments = (dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist())
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
             worker.submitted += 1

@@ -99,6 +99,8 @@ class Device:
         self.module: Any = None
         """The loaded copy kernel's module (None: no express lane on this device)."""
         self.function: Any = None
+        self.table_function: Any = None
+        """``priod_copy_table``, a batch's chunk in one launch (None: launch per segment)."""
         self.kernel_registers = 0
         self.h2d, self.d2h, self.d2d = (self._new_lane(d) for d in (Direction.H2D, Direction.D2H, Direction.D2D))
 

@@ -23,6 +23,9 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from priod.engines.base import (
     Completion,
     DeviceMemory,
@@ -37,8 +40,9 @@ from priod.engines.base import (
 from priod.errors import CudaError, EngineError, InvalidRequest
 
 from ._driver import bindings, check, device_count
+from .batched import BatchedDma
 from .calibrate import Log, calibrate
-from .device import Device, open_device
+from .device import Device, Lane, open_device
 from .events import Done, EventCompletion
 from .express import ExpressKernel, read_ptx
 from .memory import CudaDeviceMemory, CudaHostMemory, Regions
@@ -95,6 +99,7 @@ class CudaEngine(Engine):
         self._express_wanted = express
         self._express_error: str | None = None
         self._kernel = ExpressKernel()
+        self._batched: BatchedDma
 
         count = device_count()
         wanted = list(range(count)) if devices is None else list(devices)
@@ -105,6 +110,9 @@ class CudaEngine(Engine):
         if express:
             ptx, self._express_error = read_ptx()
         try:
+            self._batched = BatchedDma()
+            if self._batched.error:
+                self._log.info("cuda batched copies", path="per segment", reason=self._batched.error)
             for index in wanted:
                 open_device(index, self._devices, self._use, lambda dev: self._load_kernel(dev, ptx))
             for dev in self._devices.values():
@@ -194,28 +202,17 @@ class CudaEngine(Engine):
                 range falls outside them.
             EngineError: Express asked of a lane that has none; CudaError when CUDA refuses.
         """
-        # The hot path: no Enum hashing (Enum.__hash__ is Python code), identity tests instead.
-        dev = self._devices.get(lane.device)
-        if dev is None or self._closed:
-            self._check_open()
-            raise InvalidRequest(f"this engine does not serve gpu{lane.device}")
-        direction = lane.direction
-        info = dev.h2d if direction is _H2D else dev.d2h if direction is _D2H else dev.d2d
-        s_host = src if type(src) is CudaHostMemory else _host(src)
-        d_host = dst if type(dst) is CudaHostMemory else _host(dst)
-        if (s_host is not None) is not info.host_src or (d_host is not None) is not info.host_dst:
-            raise InvalidRequest(f"lane {lane} needs {_ENDS_TEXT[direction]}, got {_what(src)} -> {_what(dst)}")
+        dev, info, s_host, d_host = self._ends(lane, dst, src)
         if nbytes < 0 or src_offset < 0 or dst_offset < 0 or src_offset + nbytes > src.nbytes or dst_offset + nbytes > dst.nbytes:
             raise InvalidRequest(
                 f"copy of {nbytes} bytes from offset {src_offset} (of {src.nbytes}) "
                 f"to offset {dst_offset} (of {dst.nbytes}) is out of range"
             )
-        if lane.device != src.device and lane.device != dst.device:
-            raise InvalidRequest(f"lane {lane} got {_what(src)} -> {_what(dst)}: neither end is on gpu{lane.device}")
         if nbytes == 0:
             return Done()
         self._use(lane.device)
         rt = self._rt
+        direction = lane.direction
         if path is _DMA:
             stream = info.strict if strict else info.dma
             sp = (s_host.host_pointer if s_host is not None else src.pointer) + src_offset  # type: ignore[attr-defined]
@@ -233,9 +230,72 @@ class CudaEngine(Engine):
                 check(rt.cudaMemcpyAsync(dp, sp, nbytes, info.kind, stream))
             else:
                 self._kernel.launch(dev, dp, sp, nbytes, info.express_cu)
+        return self._record(dev, info, stream)
+
+    def submit_segments(
+        self,
+        lane: LaneKey,
+        path: Path,
+        dst: Memory,
+        dst_offsets: npt.NDArray[np.uint64],
+        src: Memory,
+        src_offsets: npt.NDArray[np.uint64],
+        sizes: npt.NDArray[np.uint64],
+        *,
+        strict: bool = False,
+    ) -> Completion:
+        """Start one chunk of a batch, followed by one event. DMA: one ``cuMemcpyBatchAsync``
+        where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
+        stream `submit` would use. Express: the copy kernel's table form, one launch per 128
+        segments (a launch per segment where the kernel has no table form, and between GPUs a
+        peer copy per segment on the express stream)."""
+        dev, info, s_host, d_host = self._ends(lane, dst, src)
+        if not len(sizes):
+            return Done()
+        if int((dst_offsets + sizes).max()) > dst.nbytes or int((src_offsets + sizes).max()) > src.nbytes:
+            raise InvalidRequest(f"a segment of this chunk falls outside its region ({dst.nbytes} / {src.nbytes} bytes)")
+        self._use(lane.device)
+        if path is _DMA:
+            stream = info.strict if strict else info.dma
+            sp = s_host.host_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
+            dp = d_host.host_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
+            self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
+        else:
+            if info.express_max == 0:
+                raise EngineError(f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA")
+            stream = info.express
+            sp = s_host.device_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
+            dp = d_host.device_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
+            if lane.direction is _D2D and src.device != dst.device:
+                self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)  # see `submit`
+            else:
+                self._kernel.launch_table(dev, dp, sp, dst_offsets, src_offsets, sizes, info.express_cu)
+        return self._record(dev, info, stream)
+
+    def _ends(self, lane: LaneKey, dst: Memory, src: Memory) -> tuple[Device, Lane, CudaHostMemory | None, CudaHostMemory | None]:
+        """The device and lane of a chunk, and which ends are host memory; InvalidRequest if the
+        memories do not fit the lane."""
+        # The hot path: no Enum hashing (Enum.__hash__ is Python code), identity tests instead.
+        dev = self._devices.get(lane.device)
+        if dev is None or self._closed:
+            self._check_open()
+            raise InvalidRequest(f"this engine does not serve gpu{lane.device}")
+        direction = lane.direction
+        info = dev.h2d if direction is _H2D else dev.d2h if direction is _D2H else dev.d2d
+        s_host = src if type(src) is CudaHostMemory else _host(src)
+        d_host = dst if type(dst) is CudaHostMemory else _host(dst)
+        if (s_host is not None) is not info.host_src or (d_host is not None) is not info.host_dst:
+            raise InvalidRequest(f"lane {lane} needs {_ENDS_TEXT[direction]}, got {_what(src)} -> {_what(dst)}")
+        if lane.device != src.device and lane.device != dst.device:
+            raise InvalidRequest(f"lane {lane} got {_what(src)} -> {_what(dst)}: neither end is on gpu{lane.device}")
+        return dev, info, s_host, d_host
+
+    def _record(self, dev: Device, info: Lane, stream: Any) -> Completion:
+        """An event from the device's pool, recorded on ``stream`` after the chunk (the lane's busy
+        time counts from now until it is seen done)."""
         pool = dev.events
         event = pool.free.pop() if pool.free else pool.take()
-        check(rt.cudaEventRecord(event, stream))
+        check(self._rt.cudaEventRecord(event, stream))
         return EventCompletion(event, pool, info.busy)
 
     def busy_seconds(self) -> dict[LaneKey, float]:
@@ -274,6 +334,8 @@ class CudaEngine(Engine):
             "lanes": lanes,
             "express": bool(self._express_wanted and self._express_error is None and self._devices),
             "express_error": self._express_error,
+            "batch_dma": "cuMemcpyBatchAsync" if self._batched.error is None else "per segment",
+            "batch_dma_error": self._batched.error,
             **self._regions.statistics(),
         }
 

@@ -3,7 +3,9 @@
 // see priod/engines/cuda/express.py). Shipped as PTX text (express.ptx, made by
 // scripts/build_ptx.sh) and loaded with cuModuleLoadData, so no NVRTC is needed at run time.
 //
-// One entry point, priod_copy(src, dst, n), correct for any size and any pair of addresses:
+// Two entry points: priod_copy(src, dst, n), one range, and priod_copy_table(table), up to 128
+// ranges of a batch in one launch (see below). Each range is copied correctly for any size and
+// any pair of addresses:
 //   - the widest word w in {16, 8, 4, 2, 1} bytes for which src and dst share alignment is used;
 //   - a head of < w bytes brings dst (and therefore src) to that alignment, a tail of < w bytes
 //     follows the body; both are copied byte by byte by the first threads of the grid;
@@ -46,10 +48,8 @@ __device__ __forceinline__ void copy_words(const T* __restrict__ s, T* __restric
   for (; i < n; i += stride) store_cs(d + i, load_cs(s + i));
 }
 
-extern "C" __global__ void __launch_bounds__(1024, 2)
-priod_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, u64 n) {
-  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-  const u64 stride = (u64)gridDim.x * blockDim.x;
+// One range, as grid-stride thread ``tid`` of ``stride``: the body of both kernels below.
+__device__ __forceinline__ void copy_range(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, u64 n, u64 tid, u64 stride) {
   const u64 mis = (u64)src ^ (u64)dst;
   const u64 w = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
   u64 head = (w - ((u64)dst & (w - 1))) & (w - 1);
@@ -67,4 +67,29 @@ priod_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ ds
     case 2: copy_words((const unsigned short*)s, (unsigned short*)d, words, tid, stride); break;
     default: copy_words(s, d, words, tid, stride); break;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 2)
+priod_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, u64 n) {
+  copy_range(src, dst, n, (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x);
+}
+
+// A batch's chunk in one launch: the segment table travels in the kernel's parameters (the
+// driver copies them at launch, so no buffer has to outlive the call), TABLE_MAX segments at
+// most (3,096 bytes, within the 4 KiB every driver takes). Segment i is copied by the blocks
+// of row blockIdx.y == i, grid-stride over blockIdx.x, each with the widest word its own
+// addresses allow. Offsets are relative to the two bases.
+#define TABLE_MAX 128
+
+struct SegmentTable {
+  u64 src;
+  u64 dst;
+  u64 seg[3 * TABLE_MAX];  // (dst_offset, src_offset, nbytes) per segment
+};
+
+extern "C" __global__ void __launch_bounds__(1024, 2)
+priod_copy_table(const __grid_constant__ SegmentTable t) {
+  const u64* e = t.seg + 3 * blockIdx.y;
+  copy_range((const unsigned char*)(t.src + e[1]), (unsigned char*)(t.dst + e[0]), e[2], (u64)blockIdx.x * blockDim.x + threadIdx.x,
+             (u64)gridDim.x * blockDim.x);
 }

@@ -24,12 +24,17 @@ import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
 from priod.errors import CudaError
 
 from ._driver import bindings, check
 
 if TYPE_CHECKING:
     from .device import Device
+
+U64 = npt.NDArray[np.uint64]
 
 __all__ = [
     "EXPRESS_BLOCKS_PER_SM",
@@ -39,6 +44,8 @@ __all__ = [
     "EXPRESS_UNROLL",
     "KERNEL_NAME",
     "PTX_PATH",
+    "TABLE_KERNEL_NAME",
+    "TABLE_MAX",
     "ExpressKernel",
     "read_ptx",
 ]
@@ -80,6 +87,10 @@ EXPRESS_UNROLL = 4
 
 PTX_PATH = Path(__file__).with_name("express.ptx")
 KERNEL_NAME = b"priod_copy"
+TABLE_KERNEL_NAME = b"priod_copy_table"
+TABLE_MAX = 128
+"""Segments one ``priod_copy_table`` launch takes (``TABLE_MAX`` in ``express.cu``): its table
+rides in the kernel's parameters, 3,088 bytes, within the 4 KiB every driver accepts."""
 
 
 def read_ptx() -> tuple[bytes | None, str | None]:
@@ -107,6 +118,12 @@ class ExpressKernel:
         base = ctypes.addressof(self._kargs)
         self._kptrs = (ctypes.c_uint64 * 3)(base, base + 8, base + 16)
         self._kparams = ctypes.addressof(self._kptrs)
+        # priod_copy_table's one parameter, the SegmentTable struct: src, dst, then
+        # (dst_offset, src_offset, nbytes) per segment, as uint64.
+        self._table = (ctypes.c_uint64 * (2 + 3 * TABLE_MAX))()
+        self._table_view: U64 = np.ctypeslib.as_array(self._table)
+        self._tptrs = (ctypes.c_uint64 * 1)(ctypes.addressof(self._table))
+        self._tparams = ctypes.addressof(self._tptrs)
 
     @staticmethod
     def load(dev: Device, ptx: bytes) -> str | None:
@@ -117,10 +134,11 @@ class ExpressKernel:
             dev.module = check(drv.cuModuleLoadData(ptx))
             dev.function = check(drv.cuModuleGetFunction(dev.module, KERNEL_NAME))
             dev.kernel_registers = int(check(drv.cuFuncGetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, dev.function)))
+            dev.table_function = check(drv.cuModuleGetFunction(dev.module, TABLE_KERNEL_NAME))
         except CudaError as exc:
             # An older driver than the PTX's ISA (CUDA_ERROR_UNSUPPORTED_PTX_VERSION) lands
             # here: the engine still works, without the express lane.
-            dev.module = dev.function = None
+            dev.module = dev.function = dev.table_function = None
             return (
                 f"loading {PTX_PATH.name} on gpu{dev.index} failed ({exc}); the driver may be older "
                 "than the PTX (regenerate it with an older nvcc: scripts/build_ptx.sh)"
@@ -139,6 +157,33 @@ class ExpressKernel:
         args[1] = dst
         args[2] = nbytes
         check(self._cu_launch(dev.function, blocks, 1, 1, threads, 1, 1, 0, stream, self._kparams, 0))
+
+    def launch_table(self, dev: Device, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, stream: Any) -> None:
+        """Copy a batch's segments (offsets relative to ``dst`` and ``src``): one launch of
+        ``priod_copy_table`` per `TABLE_MAX` of them, a row of blocks per segment, the rows
+        together about one wave. Where the kernel is not loaded, one `launch` per segment."""
+        count = len(sizes)
+        if dev.table_function is None:
+            for d, s_, n in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(), strict=True):
+                self.launch(dev, dst + d, src + s_, n, stream)
+            return
+        table, view = self._table, self._table_view
+        table[0] = src
+        table[1] = dst
+        wave = dev.sm_count * self.blocks_per_sm
+        for first in range(0, count, TABLE_MAX):
+            last = min(count, first + TABLE_MAX)
+            rows = last - first
+            cells = view[2 : 2 + 3 * rows].reshape(rows, 3)
+            cells[:, 0] = dst_offsets[first:last]
+            cells[:, 1] = src_offsets[first:last]
+            cells[:, 2] = sizes[first:last]
+            # Threads for one 16-byte unrolled step each of the largest segment, as `launch` sizes
+            # its grid; rows share the wave (a row gets at least one block).
+            wanted = max(1, -(-(int(sizes[first:last].max()) // 16) // EXPRESS_UNROLL))
+            threads = min(EXPRESS_THREADS, max(32, -(-wanted // 32) * 32))
+            per_row = max(1, min(-(-wanted // threads), wave // rows))
+            check(self._cu_launch(dev.table_function, per_row, rows, 1, threads, 1, 1, 0, stream, self._tparams, 0))
 
     def grid(self, dev: Device) -> str:
         """The largest grid on ``dev``, for statistics."""

@@ -1,0 +1,184 @@
+"""Segment tables: many ``(dst_offset, src_offset, nbytes)`` copies between two regions as one.
+
+A batched copy (``copy_batch``, docs/protocol.md) carries its segments as one msgpack ``bin``
+of little-endian uint64 triples, 24 bytes a segment. They are decoded with numpy as a view of
+the frame's bytes (no Python loop, no per-segment object) and checked as a unit before
+anything is queued (`Segments.decode`, `Segments.check_regions`). The scheduler then sees a
+batch as one request of ``total`` bytes, chunked like any copy: a chunk is a byte range of the
+segments laid end to end, and `Segments.piece` says which parts of which segments it covers.
+
+Nothing here does I/O or knows about engines; the checks cost O(N log N) numpy work for N
+segments (measured by ``tests/test_batch.py::test_largest_batch_is_checked_quickly``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import InvalidRequest
+
+__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "Segments", "encode_segments"]
+
+SEGMENT_BYTES = 24
+"""One segment on the wire: three little-endian uint64 (dst_offset, src_offset, nbytes)."""
+MAX_SEGMENTS = 32768
+"""Most segments in one batch. A frame is at most ``max_frame_bytes`` (1 MiB by default: 43,690
+segments), and the checks of a batch this size take a few milliseconds of the daemon's loop
+(the session ends its turn after one, so other clients are served between). A batch past it is
+refused with a message saying to split it."""
+SEGMENT_COST_S = 1e-6
+"""What one segment costs a copy engine beyond its bytes, as time: each is a descriptor the
+engine fetches and starts. A chunk is cut so that its bytes plus this per segment stay within
+the bytes the scheduler gave it, so a chunk of many small segments takes no longer than a
+contiguous chunk would: the in-flight bound (what an urgent copy waits for) keeps holding.
+An estimate; ``scripts/bench_gpu_batch.py`` measures the bulk rate of 64 KiB blocks against
+the link."""
+MAX_SEGMENTS_PER_CHUNK = 4096
+"""Most segments one chunk covers whatever their cost: bounds one engine submission's work."""
+
+_WIRE = np.dtype("<u8")
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+
+def encode_segments(segments: object) -> bytes:
+    """The wire form of ``segments``: an (N, 3) integer array or a sequence of triples.
+
+    Client-side checks (shape, integer type, no negative value) so that a mistake is reported
+    before the frame is sent; the daemon checks everything again.
+    """
+    arr = np.asarray(segments)
+    if arr.ndim != 2 or arr.shape[1] != 3 or arr.shape[0] == 0:
+        raise InvalidRequest(f"segments must be an (N, 3) array or a sequence of (dst_offset, src_offset, nbytes) triples, N >= 1; got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequest(f"segments must hold integers, got {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+        raise InvalidRequest("segments hold a negative offset or size; offsets are >= 0 and sizes >= 1")
+    if arr.shape[0] > MAX_SEGMENTS:
+        raise InvalidRequest(f"{arr.shape[0]} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
+    return np.ascontiguousarray(arr, dtype=_WIRE).tobytes()
+
+
+@dataclass(eq=False, slots=True)
+class Segments:
+    """A checked segment table. Offsets are relative to the regions' starts."""
+
+    dst: U64
+    src: U64
+    size: U64
+    ends: I64
+    """Cumulative sizes: segment i holds bytes [ends[i] - size[i], ends[i]) of the batch."""
+    total: int
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Segments:
+        """Read the wire form; raises InvalidRequest naming the fix. Region bounds come later."""
+        n, rest = divmod(len(raw), SEGMENT_BYTES)
+        if rest:
+            raise InvalidRequest(f"segments holds {len(raw)} bytes, not a multiple of {SEGMENT_BYTES}: send little-endian uint64 (dst_offset, src_offset, nbytes) triples")
+        if n == 0:
+            raise InvalidRequest("segments is empty; a batch holds at least one segment")
+        if n > MAX_SEGMENTS:
+            raise InvalidRequest(f"{n} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
+        table = np.frombuffer(raw, dtype=_WIRE).reshape(n, 3)
+        dst, src, size = table[:, 0], table[:, 1], table[:, 2]
+        if not size.all():
+            i = int(np.argmin(size))
+            raise InvalidRequest(f"segment {i} has nbytes = 0; every segment copies at least 1 byte")
+        # Offsets and sizes past 2**62 cannot fit any region; refusing them here keeps every sum
+        # below within int64 (and an overflowing sum cannot pass a bounds check).
+        if int(max(dst.max(), src.max(), size.max())) >= 1 << 62:
+            raise InvalidRequest("a segment's offset or size is 2**62 or more, past any region; check the triples' order (dst_offset, src_offset, nbytes)")
+        ends = np.cumsum(size.astype(np.int64))
+        return cls(dst, src, size, ends, int(ends[-1]))
+
+    def check_regions(self, dst_nbytes: int, src_nbytes: int, shift: int | None, dst_id: int, src_id: int) -> None:
+        """Every segment within its region; no two destination segments overlap; no
+        destination segment overlaps a source segment when both regions are one memory.
+
+        ``shift``: where source offsets lie in destination offsets' terms when the two regions
+        share memory (0 for one region, the pointers' difference for two views of one device
+        allocation), None when they cannot overlap. Sort-based, O(N log N), no Python loop.
+        """
+        for name, offs, limit, rid in (("dst", self.dst, dst_nbytes, dst_id), ("src", self.src, src_nbytes, src_id)):
+            bad = np.flatnonzero(offs.astype(np.int64) + self.size.astype(np.int64) > limit)
+            if bad.size:
+                i = int(bad[0])
+                raise InvalidRequest(
+                    f"segment {i}: {name}_offset {int(offs[i])} + nbytes {int(self.size[i])} is outside region {rid} of {limit} bytes; "
+                    "keep every segment within its region"
+                )
+        d_start = self.dst.astype(np.int64)
+        order = np.argsort(d_start, kind="stable")
+        starts = d_start[order]
+        stops = starts + self.size.astype(np.int64)[order]
+        clash = np.flatnonzero(starts[1:] < stops[:-1])
+        if clash.size:
+            a, b = int(order[clash[0]]), int(order[clash[0] + 1])
+            # The copies of a batch run in no set order (cuMemcpyBatchAsync promises none), so
+            # two writes to one byte would leave either value: refused rather than undefined.
+            raise InvalidRequest(f"destination segments {a} and {b} overlap; a batch writes each destination byte at most once")
+        if shift is None:
+            return
+        # Destination intervals are now sorted and disjoint, so their ends rise too: for each
+        # source interval the last destination starting before its end is the only candidate.
+        s_start = self.src.astype(np.int64) + shift
+        s_stop = s_start + self.size.astype(np.int64)
+        k = np.searchsorted(starts, s_stop, side="left") - 1
+        hit = np.flatnonzero((k >= 0) & (stops[np.maximum(k, 0)] > s_start))
+        if hit.size:
+            j = int(hit[0])
+            raise InvalidRequest(
+                f"source segment {j} overlaps destination segment {int(order[k[j]])} in the same memory; a copy engine does not "
+                "copy overlapping ranges as memmove does: copy through another region"
+            )
+
+    def segments_done(self, bytes_done: int) -> int:
+        """How many segments landed whole when the first ``bytes_done`` bytes of the batch did."""
+        return int(np.searchsorted(self.ends, bytes_done, side="right"))
+
+    def cut(self, offset: int, size: int, seg_cost: int) -> int:
+        """The bytes of the chunk that starts at batch byte ``offset`` and may cost ``size``:
+        its bytes plus ``seg_cost`` per segment it touches, and at least the rest of the segment
+        it starts in (up to ``size``)."""
+        ends = self.ends
+        first = int(np.searchsorted(ends, offset, side="right"))
+        last = min(len(ends), first + MAX_SEGMENTS_PER_CHUNK)
+        if seg_cost <= 0:
+            return min(size, int(ends[last - 1]) - offset)
+        # Candidate chunk ends at segment boundaries: the cost of ending after segment first+i.
+        room = ends[first:last] - offset + seg_cost * np.arange(1, last - first + 1)
+        whole = int(np.searchsorted(room, size, side="right"))  # segments that fit whole
+        end = offset if whole == 0 else int(ends[first + whole - 1])
+        if whole < last - first:
+            # Part of the next segment, if the cost left allows (a chunk always moves a byte).
+            spare = size - (end - offset) - seg_cost * (whole + 1)
+            if spare > 0:
+                end += min(spare, int(ends[first + whole]) - end)
+        # At least the rest of the first segment (within ``size``): near a batch's end ``size``
+        # is only what is left, which no segment cost should split into one-byte chunks.
+        return max(end, min(int(ends[first]), offset + size)) - offset
+
+    def piece(self, offset: int, nbytes: int) -> tuple[U64, U64, U64]:
+        """(dst offsets, src offsets, sizes) of batch bytes [offset, offset + nbytes)."""
+        ends = self.ends
+        first = int(np.searchsorted(ends, offset, side="right"))
+        last = int(np.searchsorted(ends, offset + nbytes, side="left")) + 1
+        dst = self.dst[first:last].copy()
+        src = self.src[first:last].copy()
+        size = self.size[first:last].copy()
+        head = offset - (int(ends[first]) - int(size[0]))  # bytes of the first segment already sent
+        if head:
+            dst[0] += np.uint64(head)
+            src[0] += np.uint64(head)
+            size[0] -= np.uint64(head)
+        over = int(ends[last - 1]) - (offset + nbytes)  # bytes of the last segment left for later
+        if over:
+            size[-1] -= np.uint64(over)
+        return dst, src, size
