@@ -18,28 +18,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import math
-import mmap
 import os
 import socket
 import time
 from collections.abc import Callable, Generator
 from types import TracebackType
-from typing import Any, Generic, TypedDict, TypeVar, Unpack
+from typing import Any, Generic, Unpack
 
-import numpy as np
-import numpy.typing as npt
 
-from .batch import encode_segments
-from .config import find_socket
-from .errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied, PriodError, ProtocolError
+from .errors import ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
 from .messages import (
     PROTOCOL_VERSION,
-    AllocDevice,
     AllocHost,
     Cancel,
-    Copy,
-    CopyBatch,
     CopyBatchReply,
     CopyReply,
     Free,
@@ -48,7 +39,6 @@ from .messages import (
     Message,
     Ping,
     RegionReply,
-    RegisterDevice,
     RegisterHost,
     Request,
     Share,
@@ -57,7 +47,28 @@ from .messages import (
     error_of,
 )
 from .protocol import REPLY_LIMITS
-from .transport import BlockingFramedSocket, FramedSocket, peer_credentials
+from .transport import FramedSocket
+from .client_base import (
+    BUSY_WAIT_S,
+    BatchOptions,
+    BatchResult,
+    CopyOptions,
+    CopyResult,
+    R,
+    Region,
+    Reply,
+    alloc_device_request,
+    batch_request,
+    check_owner,
+    close_fds,
+    copy_request,
+    cuda_register_request,
+    discover,
+    no_daemon,
+    no_permission,
+    progress,
+    raise_if_cancelled,
+)
 
 __all__ = [
     "BatchHandle",
@@ -73,185 +84,6 @@ __all__ = [
     "SyncCopyHandle",
     "connect",
 ]
-
-BUSY_WAIT_S = 0.5
-"""How long a connect retries while the daemon's listen backlog is full (EAGAIN), at least:
-a burst of connections fills it for a moment, and a client should not fail for that."""
-
-
-CopyResult = CopyReply
-"""What the daemon measured for one finished copy (microseconds, daemon clock)."""
-BatchResult = CopyBatchReply
-"""What the daemon measured for one finished batch: total bytes, segments, timings."""
-R = TypeVar("R", CopyReply, CopyBatchReply)
-
-BATCH_FRAME_SLACK = 256
-"""Bytes of a copy_batch frame besides its segment table (header, keys, ids, class name)."""
-
-
-class CopyOptions(TypedDict, total=False):
-    """The optional settings of a copy (docs/protocol.md, ``copy``)."""
-
-    dst_offset: int
-    src_offset: int
-    priority: str
-    """A class from the daemon's ``hello`` reply; default ``normal``."""
-    deadline_ms: float | None
-    """Orders work within its class, earliest first; a miss is counted, not an error."""
-
-
-class BatchOptions(TypedDict, total=False):
-    """The optional settings of a batch (docs/protocol.md, ``copy_batch``)."""
-
-    priority: str
-    deadline_ms: float | None
-
-
-class Region:
-    """A host or device region this connection made. ``array`` maps it where that is possible."""
-
-    def __init__(self, reply: RegionReply, fds: list[int], generation: int) -> None:
-        self.id = reply.region
-        self.nbytes = reply.nbytes
-        self.kind = reply.kind
-        self.device = reply.device
-        """The daemon's ordinal of the region's GPU; yours may differ (CUDA_VISIBLE_DEVICES)."""
-        self.device_uuid = reply.device_uuid
-        """The region's GPU by UUID (``GPU-...``), the same in every process; None for host memory."""
-        self.export: Message = reply.export or {}
-        self.generation = generation
-        self._mapping: mmap.mmap | None = None
-        self.array: npt.NDArray[np.uint8] | None = None
-        if fds:
-            try:
-                self._mapping = mmap.mmap(fds[0], self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                self.array = np.frombuffer(self._mapping, dtype=np.uint8)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-    def cuda(self) -> Any:
-        """Open a daemon-allocated device region in this process (cuda engine only).
-
-        Returns an object with ``__cuda_array_interface__`` (uint8, ``nbytes``): pass it to
-        ``cupy.asarray`` or ``torch.as_tensor(..., device="cuda")``. Call its ``close()`` when done.
-        """
-        if self.export.get("kind") != "cuda_ipc":
-            raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
-        from .cuda_ipc import local_ordinal, open_device_export
-
-        # Opened on this process's ordinal of the GPU, found by UUID: the daemon's ordinal names
-        # another GPU here, or none, when CUDA_VISIBLE_DEVICES differs between the two processes.
-        device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
-        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, device)
-
-    def unmap(self) -> None:
-        self.array = None
-        if self._mapping is not None:
-            try:
-                self._mapping.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes when that view goes
-            self._mapping = None
-
-    def __repr__(self) -> str:
-        return f"<priod.Region {self.id} {self.kind} {self.nbytes} bytes>"
-
-
-def _no_permission(path: str) -> PermissionDenied:
-    return PermissionDenied(
-        f"cannot connect to {path}: permission denied by the socket's mode; "
-        "ask an administrator to add your user to the socket's group (priod; see docs/operations.md)"
-    )
-
-
-def _no_daemon(path: str, exc: OSError) -> ConnectionClosed:
-    return ConnectionClosed(f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path")
-
-
-async def _discover(deadline: float) -> str:
-    """`find_socket`, tried again until ``deadline`` (``time.monotonic()``): a daemon that is
-    starting has not made its socket yet."""
-    while True:
-        try:
-            return find_socket()
-        except ConnectionClosed:
-            if time.monotonic() >= deadline:
-                raise
-        await asyncio.sleep(0.05)
-
-
-def _check_owner(sock: socket.socket, path: str, expect_uid: int | None) -> None:
-    """Refuse a daemon that does not run as ``expect_uid`` (SO_PEERCRED: who called listen())."""
-    if expect_uid is None:
-        return
-    uid = peer_credentials(sock).uid
-    if uid != expect_uid:
-        raise PermissionDenied(
-            f"the socket {path} is served by a process of uid {uid}, not of uid {expect_uid} as expected (expect_uid); "
-            "another user may have taken the socket path: check which process listens there before sending it your data"
-        )
-
-
-def _copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOptions) -> Copy:
-    if nbytes is None:
-        nbytes = min(dst.nbytes - options.get("dst_offset", 0), src.nbytes - options.get("src_offset", 0))
-    return Copy(dst.id, src.id, nbytes, **options)
-
-
-def _batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions, max_frame: int) -> CopyBatch:
-    raw = encode_segments(segments)
-    if len(raw) + BATCH_FRAME_SLACK > max_frame:
-        raise InvalidRequest(
-            f"{len(raw) // 24} segments make a frame of about {len(raw) + BATCH_FRAME_SLACK} bytes, over the daemon's "
-            f"max_frame_bytes = {max_frame}; split them into batches of at most {(max_frame - BATCH_FRAME_SLACK) // 24} segments"
-        )
-    return CopyBatch(dst.id, src.id, raw, **options)
-
-
-def _cuda_register_request(obj: Any) -> RegisterDevice:
-    from .cuda_ipc import export_cuda_array, gpu_uuid
-
-    handle, offset, nbytes, device = export_cuda_array(obj)
-    # ``device`` is this process's ordinal; the UUID is what the daemon goes by (its ordinals
-    # may differ). The ordinal still goes along for a daemon that predates UUIDs.
-    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device, device_uuid=gpu_uuid(device))
-
-
-def _alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
-    if isinstance(device, str):
-        return AllocDevice(nbytes, device_uuid=device)
-    return AllocDevice(nbytes, device)
-
-
-Reply = tuple[Message, list[int]]
-"""A reply as it arrived, and the fds that came beside it (the receiver owns them)."""
-
-
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-
-
-def _raise_if_cancelled(req_id: int, timeout: float | None, msg: Message) -> None:
-    """The copy's last reply after a timeout cancelled it: `CopyTimeout` if the cancel took."""
-    exc = error_of(msg)
-    if isinstance(exc, Cancelled):
-        raise CopyTimeout(
-            f"copy {req_id} did not finish within {timeout} s and was cancelled in the daemon: {exc}", exc.bytes_done, exc.segments_done
-        )
-
-
-def _progress(msg: Message, decode: Callable[[Message], R]) -> tuple[int, int | None]:
-    """Bytes and (for a batch) whole segments moved, from the last reply of a copy that was
-    asked to stop: cancelled part way, or finished meanwhile. Other errors are raised."""
-    exc = error_of(msg)
-    if isinstance(exc, Cancelled):
-        return exc.bytes_done, exc.segments_done
-    if exc is not None:
-        raise exc
-    result = decode(msg)
-    return result.nbytes, result.segments if isinstance(result, CopyBatchReply) else None
 
 
 class _Handle(Generic[R]):
@@ -281,7 +113,7 @@ class _Handle(Generic[R]):
                 await asyncio.wait_for(asyncio.shield(self._future), timeout)
             except TimeoutError:
                 await self._stop()
-                _raise_if_cancelled(self.id, timeout, self._future.result()[0])
+                raise_if_cancelled(self.id, timeout, self._future.result()[0])
         return await self
 
     async def _stop(self) -> None:
@@ -297,7 +129,7 @@ class _Handle(Generic[R]):
         """Stop at the next chunk boundary; returns the bytes copied (all of them if it had
         finished). For a batch, `segments_done` then says how many segments landed whole."""
         await self._stop()
-        nbytes, self.segments_done = _progress(self._future.result()[0], self._decode)
+        nbytes, self.segments_done = progress(self._future.result()[0], self._decode)
         return nbytes
 
 
@@ -346,7 +178,7 @@ class Client:
         uid, so a socket path that another user took over never gets this client's requests.
         """
         deadline = time.monotonic() + wait_s
-        client = cls(path or await _discover(deadline), name, expect_uid)
+        client = cls(path or await discover(deadline), name, expect_uid)
         await client._open(max(0.0, deadline - time.monotonic()))
         return client
 
@@ -363,15 +195,15 @@ class Client:
                 # With the daemon's listen backlog full it fails with EAGAIN, which asyncio's
                 # sock_connect takes for EINPROGRESS and then reports as connected.
                 sock.connect(self.path)
-                _check_owner(sock, self.path, self.expect_uid)
+                check_owner(sock, self.path, self.expect_uid)
                 break
             except PermissionError as exc:
                 sock.close()
-                raise _no_permission(self.path) from exc
+                raise no_permission(self.path) from exc
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
-                    raise _no_daemon(self.path, exc) from exc
+                    raise no_daemon(self.path, exc) from exc
                 await asyncio.sleep(0.05)
             except BlockingIOError as exc:
                 sock.close()
@@ -411,7 +243,7 @@ class Client:
                 msg, fds = item
                 fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
                 if fut is None or fut.done():
-                    _close(fds)
+                    close_fds(fds)
                     if fut is None and (exc := error_of(msg)) is not None:
                         # id 0: the daemon refused the connection or closed it for a protocol error
                         raise exc
@@ -453,7 +285,7 @@ class Client:
         _, fut = self._send(msg, fds)
         reply, got = await fut
         if (exc := error_of(reply)) is not None:
-            _close(got)
+            close_fds(got)
             raise exc
         return reply, got
 
@@ -461,7 +293,7 @@ class Client:
         """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields; raises the
         error an error reply stands for. For tools and protocol tests; fds that come back are closed."""
         reply, fds = await self._request(msg)
-        _close(fds)
+        close_fds(fds)
         return reply
 
     def _region(self, reply: Reply) -> Region:
@@ -483,7 +315,7 @@ class Client:
     async def register_host(self, fd: int, nbytes: int) -> Region:
         """Share your own memfd (sealed with F_SEAL_SHRINK) as a host region. ``fd`` stays yours."""
         msg, got = await self._request(RegisterHost(nbytes), (os.dup(fd),))
-        _close(got)
+        close_fds(got)
         return self._region((msg, [os.dup(fd)]))  # map our own copy, so .array works as for alloc_host
 
     async def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
@@ -494,12 +326,12 @@ class Client:
         CUDA_VISIBLE_DEVICES may differ from the daemon's (containers): your ordinal 0 may be
         the daemon's gpu3.
         """
-        return self._region(await self._request(_alloc_device_request(nbytes, device)))
+        return self._region(await self._request(alloc_device_request(nbytes, device)))
 
     async def register_device(self, obj: Any) -> Region:
         """Share your own GPU buffer (anything with ``__cuda_array_interface__``); keep it alive
         until you free the region."""
-        return self._region(await self._request(_cuda_register_request(obj)))
+        return self._region(await self._request(cuda_register_request(obj)))
 
     async def free(self, region: Region) -> None:
         self._check_region(region)
@@ -519,7 +351,7 @@ class Client:
         comes from the regions' kinds.
         """
         self._check_region(dst, src)
-        req_id, fut = self._send(_copy_request(dst, src, nbytes, options))
+        req_id, fut = self._send(copy_request(dst, src, nbytes, options))
         return CopyHandle(self, req_id, fut)
 
     def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> BatchHandle:
@@ -534,7 +366,7 @@ class Client:
         segments landed whole.
         """
         self._check_region(dst, src)
-        req_id, fut = self._send(_batch_request(dst, src, segments, options, self.server.max_frame_bytes))
+        req_id, fut = self._send(batch_request(dst, src, segments, options, self.server.max_frame_bytes))
         return BatchHandle(self, req_id, fut)
 
     async def copy(
@@ -615,229 +447,5 @@ def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0, exp
     return _Connecting(path, name, wait_s, expect_uid)
 
 
-class _SyncHandle(Generic[R]):
-    """A copy (or batch) started by `SyncClient.start_copy` / `start_copy_batch`: `poll` it
-    without blocking, `wait` for it, or `cancel` it. Other requests may go meanwhile."""
-
-    _decode: Callable[[Message], R]
-
-    def __init__(self, client: SyncClient, req_id: int) -> None:
-        self.client, self.id = client, req_id
-        self._reply: Message | None = None
-        self.segments_done: int | None = None
-        """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
-
-    def done(self) -> bool:
-        return self.poll_reply(0.0) is not None
-
-    def poll_reply(self, timeout: float) -> Message | None:
-        """The copy's reply if it came within ``timeout`` seconds (0: never blocks)."""
-        if self._reply is None:
-            self._reply = self.client._take(self.id, timeout)
-        return self._reply
-
-    def poll(self) -> R | None:
-        """The result if the copy has ended, else None; never blocks. Raises the copy's error."""
-        msg = self.poll_reply(0.0)
-        return None if msg is None else self._result(msg)
-
-    def _result(self, msg: Message) -> R:
-        if (exc := error_of(msg)) is not None:
-            raise exc
-        return self._decode(msg)
-
-    def wait(self, timeout: float | None = None) -> R:
-        """Block for the result; with ``timeout`` (seconds), cancel the copy in the daemon once it
-        passes and raise `CopyTimeout` with how far it got (unless it finished meanwhile)."""
-        msg = self.poll_reply(math.inf if timeout is None else timeout)
-        if msg is None:
-            msg = self._stop()
-            _raise_if_cancelled(self.id, timeout, msg)
-        return self._result(msg)
-
-    def _stop(self) -> Message:
-        if self.poll_reply(0.0) is None:
-            try:
-                self.client._request(Cancel(self.id))
-            except PriodError:
-                pass  # finished meanwhile: its own reply says how
-        msg = self.poll_reply(math.inf)
-        assert msg is not None
-        return msg
-
-    def cancel(self) -> int:
-        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had
-        finished). For a batch, `segments_done` then says how many segments landed whole."""
-        nbytes, self.segments_done = _progress(self._stop(), self._decode)
-        return nbytes
-
-
-class SyncCopyHandle(_SyncHandle[CopyReply]):
-    """A copy started by `SyncClient.start_copy`."""
-
-    _decode = staticmethod(CopyReply.decode)
-
-
-class SyncBatchHandle(_SyncHandle[CopyBatchReply]):
-    """A batch started by `SyncClient.start_copy_batch`."""
-
-    _decode = staticmethod(CopyBatchReply.decode)
-
-
-class SyncClient:
-    """The same API, blocking, for code without an event loop. One request at a time, except
-    copies started with `start_copy` / `start_copy_batch`, which go on while others are made."""
-
-    def __init__(
-        self,
-        path: str | None = None,
-        *,
-        name: str = "",
-        timeout: float | None = None,
-        spin_us: float = 0.0,
-        expect_uid: int | None = None,
-    ) -> None:
-        """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
-        sleeping (lower latency for urgent copies, at the cost of a core while waiting)."""
-        self.path = path or find_socket()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(self.path)  # blocking: waits while the daemon's listen backlog is full
-            _check_owner(sock, self.path, expect_uid)
-        except PermissionError as exc:
-            sock.close()
-            raise _no_permission(self.path) from exc
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            sock.close()
-            raise _no_daemon(self.path, exc) from exc
-        except BaseException:
-            sock.close()
-            raise
-        sock.settimeout(timeout)
-        self._sock = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
-        self._ids = itertools.count(1)
-        self._regions: list[Region] = []
-        self._started: dict[int, Message | None] = {}
-        """Copies started and not yet collected by their handle: their reply once it came."""
-        msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
-        self.server = HelloReply.decode(msg)
-        """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
-
-    def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
-        req_id = next(self._ids)
-        self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
-        while True:
-            reply, got = self._sock.receive()
-            if reply.get("id") == req_id:
-                if (exc := error_of(reply)) is not None:
-                    _close(got)
-                    raise exc
-                return reply, got
-            self._keep(reply, got)
-
-    def _keep(self, reply: Message, fds: list[int]) -> None:
-        """A reply that is not the one awaited: a started copy's is kept for its handle."""
-        _close(fds)
-        rid = reply.get("id")
-        if rid in self._started:
-            self._started[rid] = reply
-        elif not rid and (exc := error_of(reply)) is not None:
-            raise exc
-
-    def _start(self, msg: Request) -> int:
-        req_id = next(self._ids)
-        self._started[req_id] = None
-        try:
-            self._sock.send(msg.encode(req_id))
-        except BaseException:
-            del self._started[req_id]
-            raise
-        return req_id
-
-    def _take(self, req_id: int, timeout: float) -> Message | None:
-        """A started copy's reply, read within ``timeout`` seconds, else None."""
-        deadline = time.perf_counter() + timeout
-        while self._started.get(req_id) is None:
-            left = deadline - time.perf_counter()
-            got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
-            if got is None:
-                return None
-            self._keep(*got)
-        return self._started.pop(req_id)
-
-    def raw_request(self, msg: Message) -> Message:
-        """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields (see `Client.raw_request`)."""
-        reply, fds = self._request(msg)
-        _close(fds)
-        return reply
-
-    def _region(self, reply: Reply) -> Region:
-        msg, fds = reply
-        region = Region(RegionReply.decode(msg), fds, 1)
-        self._regions.append(region)
-        return region
-
-    def alloc_host(self, nbytes: int) -> Region:
-        return self._region(self._request(AllocHost(nbytes)))
-
-    def register_host(self, fd: int, nbytes: int) -> Region:
-        dup = os.dup(fd)
-        try:
-            msg, got = self._request(RegisterHost(nbytes), (dup,))
-        finally:
-            os.close(dup)
-        _close(got)
-        return self._region((msg, [os.dup(fd)]))
-
-    def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
-        """See `Client.alloc_device`."""
-        return self._region(self._request(_alloc_device_request(nbytes, device)))
-
-    def register_device(self, obj: Any) -> Region:
-        return self._region(self._request(_cuda_register_request(obj)))
-
-    def free(self, region: Region) -> None:
-        self._request(Free(region.id))
-        region.unmap()
-
-    def share(self, region: Region, uid: int) -> None:
-        self._request(Share(region.id, uid))
-
-    def copy(self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
-        """Copy and wait for it (see `Client.start_copy`; ``timeout`` as in `Client.copy`)."""
-        if timeout is not None:
-            return self.start_copy(dst, src, nbytes, **options).wait(timeout)
-        msg, _ = self._request(_copy_request(dst, src, nbytes, options))
-        return CopyReply.decode(msg)
-
-    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> SyncCopyHandle:
-        """Send a copy and return at once (see `Client.start_copy`)."""
-        return SyncCopyHandle(self, self._start(_copy_request(dst, src, nbytes, options)))
-
-    def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
-        """Copy every segment and wait for the batch (see `Client.start_copy_batch`)."""
-        return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
-
-    def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> SyncBatchHandle:
-        """Send a batch and return at once (see `Client.start_copy_batch`)."""
-        req = _batch_request(dst, src, segments, options, self.server.max_frame_bytes)
-        return SyncBatchHandle(self, self._start(req))
-
-    def status(self) -> dict[str, Any]:
-        msg, _ = self._request(StatusRequest())
-        return StatusReply.decode(msg).status
-
-    def ping(self) -> None:
-        self._request(Ping())
-
-    def close(self) -> None:
-        self._sock.close()
-        for region in self._regions:
-            region.unmap()
-        self._regions.clear()
-
-    def __enter__(self) -> SyncClient:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+# The blocking client lives in sync_client.py; both are importable from here, as from `priod`.
+from .sync_client import SyncBatchHandle, SyncClient, SyncCopyHandle  # noqa: E402 (after Client: sync_client does not import this module)

@@ -31,7 +31,8 @@ from .metrics import Metrics
 from .pump import Pump
 from .regions import RegionTable
 from .scheduler import Scheduler
-from .session import Session, Shared, cancel_copy, copy_finished
+from .session import Session, Shared, copy_finished
+from .copies import cancel_copy
 from .admission import PRIVILEGED_RESERVE, Admission
 from .report import refresh_metrics, refresh_metrics_loop, status
 from .transport import FramedSocket, Peer, close_received, peer_credentials

@@ -28,8 +28,9 @@ import structlog
 from . import __version__
 from .batch import MAX_SEGMENTS, SEGMENT_BYTES, Segments
 from .config import Config
-from .engines.base import Engine, LaneKey, Memory
-from .errors import ConnectionClosed, InvalidRequest, LimitExceeded, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
+from .copies import PendingCopy, cancel_copy, check_copy_bounds, check_limits, copy_finished, copy_log_fields, outcome_reply
+from .engines.base import Engine, LaneKey
+from .errors import ConnectionClosed, InvalidRequest, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
 from .log import error_fields
 from .messages import (
     PROTOCOL_VERSION,
@@ -39,8 +40,6 @@ from .messages import (
     CancelReply,
     Copy,
     CopyBatch,
-    CopyBatchReply,
-    CopyReply,
     Empty,
     ErrorReply,
     Free,
@@ -63,7 +62,7 @@ from .regions import Holdings, Region, RegionTable
 from .scheduler import Finished, Request as QueuedCopy, Scheduler
 from .transport import FramedSocket, Peer, close_received
 
-__all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]
+__all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]  # the first and last from copies.py, for the server
 
 log = structlog.get_logger("priod.session")
 
@@ -76,11 +75,6 @@ SEGMENTS_PER_TURN = MAX_SEGMENTS
 O(N log N) of the loop (a few milliseconds for the largest), so a client sending batch after
 batch ends its turn after one of the largest and other clients are served between."""
 
-_CANCEL_WHY = {
-    "cancelled": "copy cancelled",
-    "shutting_down": "the daemon is stopping and cancelled this copy; retry once it is back",
-    "not_found": "a region this copy names was freed by its owner",
-}
 
 
 @dataclass(eq=False)
@@ -100,44 +94,6 @@ class Shared:
     totals: dict[str, int] = field(default_factory=lambda: {"copies": 0, "bytes": 0, "refused": 0, "protocol_errors": 0})
     stopping: bool = False
     request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-
-
-@dataclass(eq=False, slots=True)
-class PendingCopy:
-    """A queued copy's payload: where its bytes go, and whom to answer."""
-
-    session: Session
-    client_id: int
-    dst: Region
-    dst_offset: int
-    src: Region
-    src_offset: int
-    cancel_code: str = "cancelled"
-    segments: Segments | None = None
-    """A batch's segment table (offsets relative to the regions); None for a single copy."""
-
-    @property
-    def dst_mem(self) -> Memory:
-        return self.dst.mem
-
-    @property
-    def src_mem(self) -> Memory:
-        return self.src.mem
-
-
-def copy_finished(f: Finished) -> None:
-    """The pump's report that a copy ended: its session answers."""
-    payload = f.request.payload
-    assert isinstance(payload, PendingCopy)
-    payload.session.copy_finished(f, payload)
-
-
-def cancel_copy(pump: Pump, req: QueuedCopy, code: str) -> bool:
-    """Cancel ``req`` at its next chunk boundary, answering with ``code``; True if it ended at once."""
-    payload = req.payload
-    assert isinstance(payload, PendingCopy)
-    payload.cancel_code = code
-    return pump.cancel(req.id)
 
 
 class Session:
@@ -457,21 +413,10 @@ class Session:
         now = time.perf_counter()
         dst, src = self._copy_regions(req_id, req.dst, req.src)
         nbytes = req.nbytes
-        for name, region, offset in (("dst", dst, req.dst_offset), ("src", src, req.src_offset)):
-            if offset + nbytes > region.nbytes:
-                raise InvalidRequest(
-                    f"{name}_offset {offset} + nbytes {nbytes} is outside region {region.id} of {region.nbytes} bytes; "
-                    "copy within the region's size"
-                )
         regions = self.shared.regions
         lane = regions.lane_between(dst, src)
-        if (dst is src or dst.kind == src.kind) and regions.overlapping(dst, req.dst_offset, src, req.src_offset, nbytes):
-            raise InvalidRequest(
-                f"source bytes {req.src_offset}..{req.src_offset + nbytes} of region {src.id} overlap destination bytes "
-                f"{req.dst_offset}..{req.dst_offset + nbytes} of region {dst.id}; a copy engine does not copy overlapping ranges "
-                "as memmove does: copy through another region, or in pieces that do not overlap"
-            )
-        self._check_limits(nbytes, 0)
+        check_copy_bounds(regions, dst, req.dst_offset, src, req.src_offset, nbytes)
+        check_limits(self.shared.cfg.limits, self, self.holdings.tally, nbytes, 0)
         payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
         self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
 
@@ -483,7 +428,7 @@ class Session:
         segments = Segments.decode(req.segments)
         regions = self.shared.regions
         lane = regions.lane_between(dst, src)
-        self._check_limits(segments.total, len(segments))
+        check_limits(self.shared.cfg.limits, self, self.holdings.tally, segments.total, len(segments))
         segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
         payload = PendingCopy(self, req_id, dst, 0, src, 0, segments=segments)
         self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
@@ -496,41 +441,6 @@ class Session:
             raise InvalidRequest(f"request id {req_id} is already pending on this connection; use a new id per request")
         regions = self.shared.regions
         return regions.usable(self.holdings, dst_id), regions.usable(self.holdings, src_id)
-
-    def _check_limits(self, nbytes: int, segments: int) -> None:
-        """Refuse (LimitExceeded) a copy of ``nbytes`` (``segments`` for a batch) past a limit."""
-        lim = self.shared.cfg.limits
-        if len(self.pending) >= lim.max_queued_requests:
-            raise LimitExceeded(
-                f"this connection has {len(self.pending)} copies pending ([limits] max_queued_requests = {lim.max_queued_requests}); "
-                "wait for replies before sending more"
-            )
-        if self.queued_bytes + nbytes > lim.max_queued_bytes:
-            raise LimitExceeded(
-                f"{nbytes} more bytes would exceed [limits] max_queued_bytes = {lim.max_queued_bytes} pending on this connection; "
-                "wait for replies before sending more"
-            )
-        tally = self.holdings.tally
-        if tally.queued_requests >= lim.max_queued_requests_per_uid:
-            raise LimitExceeded(
-                f"uid {tally.uid} has {tally.queued_requests} copies pending over its connections "
-                f"([limits] max_queued_requests_per_uid = {lim.max_queued_requests_per_uid}); wait for replies before sending more"
-            )
-        if tally.queued_bytes + nbytes > lim.max_queued_bytes_per_uid:
-            raise LimitExceeded(
-                f"{nbytes} more bytes would exceed [limits] max_queued_bytes_per_uid = {lim.max_queued_bytes_per_uid} pending over "
-                f"uid {tally.uid}'s connections; wait for replies before sending more"
-            )
-        if segments and self.queued_segments + segments > lim.max_queued_segments:
-            raise LimitExceeded(
-                f"{segments} more segments would exceed [limits] max_queued_segments = {lim.max_queued_segments} pending on this "
-                "connection; wait for replies before sending more"
-            )
-        if segments and tally.queued_segments + segments > lim.max_queued_segments_per_uid:
-            raise LimitExceeded(
-                f"{segments} more segments would exceed [limits] max_queued_segments_per_uid = {lim.max_queued_segments_per_uid} "
-                f"pending over uid {tally.uid}'s connections; wait for replies before sending more"
-            )
 
     def _enqueue(self, req_id: int, now: float, payload: PendingCopy, lane: LaneKey, priority: str, deadline_ms: float | None, nbytes: int) -> None:
         shared = self.shared
@@ -586,7 +496,7 @@ class Session:
         # The reply goes first: the client waits for it, while the metrics and the log line
         # below wait for no one (they cost tens of microseconds, most of a small copy's time).
         if not self.closed:
-            self.sock.send(_outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
+            self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
         shared.metrics.copy_finished(req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline)
         # One line per copy at debug level: at thousands of copies a second an info line each
         # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.
@@ -595,41 +505,7 @@ class Session:
         if not failed and shared.cfg.log.level != "debug":
             return
         (self._copy_log.warning if failed else self._copy_log.debug)(
-            "copy",
-            id=p.client_id,
-            conn=self.id,
-            client_pid=self.peer.pid,
-            uid=self.peer.uid,
-            priority=req.cls,
-            lane=str(req.lane),
-            gpu=shared.engine.device_uuid(req.lane.device),
-            path=req.path.value if req.path else None,
-            nbytes=req.nbytes,
-            bytes_done=f.bytes_done,
-            **({"segments": len(p.segments)} if p.segments is not None else {}),
-            outcome=outcome,
-            queued_us=round(queued_s * _US, 1),
-            total_us=round(total_s * _US, 1),
-            **(error_fields(f.error) if f.error else {}),
+            "copy", conn=self.id, client_pid=self.peer.pid, uid=self.peer.uid, **copy_log_fields(f, p, outcome, shared.engine.device_uuid(req.lane.device), queued_s, total_s)
         )
 
 
-def _outcome_reply(f: Finished, p: PendingCopy, queued_s: float, transfer_s: float, total_s: float) -> CopyReply | CopyBatchReply | ErrorReply:
-    """The reply that ends a copy: its timings when done, else why not and how far it got
-    (for a batch, in whole segments too)."""
-    req = f.request
-    segments = p.segments
-    if f.outcome == "done":
-        path = req.path.value if req.path else "dma"
-        queued_us, transfer_us, total_us = round(queued_s * _US, 3), round(transfer_s * _US, 3), round(total_s * _US, 3)
-        if segments is not None:
-            return CopyBatchReply(req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline)
-        return CopyReply(req.nbytes, queued_us, transfer_us, total_us, path, f.missed_deadline)
-    progress = f"after {f.bytes_done} of {req.nbytes} bytes"
-    done = None
-    if segments is not None:
-        done = segments.segments_done(f.bytes_done)
-        progress += f" ({done} of {len(segments)} segments whole)"
-    if f.outcome == "failed":
-        return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done, done)
-    return ErrorReply(p.cancel_code, f"{_CANCEL_WHY[p.cancel_code]} {progress}", f.bytes_done, done)

@@ -191,7 +191,7 @@ def test_sim_uuids_config_is_validated(env: dict[str, str], message: str) -> Non
 
 def test_alloc_device_by_uuid_sends_only_the_uuid_field() -> None:
     """The client library turns a string ``device`` into ``device_uuid`` (an int stays the ordinal)."""
-    from priod.client import _alloc_device_request
+    from priod.client_base import alloc_device_request as _alloc_device_request
 
     assert _alloc_device_request(8, U1).encode(1) == {"id": 1, "op": "alloc_device", "nbytes": 8, "device": 0, "device_uuid": U1}
     assert _alloc_device_request(8, 1).encode(2) == {"id": 2, "op": "alloc_device", "nbytes": 8, "device": 1}

@@ -1,0 +1,239 @@
+"""What both clients share: regions, copy options, the request builders and reply checks.
+
+`client.py` (asyncio) and `sync_client.py` (blocking) speak the same protocol with the same
+requests; this module builds those requests and reads what comes back, with no I/O of its own
+beyond mapping a region's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TypedDict, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from .batch import encode_segments
+from .config import find_socket
+from .errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied
+from .messages import (
+    AllocDevice,
+    Copy,
+    CopyBatch,
+    CopyBatchReply,
+    CopyReply,
+    Message,
+    RegionReply,
+    RegisterDevice,
+    error_of,
+)
+from .transport import peer_credentials
+
+__all__ = [
+    "BATCH_FRAME_SLACK",
+    "BUSY_WAIT_S",
+    "BatchOptions",
+    "BatchResult",
+    "CopyOptions",
+    "CopyResult",
+    "Region",
+    "Reply",
+    "alloc_device_request",
+    "batch_request",
+    "check_owner",
+    "close_fds",
+    "copy_request",
+    "cuda_register_request",
+    "discover",
+    "no_daemon",
+    "no_permission",
+    "progress",
+    "raise_if_cancelled",
+]
+
+
+BUSY_WAIT_S = 0.5
+"""How long a connect retries while the daemon's listen backlog is full (EAGAIN), at least:
+a burst of connections fills it for a moment, and a client should not fail for that."""
+
+
+CopyResult = CopyReply
+"""What the daemon measured for one finished copy (microseconds, daemon clock)."""
+BatchResult = CopyBatchReply
+"""What the daemon measured for one finished batch: total bytes, segments, timings."""
+R = TypeVar("R", CopyReply, CopyBatchReply)
+
+BATCH_FRAME_SLACK = 256
+"""Bytes of a copy_batch frame besides its segment table (header, keys, ids, class name)."""
+
+
+class CopyOptions(TypedDict, total=False):
+    """The optional settings of a copy (docs/protocol.md, ``copy``)."""
+
+    dst_offset: int
+    src_offset: int
+    priority: str
+    """A class from the daemon's ``hello`` reply; default ``normal``."""
+    deadline_ms: float | None
+    """Orders work within its class, earliest first; a miss is counted, not an error."""
+
+
+class BatchOptions(TypedDict, total=False):
+    """The optional settings of a batch (docs/protocol.md, ``copy_batch``)."""
+
+    priority: str
+    deadline_ms: float | None
+
+
+class Region:
+    """A host or device region this connection made. ``array`` maps it where that is possible."""
+
+    def __init__(self, reply: RegionReply, fds: list[int], generation: int) -> None:
+        self.id = reply.region
+        self.nbytes = reply.nbytes
+        self.kind = reply.kind
+        self.device = reply.device
+        """The daemon's ordinal of the region's GPU; yours may differ (CUDA_VISIBLE_DEVICES)."""
+        self.device_uuid = reply.device_uuid
+        """The region's GPU by UUID (``GPU-...``), the same in every process; None for host memory."""
+        self.export: Message = reply.export or {}
+        self.generation = generation
+        self._mapping: mmap.mmap | None = None
+        self.array: npt.NDArray[np.uint8] | None = None
+        if fds:
+            try:
+                self._mapping = mmap.mmap(fds[0], self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self.array = np.frombuffer(self._mapping, dtype=np.uint8)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def cuda(self) -> Any:
+        """Open a daemon-allocated device region in this process (cuda engine only).
+
+        Returns an object with ``__cuda_array_interface__`` (uint8, ``nbytes``): pass it to
+        ``cupy.asarray`` or ``torch.as_tensor(..., device="cuda")``. Call its ``close()`` when done.
+        """
+        if self.export.get("kind") != "cuda_ipc":
+            raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
+        from .cuda_ipc import local_ordinal, open_device_export
+
+        # Opened on this process's ordinal of the GPU, found by UUID: the daemon's ordinal names
+        # another GPU here, or none, when CUDA_VISIBLE_DEVICES differs between the two processes.
+        device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
+        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, device)
+
+    def unmap(self) -> None:
+        self.array = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when that view goes
+            self._mapping = None
+
+    def __repr__(self) -> str:
+        return f"<priod.Region {self.id} {self.kind} {self.nbytes} bytes>"
+
+
+def no_permission(path: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"cannot connect to {path}: permission denied by the socket's mode; "
+        "ask an administrator to add your user to the socket's group (priod; see docs/operations.md)"
+    )
+
+
+def no_daemon(path: str, exc: OSError) -> ConnectionClosed:
+    return ConnectionClosed(f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path")
+
+
+async def discover(deadline: float) -> str:
+    """`find_socket`, tried again until ``deadline`` (``time.monotonic()``): a daemon that is
+    starting has not made its socket yet."""
+    while True:
+        try:
+            return find_socket()
+        except ConnectionClosed:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
+def check_owner(sock: socket.socket, path: str, expect_uid: int | None) -> None:
+    """Refuse a daemon that does not run as ``expect_uid`` (SO_PEERCRED: who called listen())."""
+    if expect_uid is None:
+        return
+    uid = peer_credentials(sock).uid
+    if uid != expect_uid:
+        raise PermissionDenied(
+            f"the socket {path} is served by a process of uid {uid}, not of uid {expect_uid} as expected (expect_uid); "
+            "another user may have taken the socket path: check which process listens there before sending it your data"
+        )
+
+
+def copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOptions) -> Copy:
+    if nbytes is None:
+        nbytes = min(dst.nbytes - options.get("dst_offset", 0), src.nbytes - options.get("src_offset", 0))
+    return Copy(dst.id, src.id, nbytes, **options)
+
+
+def batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions, max_frame: int) -> CopyBatch:
+    raw = encode_segments(segments)
+    if len(raw) + BATCH_FRAME_SLACK > max_frame:
+        raise InvalidRequest(
+            f"{len(raw) // 24} segments make a frame of about {len(raw) + BATCH_FRAME_SLACK} bytes, over the daemon's "
+            f"max_frame_bytes = {max_frame}; split them into batches of at most {(max_frame - BATCH_FRAME_SLACK) // 24} segments"
+        )
+    return CopyBatch(dst.id, src.id, raw, **options)
+
+
+def cuda_register_request(obj: Any) -> RegisterDevice:
+    from .cuda_ipc import export_cuda_array, gpu_uuid
+
+    handle, offset, nbytes, device = export_cuda_array(obj)
+    # ``device`` is this process's ordinal; the UUID is what the daemon goes by (its ordinals
+    # may differ). The ordinal still goes along for a daemon that predates UUIDs.
+    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device, device_uuid=gpu_uuid(device))
+
+
+def alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
+    if isinstance(device, str):
+        return AllocDevice(nbytes, device_uuid=device)
+    return AllocDevice(nbytes, device)
+
+
+Reply = tuple[Message, list[int]]
+"""A reply as it arrived, and the fds that came beside it (the receiver owns them)."""
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def raise_if_cancelled(req_id: int, timeout: float | None, msg: Message) -> None:
+    """The copy's last reply after a timeout cancelled it: `CopyTimeout` if the cancel took."""
+    exc = error_of(msg)
+    if isinstance(exc, Cancelled):
+        raise CopyTimeout(
+            f"copy {req_id} did not finish within {timeout} s and was cancelled in the daemon: {exc}", exc.bytes_done, exc.segments_done
+        )
+
+
+def progress(msg: Message, decode: Callable[[Message], R]) -> tuple[int, int | None]:
+    """Bytes and (for a batch) whole segments moved, from the last reply of a copy that was
+    asked to stop: cancelled part way, or finished meanwhile. Other errors are raised."""
+    exc = error_of(msg)
+    if isinstance(exc, Cancelled):
+        return exc.bytes_done, exc.segments_done
+    if exc is not None:
+        raise exc
+    result = decode(msg)
+    return result.nbytes, result.segments if isinstance(result, CopyBatchReply) else None
+
+

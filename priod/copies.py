@@ -1,0 +1,174 @@
+"""A copy from the time it is queued until it is answered: its payload, its limits, its reply.
+
+The session (session.py) checks a copy's regions and bounds, then `check_limits`, and queues a
+`PendingCopy` with the scheduler; the pump reports the end through `copy_finished`, and the
+session answers with `outcome_reply`. Pure logic apart from the session it calls back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .batch import Segments
+from .config import LimitsConfig
+from .engines.base import Memory
+from .errors import InvalidRequest, LimitExceeded
+from .log import error_fields
+from .messages import CopyBatchReply, CopyReply, ErrorReply
+from .pump import Pump
+from .regions import Region, RegionTable, UidHoldings
+from .scheduler import Finished, Request as QueuedCopy
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["PendingCopy", "cancel_copy", "check_copy_bounds", "check_limits", "copy_finished", "copy_log_fields", "outcome_reply"]
+
+_US = 1e6
+
+_CANCEL_WHY = {
+    "cancelled": "copy cancelled",
+    "shutting_down": "the daemon is stopping and cancelled this copy; retry once it is back",
+    "not_found": "a region this copy names was freed by its owner",
+}
+
+
+@dataclass(eq=False, slots=True)
+class PendingCopy:
+    """A queued copy's payload: where its bytes go, and whom to answer."""
+
+    session: Session
+    client_id: int
+    dst: Region
+    dst_offset: int
+    src: Region
+    src_offset: int
+    cancel_code: str = "cancelled"
+    segments: Segments | None = None
+    """A batch's segment table (offsets relative to the regions); None for a single copy."""
+
+    @property
+    def dst_mem(self) -> Memory:
+        return self.dst.mem
+
+    @property
+    def src_mem(self) -> Memory:
+        return self.src.mem
+
+
+def copy_finished(f: Finished) -> None:
+    """The pump's report that a copy ended: its session answers."""
+    payload = f.request.payload
+    assert isinstance(payload, PendingCopy)
+    payload.session.copy_finished(f, payload)
+
+
+def cancel_copy(pump: Pump, req: QueuedCopy, code: str) -> bool:
+    """Cancel ``req`` at its next chunk boundary, answering with ``code``; True if it ended at once."""
+    payload = req.payload
+    assert isinstance(payload, PendingCopy)
+    payload.cancel_code = code
+    return pump.cancel(req.id)
+
+
+class Counts(Protocol):
+    """What a connection has pending, for its limits (a `Session`)."""
+
+    @property
+    def pending(self) -> dict[int, QueuedCopy]: ...
+
+    queued_bytes: int
+    queued_segments: int
+
+
+def check_limits(lim: LimitsConfig, conn: Counts, tally: UidHoldings, nbytes: int, segments: int) -> None:
+    """Refuse (LimitExceeded) a copy of ``nbytes`` (``segments`` for a batch) past a limit of
+    its connection (``conn``) or of its uid (``tally``)."""
+    if len(conn.pending) >= lim.max_queued_requests:
+        raise LimitExceeded(
+            f"this connection has {len(conn.pending)} copies pending ([limits] max_queued_requests = {lim.max_queued_requests}); "
+            "wait for replies before sending more"
+        )
+    if conn.queued_bytes + nbytes > lim.max_queued_bytes:
+        raise LimitExceeded(
+            f"{nbytes} more bytes would exceed [limits] max_queued_bytes = {lim.max_queued_bytes} pending on this connection; "
+            "wait for replies before sending more"
+        )
+    if tally.queued_requests >= lim.max_queued_requests_per_uid:
+        raise LimitExceeded(
+            f"uid {tally.uid} has {tally.queued_requests} copies pending over its connections "
+            f"([limits] max_queued_requests_per_uid = {lim.max_queued_requests_per_uid}); wait for replies before sending more"
+        )
+    if tally.queued_bytes + nbytes > lim.max_queued_bytes_per_uid:
+        raise LimitExceeded(
+            f"{nbytes} more bytes would exceed [limits] max_queued_bytes_per_uid = {lim.max_queued_bytes_per_uid} pending over "
+            f"uid {tally.uid}'s connections; wait for replies before sending more"
+        )
+    if segments and conn.queued_segments + segments > lim.max_queued_segments:
+        raise LimitExceeded(
+            f"{segments} more segments would exceed [limits] max_queued_segments = {lim.max_queued_segments} pending on this "
+            "connection; wait for replies before sending more"
+        )
+    if segments and tally.queued_segments + segments > lim.max_queued_segments_per_uid:
+        raise LimitExceeded(
+            f"{segments} more segments would exceed [limits] max_queued_segments_per_uid = {lim.max_queued_segments_per_uid} "
+            f"pending over uid {tally.uid}'s connections; wait for replies before sending more"
+        )
+
+
+def outcome_reply(f: Finished, p: PendingCopy, queued_s: float, transfer_s: float, total_s: float) -> CopyReply | CopyBatchReply | ErrorReply:
+    """The reply that ends a copy: its timings when done, else why not and how far it got
+    (for a batch, in whole segments too)."""
+    req = f.request
+    segments = p.segments
+    if f.outcome == "done":
+        path = req.path.value if req.path else "dma"
+        queued_us, transfer_us, total_us = round(queued_s * _US, 3), round(transfer_s * _US, 3), round(total_s * _US, 3)
+        if segments is not None:
+            return CopyBatchReply(req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline)
+        return CopyReply(req.nbytes, queued_us, transfer_us, total_us, path, f.missed_deadline)
+    progress = f"after {f.bytes_done} of {req.nbytes} bytes"
+    done = None
+    if segments is not None:
+        done = segments.segments_done(f.bytes_done)
+        progress += f" ({done} of {len(segments)} segments whole)"
+    if f.outcome == "failed":
+        return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done, done)
+    return ErrorReply(p.cancel_code, f"{_CANCEL_WHY[p.cancel_code]} {progress}", f.bytes_done, done)
+
+
+def check_copy_bounds(regions: RegionTable, dst: Region, dst_offset: int, src: Region, src_offset: int, nbytes: int) -> None:
+    """Refuse (InvalidRequest, naming the fix) a single copy outside its regions, or whose source
+    and destination overlap (a copy engine does not copy overlapping ranges as memmove does)."""
+    for name, region, offset in (("dst", dst, dst_offset), ("src", src, src_offset)):
+        if offset + nbytes > region.nbytes:
+            raise InvalidRequest(
+                f"{name}_offset {offset} + nbytes {nbytes} is outside region {region.id} of {region.nbytes} bytes; "
+                "copy within the region's size"
+            )
+    if (dst is src or dst.kind == src.kind) and regions.overlapping(dst, dst_offset, src, src_offset, nbytes):
+        raise InvalidRequest(
+            f"source bytes {src_offset}..{src_offset + nbytes} of region {src.id} overlap destination bytes "
+            f"{dst_offset}..{dst_offset + nbytes} of region {dst.id}; a copy engine does not copy overlapping ranges "
+            "as memmove does: copy through another region, or in pieces that do not overlap"
+        )
+
+
+def copy_log_fields(f: Finished, p: PendingCopy, outcome: str, gpu: str, queued_s: float, total_s: float) -> dict[str, Any]:
+    """The per-copy log line's fields (built only when the line is written: debug, or a failure)."""
+    req = f.request
+    return {
+        "id": p.client_id,
+        "priority": req.cls,
+        "lane": str(req.lane),
+        "gpu": gpu,
+        "path": req.path.value if req.path else None,
+        "nbytes": req.nbytes,
+        "bytes_done": f.bytes_done,
+        **({"segments": len(p.segments)} if p.segments is not None else {}),
+        "outcome": outcome,
+        "queued_us": round(queued_s * _US, 1),
+        "total_us": round(total_s * _US, 1),
+        **(error_fields(f.error) if f.error else {}),
+    }

@@ -1,0 +1,290 @@
+"""`SyncClient`: the client's API, blocking, for code without an event loop.
+
+One request at a time on one socket; ``spin_us`` busy-polls for a reply before sleeping, since
+waking a sleeping process costs more than an urgent copy. Copies may also be started and polled
+(`start_copy`, `start_copy_batch`: handles with ``poll``, ``wait`` and ``cancel``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Generic, Unpack
+
+from .config import find_socket
+from .errors import PriodError
+from .messages import (
+    PROTOCOL_VERSION,
+    AllocHost,
+    Cancel,
+    CopyBatchReply,
+    CopyReply,
+    Free,
+    Hello,
+    HelloReply,
+    Message,
+    Ping,
+    RegionReply,
+    RegisterHost,
+    Request,
+    Share,
+    StatusReply,
+    StatusRequest,
+    error_of,
+)
+from .transport import BlockingFramedSocket
+from .client_base import (
+    BatchOptions,
+    BatchResult,
+    CopyOptions,
+    CopyResult,
+    R,
+    Region,
+    Reply,
+    alloc_device_request,
+    batch_request,
+    check_owner,
+    close_fds,
+    copy_request,
+    cuda_register_request,
+    no_daemon,
+    no_permission,
+    progress,
+    raise_if_cancelled,
+)
+
+__all__ = ["SyncBatchHandle", "SyncClient", "SyncCopyHandle"]
+
+
+class _SyncHandle(Generic[R]):
+    """A copy (or batch) started by `SyncClient.start_copy` / `start_copy_batch`: `poll` it
+    without blocking, `wait` for it, or `cancel` it. Other requests may go meanwhile."""
+
+    _decode: Callable[[Message], R]
+
+    def __init__(self, client: SyncClient, req_id: int) -> None:
+        self.client, self.id = client, req_id
+        self._reply: Message | None = None
+        self.segments_done: int | None = None
+        """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
+
+    def done(self) -> bool:
+        return self.poll_reply(0.0) is not None
+
+    def poll_reply(self, timeout: float) -> Message | None:
+        """The copy's reply if it came within ``timeout`` seconds (0: never blocks)."""
+        if self._reply is None:
+            self._reply = self.client._take(self.id, timeout)
+        return self._reply
+
+    def poll(self) -> R | None:
+        """The result if the copy has ended, else None; never blocks. Raises the copy's error."""
+        msg = self.poll_reply(0.0)
+        return None if msg is None else self._result(msg)
+
+    def _result(self, msg: Message) -> R:
+        if (exc := error_of(msg)) is not None:
+            raise exc
+        return self._decode(msg)
+
+    def wait(self, timeout: float | None = None) -> R:
+        """Block for the result; with ``timeout`` (seconds), cancel the copy in the daemon once it
+        passes and raise `CopyTimeout` with how far it got (unless it finished meanwhile)."""
+        msg = self.poll_reply(math.inf if timeout is None else timeout)
+        if msg is None:
+            msg = self._stop()
+            raise_if_cancelled(self.id, timeout, msg)
+        return self._result(msg)
+
+    def _stop(self) -> Message:
+        if self.poll_reply(0.0) is None:
+            try:
+                self.client._request(Cancel(self.id))
+            except PriodError:
+                pass  # finished meanwhile: its own reply says how
+        msg = self.poll_reply(math.inf)
+        assert msg is not None
+        return msg
+
+    def cancel(self) -> int:
+        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had
+        finished). For a batch, `segments_done` then says how many segments landed whole."""
+        nbytes, self.segments_done = progress(self._stop(), self._decode)
+        return nbytes
+
+
+class SyncCopyHandle(_SyncHandle[CopyReply]):
+    """A copy started by `SyncClient.start_copy`."""
+
+    _decode = staticmethod(CopyReply.decode)
+
+
+class SyncBatchHandle(_SyncHandle[CopyBatchReply]):
+    """A batch started by `SyncClient.start_copy_batch`."""
+
+    _decode = staticmethod(CopyBatchReply.decode)
+
+
+class SyncClient:
+    """The same API, blocking, for code without an event loop. One request at a time, except
+    copies started with `start_copy` / `start_copy_batch`, which go on while others are made."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        name: str = "",
+        timeout: float | None = None,
+        spin_us: float = 0.0,
+        expect_uid: int | None = None,
+    ) -> None:
+        """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
+        sleeping (lower latency for urgent copies, at the cost of a core while waiting)."""
+        self.path = path or find_socket()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)  # blocking: waits while the daemon's listen backlog is full
+            check_owner(sock, self.path, expect_uid)
+        except PermissionError as exc:
+            sock.close()
+            raise no_permission(self.path) from exc
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise no_daemon(self.path, exc) from exc
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(timeout)
+        self._sock = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
+        self._ids = itertools.count(1)
+        self._regions: list[Region] = []
+        self._started: dict[int, Message | None] = {}
+        """Copies started and not yet collected by their handle: their reply once it came."""
+        msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
+        self.server = HelloReply.decode(msg)
+        """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
+
+    def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
+        req_id = next(self._ids)
+        self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
+        while True:
+            reply, got = self._sock.receive()
+            if reply.get("id") == req_id:
+                if (exc := error_of(reply)) is not None:
+                    close_fds(got)
+                    raise exc
+                return reply, got
+            self._keep(reply, got)
+
+    def _keep(self, reply: Message, fds: list[int]) -> None:
+        """A reply that is not the one awaited: a started copy's is kept for its handle."""
+        close_fds(fds)
+        rid = reply.get("id")
+        if rid in self._started:
+            self._started[rid] = reply
+        elif not rid and (exc := error_of(reply)) is not None:
+            raise exc
+
+    def _start(self, msg: Request) -> int:
+        req_id = next(self._ids)
+        self._started[req_id] = None
+        try:
+            self._sock.send(msg.encode(req_id))
+        except BaseException:
+            del self._started[req_id]
+            raise
+        return req_id
+
+    def _take(self, req_id: int, timeout: float) -> Message | None:
+        """A started copy's reply, read within ``timeout`` seconds, else None."""
+        deadline = time.perf_counter() + timeout
+        while self._started.get(req_id) is None:
+            left = deadline - time.perf_counter()
+            got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
+            if got is None:
+                return None
+            self._keep(*got)
+        return self._started.pop(req_id)
+
+    def raw_request(self, msg: Message) -> Message:
+        """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields (see `Client.raw_request`)."""
+        reply, fds = self._request(msg)
+        close_fds(fds)
+        return reply
+
+    def _region(self, reply: Reply) -> Region:
+        msg, fds = reply
+        region = Region(RegionReply.decode(msg), fds, 1)
+        self._regions.append(region)
+        return region
+
+    def alloc_host(self, nbytes: int) -> Region:
+        return self._region(self._request(AllocHost(nbytes)))
+
+    def register_host(self, fd: int, nbytes: int) -> Region:
+        dup = os.dup(fd)
+        try:
+            msg, got = self._request(RegisterHost(nbytes), (dup,))
+        finally:
+            os.close(dup)
+        close_fds(got)
+        return self._region((msg, [os.dup(fd)]))
+
+    def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
+        """See `Client.alloc_device`."""
+        return self._region(self._request(alloc_device_request(nbytes, device)))
+
+    def register_device(self, obj: Any) -> Region:
+        return self._region(self._request(cuda_register_request(obj)))
+
+    def free(self, region: Region) -> None:
+        self._request(Free(region.id))
+        region.unmap()
+
+    def share(self, region: Region, uid: int) -> None:
+        self._request(Share(region.id, uid))
+
+    def copy(self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
+        """Copy and wait for it (see `Client.start_copy`; ``timeout`` as in `Client.copy`)."""
+        if timeout is not None:
+            return self.start_copy(dst, src, nbytes, **options).wait(timeout)
+        msg, _ = self._request(copy_request(dst, src, nbytes, options))
+        return CopyReply.decode(msg)
+
+    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> SyncCopyHandle:
+        """Send a copy and return at once (see `Client.start_copy`)."""
+        return SyncCopyHandle(self, self._start(copy_request(dst, src, nbytes, options)))
+
+    def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
+        """Copy every segment and wait for the batch (see `Client.start_copy_batch`)."""
+        return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
+
+    def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> SyncBatchHandle:
+        """Send a batch and return at once (see `Client.start_copy_batch`)."""
+        req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
+        return SyncBatchHandle(self, self._start(req))
+
+    def status(self) -> dict[str, Any]:
+        msg, _ = self._request(StatusRequest())
+        return StatusReply.decode(msg).status
+
+    def ping(self) -> None:
+        self._request(Ping())
+
+    def close(self) -> None:
+        self._sock.close()
+        for region in self._regions:
+            region.unmap()
+        self._regions.clear()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
