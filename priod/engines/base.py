@@ -20,7 +20,7 @@ import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -66,10 +66,15 @@ class LaneKey:
 
     device: int
     direction: Direction
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        # Lanes key dicts on the per-chunk path (about 8 lookups per copy): the hash is worked
+        # out once, since an enum's value is a Python-level property that is slow to read.
+        object.__setattr__(self, "_hash", hash((self.device, self.direction.value)))
 
     def __hash__(self) -> int:
-        # Lanes key dicts on the per-chunk path; an enum's hash is slow to recompute.
-        return hash((self.device, self.direction.value))
+        return self._hash
 
     def __str__(self) -> str:
         return f"gpu{self.device}/{self.direction.value}"
