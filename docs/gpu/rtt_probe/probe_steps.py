@@ -2,7 +2,7 @@
 (perf_counter is one clock across processes); the daemon's come from sitecustomize.py beside
 this file, loaded through PYTHONPATH. Run from the tree root:
 
-    python3 docs/gpu/rtt_probe/probe_steps.py cuda 65536 0.005 sleep   # backend, bytes, gap s, sleep|spin
+    python3 docs/gpu/rtt_probe/probe_steps.py cuda 65536 0.005 sleep   # backend, bytes, gap s, sleep|spin[, PRIOD_X__Y=V,...]
 """
 import os
 import sys
@@ -14,6 +14,7 @@ from priod.client import SyncClient
 from priod.testing import daemon_process
 from priod import transport
 backend, size, gap = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]); mode = sys.argv[4] if len(sys.argv) > 4 else "sleep"
+extra = dict(kv.split("=", 1) for kv in sys.argv[5].split(",")) if len(sys.argv) > 5 else {}  # PRIOD_X__Y=V,...
 out = f"/tmp/probe_{backend}_{size}.json"
 stamps = []
 ob, orr = transport.BlockingFramedSocket.send, transport.BlockingFramedSocket._recv
@@ -22,9 +23,14 @@ def send(self, msg, fds=()):
 def recv(self):
     r = orr(self); stamps.append(("crecv", time.perf_counter())); return r
 transport.BlockingFramedSocket.send = send; transport.BlockingFramedSocket._recv = recv
-env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_PROBE_OUT": out, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+env = {**extra, "PRIOD_LOG__LEVEL": '"warning"', "PRIOD_PROBE_OUT": out, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 t = []; tot = []; paths = set()
+cpus = [int(x) for x in os.environ.get("PROBE_CPUS", "").split(",") if x]  # daemon's CPU, client's CPU
 with daemon_process(env, backend=backend) as d, SyncClient(d.socket_path, spin_us=2000) as c:
+    if cpus:
+        for tid in os.listdir(f"/proc/{d.proc.pid}/task"):  # every thread of the daemon
+            os.sched_setaffinity(int(tid), {cpus[0]})
+        os.sched_setaffinity(0, {cpus[1]})
     h, dv = c.alloc_host(size), c.alloc_device(size)
     for i in range(700):
         if i == 200: stamps.clear()
@@ -50,7 +56,8 @@ t0s = np.array([a for a, _ in t]); t1s = np.array([b for _, b in t])
 cs = first_after("csend", t0s); rd = first_after("read", cs); ar = first_after("arrival", rd); sb = first_after("submitted", ar)
 fi = first_after("finish", sb); se = first_after("sent", fi); cr = last_before("crecv", t1s)
 lat = (t1s - t0s) * 1e6
-print(f"{backend} {size} B gap {gap}s {mode} paths {sorted(paths)}: client p50 {np.median(lat):.1f} p99 {np.percentile(lat, 99):.1f}; daemon total_us p50 {np.median(tot):.1f}")
+print(f"{backend} {size} B gap {gap}s {mode} {extra} paths {sorted(paths)}: client p50 {np.median(lat):.1f} p99 {np.percentile(lat, 99):.1f}; "
+      f"daemon total_us p50 {np.median(tot):.1f}")
 steps = (
     ("t0->csend", t0s, cs), ("csend->read", cs, rd), ("read->arrival", rd, ar), ("arrival->submitted", ar, sb),
     ("submitted->finish(seen)", sb, fi), ("finish->sent", fi, se), ("sent->crecv", se, cr), ("crecv->t1", cr, t1s),
