@@ -232,6 +232,8 @@ def region_tensor(region: Region, dtype: Any = None, shape: Iterable[int] | int 
     dtype = torch.uint8 if dtype is None else dtype
     if region.array is not None:
         flat = torch.from_numpy(region.array)
+    elif region.kind == "host" or region.export.get("kind") == "memfd":
+        raise InvalidRequest(f"{region!r} is not mapped in this process any more (freed, or its connection closed)")
     else:
         buf = region.device_view()
         # the buffer's own GPU: a bare "cuda" is the current device, and torch would copy to it

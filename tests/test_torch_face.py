@@ -94,6 +94,8 @@ def test_a_freed_region_names_no_tensor(daemon: DaemonProcess) -> None:
         c.free(h)
         with pytest.raises(InvalidRequest, match=r"^this host tensor .* is not inside any region of this connection"):
             c.copy_tensor(d.torch(), t)
+        with pytest.raises(InvalidRequest, match=r"^<priod.Region \d+ host 4096 bytes> is not mapped in this process any more \(freed, or its connection closed\)$"):
+            h.torch()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8], ids=str)
