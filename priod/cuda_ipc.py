@@ -173,10 +173,12 @@ def export_device_buffer(obj: object) -> DeviceBuffer:
         try:
             handle = check(rt.cudaIpcGetMemHandle(base))
         except CudaError as exc:
+            # The attributes did not tell (an old driver): name both PyTorch settings that cause this.
             raise EngineError(
-                f"this buffer's memory cannot be shared by CUDA IPC ({exc}): allocate it with cudaMalloc (the default "
-                "allocators of CuPy and PyTorch); in PyTorch leave PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True "
-                "and backend:cudaMallocAsync, or allocate with priod's alloc_device and view it with Region.torch()"
+                f"this buffer's memory cannot be registered with priod: cudaIpcGetMemHandle refused it ({exc}); allocate it "
+                "with cudaMalloc (the default allocators of CuPy and PyTorch): in PyTorch set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and leave backend unset (or PYTORCH_CUDA_ALLOC_CONF=backend:native), "
+                "or allocate the buffer with priod's alloc_device and view it with Region.torch()"
             ) from exc
     return DeviceBuffer(handle_to_bytes(handle), pointer - base, nbytes, device, pointer)
 
