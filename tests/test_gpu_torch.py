@@ -126,6 +126,7 @@ sys.exit(3)
 @pytest.mark.parametrize(
     ("conf", "hint"),
     [("expandable_segments:True", "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"), ("backend:cudaMallocAsync", "PYTORCH_CUDA_ALLOC_CONF=backend:native")],
+    ids=["expandable_segments", "cudaMallocAsync"],
 )
 def test_unshareable_allocator_memory_names_the_setting(gpu_daemon: DaemonProcess, torch: Any, conf: str, hint: str) -> None:
     """With PyTorch's allocator set to memory CUDA IPC cannot share, register_device fails
@@ -138,7 +139,8 @@ def test_unshareable_allocator_memory_names_the_setting(gpu_daemon: DaemonProces
     assert hint in message and "alloc_device and view it with Region.torch()" in message, message
 
 
-@pytest.mark.parametrize(("dtype", "register"), [("bfloat16", False), ("float8_e4m3fn", False), ("bfloat16", True), ("float8_e4m3fn", True)])
+@pytest.mark.parametrize("register", [False, True], ids=["alloc_device", "register_device"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_kv_offload_example_on_cuda(gpu_daemon: DaemonProcess, torch: Any, dtype: str, register: bool) -> None:
     """examples/kv_offload.py on the cuda engine: the cache a daemon allocation viewed by
     Region.torch(), or PyTorch's own tensor registered; output bitwise the same after reload."""
