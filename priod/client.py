@@ -69,6 +69,7 @@ from .client_base import (
     progress,
     raise_if_cancelled,
 )
+from .torch_face import block_segments, tensor_copy
 
 __all__ = [
     "BatchHandle",
@@ -329,9 +330,10 @@ class Client:
         return self._region(await self._request(alloc_device_request(nbytes, device)))
 
     async def register_device(self, obj: Any) -> Region:
-        """Share your own GPU buffer (anything with ``__cuda_array_interface__``); keep it alive
-        until you free the region."""
-        return self._region(await self._request(cuda_register_request(obj)))
+        """Share your own GPU buffer: a CUDA tensor of any dtype (PyTorch's caching allocator in
+        its default mode), or anything with ``__cuda_array_interface__``. The region holds a
+        reference to it until `free`; tensors viewing it then name it in `copy_tensor`."""
+        return self._region(await self._request(cuda_register_request(obj))).holding(obj)
 
     async def free(self, region: Region) -> None:
         self._check_region(region)
@@ -384,6 +386,35 @@ class Client:
         """Copy every segment and wait for the batch (see `start_copy_batch`; ``timeout`` as
         for `copy`, the `CopyTimeout` carrying ``segments_done`` too)."""
         return await self._wait(self.start_copy_batch(dst, src, segments, **options), timeout)
+
+    # -- tensors (priod.torch_face) ----------------------------------------------------------
+    def start_copy_tensor(self, dst: Any, src: Any, **options: Unpack[BatchOptions]) -> CopyHandle:
+        """Copy tensor ``src`` into tensor ``dst`` (any dtypes, the same number of bytes; each a
+        contiguous view of a region of this connection: `Region.torch`, or a tensor given to
+        `register_device`) and return at once. The copy moves bytes: make sure the kernels that
+        wrote ``src`` have finished (``torch.cuda.current_stream().synchronize()``)."""
+        d, s = tensor_copy(dst, src, self._regions)
+        return self.start_copy(d.region, s.region, d.nbytes, dst_offset=d.offset, src_offset=s.offset, **options)
+
+    async def copy_tensor(self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> CopyResult:
+        """`start_copy_tensor` and wait for it (``timeout`` as for `copy`)."""
+        return await self._wait(self.start_copy_tensor(dst, src, **options), timeout)
+
+    def start_copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchHandle:
+        """Copy block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst`` as one
+        `start_copy_batch`. ``dst``, ``src``: paged caches as tensors viewing regions (blocks
+        along ``block_dim``; K/V or layer dimensions before it) or regions holding blocks of
+        ``block_bytes`` end to end (`priod.torch_face.block_segments`)."""
+        d, s, segments = block_segments(dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes)
+        return self.start_copy_batch(d, s, segments, **options)
+
+    async def copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchResult:
+        """`start_copy_blocks` and wait for it (``timeout`` as for `copy_batch`)."""
+        return await self._wait(self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options), timeout)
 
     async def _wait(self, handle: _Handle[R], timeout: float | None) -> R:
         try:

@@ -105,6 +105,11 @@ class Region:
         self.generation = generation
         self._mapping: mmap.mmap | None = None
         self.array: npt.NDArray[np.uint8] | None = None
+        self._view: Any = None
+        """The `CudaBuffer` that `device_view` opened (torch views of the region use it)."""
+        self._held: Any = None
+        """A ``register_device``'d buffer, held so its allocator cannot reuse the memory meanwhile."""
+        self._held_pointer: int | None = None
         if fds:
             try:
                 self._mapping = mmap.mmap(fds[0], self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -128,7 +133,62 @@ class Region:
         device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
         return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, device)
 
+    def holding(self, obj: Any) -> Region:
+        """Remember ``obj``, the client's own device buffer this region was registered from:
+        tensors viewing it are then found by `priod.torch_face.where`, and holding it keeps a
+        caching allocator (PyTorch's, CuPy's) from handing its memory out again before `free`."""
+        from .cuda_ipc import device_span
+
+        self._held, self._held_pointer = obj, device_span(obj)[0]
+        return self
+
+    def address(self, on_gpu: bool) -> int | None:
+        """The region's first byte in this process, where it is mapped here: on the GPU
+        (``on_gpu``: `device_view` opened, or a registered buffer) or the host (``array``)."""
+        if not on_gpu:
+            return None if self.array is None else int(self.array.ctypes.data)
+        if self._held_pointer is not None:
+            return self._held_pointer
+        return None if self._view is None else int(self._view.pointer)
+
+    def device_view(self) -> Any:
+        """This region's device memory as an object with ``__cuda_array_interface__`` (uint8),
+        opened once and kept until `free` (see `cuda` for one you close yourself)."""
+        if self._held is not None:
+            from .cuda_ipc import DeviceBytes, local_ordinal
+
+            device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
+            return DeviceBytes(self._held, self._held_pointer or 0, self.nbytes, device)
+        if self._view is None:
+            self._view = self.cuda()
+        return self._view
+
+    def torch(self, dtype: Any = None, shape: Any = None) -> Any:
+        """A torch tensor viewing this region (no copy), of ``dtype`` (default ``torch.uint8``)
+        and ``shape`` (default 1-D); see `priod.torch_face.region_tensor`."""
+        from .torch_face import region_tensor
+
+        return region_tensor(self, dtype, shape)
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """DLPack export of the region's bytes (uint8, 1-D): ``torch.from_dlpack(region)``,
+        ``np.from_dlpack(region)`` for host regions."""
+        if self.array is not None:
+            return self.array.__dlpack__(**kwargs)
+        return self.torch().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        if self.array is not None:
+            return (1, 0)  # kDLCPU
+        from .cuda_ipc import local_ordinal
+
+        return (2, local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0)  # kDLCUDA
+
     def unmap(self) -> None:
+        self._held = self._held_pointer = None
+        if self._view is not None:
+            view, self._view = self._view, None
+            view.close()
         self.array = None
         if self._mapping is not None:
             try:

@@ -17,7 +17,8 @@ may number the GPUs differently (CUDA_VISIBLE_DEVICES, containers).
 from __future__ import annotations
 
 import math
-from typing import Any, Self
+import sys
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 
@@ -32,28 +33,62 @@ from priod.engines.cuda._driver import (
 )
 from priod.errors import CudaError, EngineError
 
-__all__ = ["CudaBuffer", "export_cuda_array", "gpu_uuid", "local_ordinal", "open_device_export"]
+__all__ = [
+    "CudaBuffer",
+    "DeviceBuffer",
+    "DeviceBytes",
+    "device_span",
+    "export_cuda_array",
+    "export_device_buffer",
+    "gpu_uuid",
+    "local_ordinal",
+    "open_device_export",
+]
 
 _client_ipc = IpcTable()
 """The daemon allocations this process has open, each opened once however many buffers use it."""
 
 
-def export_cuda_array(obj: object) -> tuple[bytes, int, int, int]:
-    """Describe a contiguous CUDA array (CuPy, PyTorch: anything with
-    ``__cuda_array_interface__``) so that the daemon can open it.
+class DeviceBuffer(NamedTuple):
+    """A client's device buffer as the daemon needs it (`export_device_buffer`)."""
 
-    Returns ``(ipc_handle, offset, nbytes, device)``: the IPC handle of the whole allocation the
-    array lives in (pool allocators hand out pieces of larger allocations), the array's offset
-    into it, its size and its GPU. The caller must keep the array alive while the daemon uses it,
-    and make sure the producer's stream has finished writing it before a copy starts.
+    handle: bytes
+    """The IPC handle of the whole allocation the buffer lives in (its base, not the buffer)."""
+    offset: int
+    """The buffer's offset into that allocation."""
+    nbytes: int
+    device: int
+    """This process's ordinal of the buffer's GPU."""
+    pointer: int
+    """The buffer's address in this process (``tensor.data_ptr()``)."""
+
+
+def device_span(obj: object) -> tuple[int, int]:
+    """``(pointer, nbytes)`` of a contiguous CUDA buffer: a PyTorch tensor of any dtype, or
+    anything with ``__cuda_array_interface__`` (CuPy, Numba, `CudaBuffer`).
+
+    PyTorch tensors are read through ``data_ptr()``, ``element_size()`` and ``is_contiguous()``,
+    never their ``__cuda_array_interface__``: torch builds that from a dtype table which has no
+    fp8 types (``KeyError: torch.float8_e4m3fn``), and ``data_ptr`` is what every dtype has.
 
     Raises:
-        TypeError: ``obj`` has no ``__cuda_array_interface__``.
-        ValueError: The array is not C-contiguous, or is empty.
-        EngineError: The allocation cannot be shared by CUDA IPC (``cudaMallocAsync`` pools and
-            ``cuMemCreate`` memory cannot; plain ``cudaMalloc``, CuPy's and PyTorch's default
-            allocators can).
+        TypeError: ``obj`` is neither (or is a tensor on the CPU).
+        ValueError: The buffer is not C-contiguous, or is empty.
     """
+    if _is_torch_tensor(obj):
+        t: Any = obj
+        if not t.is_cuda:
+            raise TypeError(
+                f"this tensor is on {t.device}, not on a GPU: for host memory use alloc_host and its Region.torch() view"
+            )
+        if not t.is_contiguous():
+            raise ValueError(
+                f"the tensor is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): pass .contiguous() or a contiguous view"
+            )
+        nbytes = int(t.numel()) * int(t.element_size())
+        if nbytes == 0:
+            raise ValueError("the tensor is empty")
+        return int(t.data_ptr()), nbytes
     try:
         cai: dict[str, Any] = obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except AttributeError:
@@ -71,20 +106,87 @@ def export_cuda_array(obj: object) -> tuple[bytes, int, int, int]:
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         raise ValueError("the array is empty")
+    return pointer, nbytes
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    """A ``torch.Tensor`` (or subclass), recognised without importing torch: a process that
+    never imported torch has no tensors to pass."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+POOL_HINT = (
+    "it comes from a stream-ordered pool (cudaMallocAsync; in PyTorch PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), "
+    "which CUDA IPC handles cannot share: run PyTorch with its native allocator (leave backend unset, or "
+    "PYTORCH_CUDA_ALLOC_CONF=backend:native), or allocate the buffer with priod's alloc_device and view it with Region.torch()"
+)
+VMM_HINT = (
+    "it was mapped with cuMemCreate (virtual memory management; in PyTorch PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), "
+    "which CUDA IPC handles cannot share: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False for this process, "
+    "or allocate the buffer with priod's alloc_device and view it with Region.torch()"
+)
+
+
+def _unshareable(drv: Any, pointer: int) -> str | None:
+    """Why ``pointer``'s memory cannot be shared by ``cudaIpcGetMemHandle``, or None if it can
+    (or the driver cannot say). Asked first, because the handle call itself fails with a bare
+    ``cudaErrorInvalidValue`` that names neither cause nor fix."""
+    attr = drv.CUpointer_attribute
+    try:
+        capable = check(drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, pointer))
+    except (CudaError, AttributeError):
+        return None  # an old driver or binding: the handle call decides
+    if capable:
+        return None
+    try:
+        pool = check(drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, pointer))
+        in_pool = bool(int(pool))
+    except (CudaError, AttributeError, TypeError, ValueError):
+        in_pool = False
+    return POOL_HINT if in_pool else VMM_HINT
+
+
+def export_device_buffer(obj: object) -> DeviceBuffer:
+    """Describe a contiguous CUDA buffer (see `device_span`) so that the daemon can open it.
+
+    A caching allocator (PyTorch's, CuPy's) hands out pieces of larger ``cudaMalloc``
+    segments, and an IPC handle can only name a segment's base: the handle is of the base
+    (``cuMemGetAddressRange``), with the buffer's offset into it. The caller must keep the buffer
+    alive while the daemon uses it, and make sure the producer's stream has finished writing it
+    before a copy starts.
+
+    Raises:
+        TypeError, ValueError: As `device_span`.
+        EngineError: The memory cannot be shared by CUDA IPC; the message says which allocator
+            setting to change (PyTorch's expandable segments, ``cudaMallocAsync`` pools).
+    """
+    pointer, nbytes = device_span(obj)
     rt, drv = bindings()
     check(drv.cuInit(0))
     device = int(check(drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)))
     with DeviceScope(device):
+        if (why := _unshareable(drv, pointer)) is not None:
+            raise EngineError(f"this buffer's memory cannot be registered with priod: {why}")
         base, _size = check(drv.cuMemGetAddressRange(pointer))
         base = int(base)
         try:
             handle = check(rt.cudaIpcGetMemHandle(base))
         except CudaError as exc:
+            # The attributes did not tell (an old driver): name both PyTorch settings that cause this.
             raise EngineError(
-                f"this array's memory cannot be shared by CUDA IPC ({exc}): allocate it with cudaMalloc "
-                "(the default allocators of CuPy and PyTorch), not from a cudaMallocAsync pool or cuMemCreate"
+                f"this buffer's memory cannot be registered with priod: cudaIpcGetMemHandle refused it ({exc}); allocate it "
+                "with cudaMalloc (the default allocators of CuPy and PyTorch): in PyTorch set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False and leave backend unset (or PYTORCH_CUDA_ALLOC_CONF=backend:native), "
+                "or allocate the buffer with priod's alloc_device and view it with Region.torch()"
             ) from exc
-    return handle_to_bytes(handle), pointer - base, nbytes, device
+    return DeviceBuffer(handle_to_bytes(handle), pointer - base, nbytes, device, pointer)
+
+
+def export_cuda_array(obj: object) -> tuple[bytes, int, int, int]:
+    """``(ipc_handle, offset, nbytes, device)`` of `export_device_buffer` (its first four fields)."""
+    buf = export_device_buffer(obj)
+    return buf.handle, buf.offset, buf.nbytes, buf.device
 
 
 class CudaBuffer:
@@ -124,6 +226,21 @@ class CudaBuffer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"0x{self.pointer:x}"
         return f"CudaBuffer(gpu{self.device}, {self.nbytes} bytes, {state})"
+
+
+class DeviceBytes:
+    """Device memory this process has already (a buffer it registered) as a flat uint8 CUDA
+    array, so torch can view its bytes whatever the buffer's dtype; keeps ``owner`` alive."""
+
+    def __init__(self, owner: object, pointer: int, nbytes: int, device: int) -> None:
+        self.owner, self.pointer, self.nbytes, self.device = owner, pointer, nbytes, device
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.pointer, False), "strides": None, "version": 3}
+
+    def close(self) -> None:
+        """Nothing to close: the memory is the owner's."""
 
 
 def open_device_export(ipc_handle: bytes, offset: int, nbytes: int, device: int) -> CudaBuffer:

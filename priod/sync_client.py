@@ -57,6 +57,7 @@ from .client_base import (
     progress,
     raise_if_cancelled,
 )
+from .torch_face import block_segments, tensor_copy
 
 __all__ = ["SyncBatchHandle", "SyncClient", "SyncCopyHandle"]
 
@@ -240,7 +241,8 @@ class SyncClient:
         return self._region(self._request(alloc_device_request(nbytes, device)))
 
     def register_device(self, obj: Any) -> Region:
-        return self._region(self._request(cuda_register_request(obj)))
+        """See `Client.register_device`."""
+        return self._region(self._request(cuda_register_request(obj))).holding(obj)
 
     def free(self, region: Region) -> None:
         self._request(Free(region.id))
@@ -268,6 +270,28 @@ class SyncClient:
         """Send a batch and return at once (see `Client.start_copy_batch`)."""
         req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
         return SyncBatchHandle(self, self._start(req))
+
+    def copy_tensor(self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> CopyResult:
+        """Copy tensor ``src`` into tensor ``dst`` and wait (see `Client.start_copy_tensor`)."""
+        return self.start_copy_tensor(dst, src, **options).wait(timeout)
+
+    def start_copy_tensor(self, dst: Any, src: Any, **options: Unpack[BatchOptions]) -> SyncCopyHandle:
+        """Send a tensor copy and return at once (see `Client.start_copy_tensor`)."""
+        d, s = tensor_copy(dst, src, self._regions)
+        return self.start_copy(d.region, s.region, d.nbytes, dst_offset=d.offset, src_offset=s.offset, **options)
+
+    def copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchResult:
+        """Copy paged blocks as one batch and wait (see `Client.start_copy_blocks`)."""
+        return self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options).wait(timeout)
+
+    def start_copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, **options: Unpack[BatchOptions]
+    ) -> SyncBatchHandle:
+        """Send paged blocks as one batch and return at once (see `Client.start_copy_blocks`)."""
+        d, s, segments = block_segments(dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes)
+        return self.start_copy_batch(d, s, segments, **options)
 
     def status(self) -> dict[str, Any]:
         msg, _ = self._request(StatusRequest())
