@@ -47,6 +47,7 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
             {
                 "lane": ls.lane,
                 "gpu": d.engine.device_uuid(ls.device),
+                **({"peer_gpu": d.engine.device_uuid(ls.peer)} if ls.peer is not None else {}),
                 "bandwidth_gbps": round(ls.bandwidth / 1e9, 3),
                 "chunk_bytes": ls.chunk_bytes,
                 "inflight_bound": ls.inflight_bound,

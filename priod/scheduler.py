@@ -140,6 +140,8 @@ class LaneStats:
     """Each tenant's strict budget on this lane: the lower of the two settings."""
     device: int = 0
     """The lane's GPU by the daemon's ordinal; `Engine.device_uuid` gives its UUID (the ``gpu`` label)."""
+    peer: int | None = None
+    """A peer lane's destination GPU (the daemon's ordinal); None for other lanes."""
 
 
 @dataclass(frozen=True)
@@ -411,6 +413,7 @@ class Scheduler:
             LaneStats(
                 lane=str(lane.key),
                 device=lane.key.device,
+                peer=lane.key.peer,
                 bandwidth=lane.info.bandwidth,
                 chunk_bytes=lane.params.chunk_bytes,
                 inflight_bound=lane.params.inflight_bytes,
