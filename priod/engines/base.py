@@ -318,6 +318,12 @@ class Engine(ABC):
             "(nvidia-smi -L) and that the daemon sees that GPU ([cuda] devices, its own CUDA_VISIBLE_DEVICES)"
         )
 
+    def host_bandwidth(self) -> float:
+        """Bytes per second of host memory that all h2d and d2h lanes of all GPUs share, where
+        the engine knows it binds below the sum of their rates; 0: no shared limit known (the
+        scheduler then takes each lane's rate as its own)."""
+        return 0.0
+
     def busy_seconds(self) -> dict[LaneKey, float]:
         """Per lane, the running total of seconds its copy engine was busy (the metrics' busy
         counter); an engine that cannot tell returns no lane."""

@@ -485,6 +485,9 @@ class SimEngine(Engine):
             "cotenant_stalled_seconds": round(sum(w.stalled_seconds for w in self._workers.values()), 6),
         }
 
+    def host_bandwidth(self) -> float:
+        return self.cfg.host_gbps * 1e9
+
     def busy_seconds(self) -> dict[LaneKey, float]:
         return {k: link.busy_seconds for k, link in self._links.items()}
 
