@@ -365,3 +365,23 @@ def test_scheduler_refuses_a_bad_host_bandwidth() -> None:
         with pytest.raises(ConfigError, match=r"^host bandwidth = .* is invalid; give a finite number of bytes/s >= 0 \(0: none\)$"):
             Scheduler(Policy(), _host_lanes(1), host_bandwidth=bad)
 
+
+
+def test_bench_multi_gpu_script_prints_a_row_per_gpu_count() -> None:
+    """``scripts/bench_multi_gpu.py`` (the loop-cost table of benchmarks.md) runs from a checkout
+    and prints its header and one row per GPU count, with the load it asked for moving (the
+    GB/s column above zero) and the loop's CPU measured."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_multi_gpu.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "--gpus", "1", "2", "--seconds", "0.3", "--warmup", "0.2"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[1].startswith("gpus | links | GB/s") and len(lines) == 4, r.stdout
+    for line, (gpus, links) in zip(lines[2:], ((1, 2), (2, 4)), strict=True):
+        cells = [c.strip() for c in line.split("|")]
+        assert (int(cells[0]), int(cells[1])) == (gpus, links) and float(cells[2]) > 0 and float(cells[6]) > 0, line
