@@ -40,7 +40,7 @@ _KIND_NAMES = {
     Direction.H2D: "cudaMemcpyHostToDevice",
     Direction.D2H: "cudaMemcpyDeviceToHost",
     Direction.D2D: "cudaMemcpyDeviceToDevice",
-    Direction.PEER: "cudaMemcpyDefault",  # a batch segment by segment: UVA tells the two GPUs apart
+    Direction.PEER: "cudaMemcpyDefault",  # unused (peer chunks name both GPUs); UVA would tell them apart
 }
 _kinds: dict[Direction, Any] = {}
 

@@ -250,7 +250,7 @@ class CudaEngine(Engine):
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
         stream `submit` would use. Express: the copy kernel's table form, one launch per 128
         segments (a launch per segment where the kernel has no table form). A peer lane's chunk
-        takes the DMA call as well (it has no express path): UVA pointers name their GPUs."""
+        (DMA only) is one ``cudaMemcpyPeerAsync`` per segment."""
         dev, info, s_host, d_host = self._ends(lane, dst, src)
         if not len(sizes):
             return Done()
@@ -261,7 +261,16 @@ class CudaEngine(Engine):
             stream = info.strict if strict else info.dma
             sp = s_host.host_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
             dp = d_host.host_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
-            self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
+            if lane.direction is _PEER:
+                # Segment by segment: the batched call over peer memory has never run (no machine
+                # with two GPUs was lent), and a first failure there would switch every lane's
+                # batches to per-segment copies for good (`BatchedDma`).
+                copy_peer = self._rt.cudaMemcpyPeerAsync
+                dst_dev, src_dev = lane.peer, lane.device
+                for d, s_, n in zip((dst_offsets + np.uint64(dp)).tolist(), (src_offsets + np.uint64(sp)).tolist(), sizes.tolist(), strict=True):
+                    check(copy_peer(d, dst_dev, s_, src_dev, n, stream))
+            else:
+                self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
         else:
             if info.express_max == 0:
                 raise EngineError(f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA")

@@ -4,8 +4,8 @@ A copy between two GPUs runs on neither GPU's host-link copy engines: over NVLin
 peer-to-peer) it has engines and bandwidth of its own, so it gets lanes of its own with their
 own in-flight bound, and bulk between GPUs never queues an urgent host copy (docs/design.md,
 "Several GPUs"). Each ordered pair (a -> b) is one lane on GPU a: two low/high-priority streams
-made on a, chunks issued with ``cudaMemcpyPeerAsync`` (a batch's chunk with the batched call,
-whose pointers UVA tells apart). No express path: the copy kernel would have to read peer
+made on a, chunks issued with ``cudaMemcpyPeerAsync`` (a batch's chunk one per segment). No
+express path: the copy kernel would have to read peer
 memory, which is not built (nor measured).
 
 Peer access is enabled where ``cudaDeviceCanAccessPeer`` allows it; where it does not, the lane
