@@ -266,6 +266,30 @@ async def test_four_gpus_each_bulk_at_its_link_rate_and_twelve_peer_lanes() -> N
     assert d.proc.returncode == 0, d.log()[-4000:]
 
 
+async def test_metrics_count_peer_copies_under_both_gpus_labels() -> None:
+    """/metrics of a two-GPU daemon: a peer copy counts under ``gpu`` = the source's UUID and
+    ``direction`` = ``peer:<destination UUID>``, bytes and busy time included, and no h2d/d2h
+    series moves for it."""
+    from priod.testing.scrape import Scraper, free_port, get, total
+
+    port = free_port()
+    with daemon_process(_env(2, PRIOD_METRICS__PORT=str(port))) as d:
+        scrape = Scraper(port)
+        async with priod.connect(d.socket_path) as c:
+            u0, u1 = (g["uuid"] for g in (await c.status())["gpus"])
+            a, b = await c.alloc_device(2 * MiB, device=0), await c.alloc_device(2 * MiB, device=1)
+            await c.copy(b, a, priority="high")
+            peer = {"gpu": u0, "direction": f"peer:{u1}"}
+            deadline = time.monotonic() + 20
+            while (s := await asyncio.to_thread(scrape)) and get(s, "priod_engine_busy_seconds_total", **peer) == 0:
+                assert time.monotonic() < deadline, "no busy time for the peer lane in /metrics"
+                await asyncio.sleep(0.1)
+    assert get(s, "priod_copied_bytes_total", **peer, priority="high") == 2 * MiB
+    assert get(s, "priod_requests_total", **peer, priority="high", outcome="done") == 1
+    assert total(s, "priod_copied_bytes_total", direction="h2d") == total(s, "priod_copied_bytes_total", direction="d2h") == 0
+    assert d.proc.returncode == 0, d.log()[-4000:]
+
+
 # -- pure logic: keys, labels, the scheduler's share of the host --------------------------------
 
 
