@@ -249,7 +249,6 @@ async def test_host_cap_bounds_aggregate_bulk_and_urgent_is_still_first(capped: 
     assert loaded < 2 * SLACK, f"urgent p50 under the host cap: {loaded * 1e3:.2f} ms"
 
 
-@pytest.mark.slow
 async def test_four_gpus_each_bulk_at_its_link_rate_and_twelve_peer_lanes() -> None:
     """Four sim GPUs under one daemon: 4 x 3 local lanes and 12 peer lanes (one per ordered
     pair), and bulk h2d on all four GPUs at once moves each near its own link rate."""
