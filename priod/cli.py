@@ -158,12 +158,12 @@ def format_status(st: dict[str, Any]) -> str:
         f"max_block_us={st['max_block_us']}  classes: " + ", ".join(f"{c['name']}({'strict' if c['strict'] else 'w=' + str(c['weight'])})" for c in st["classes"]),
         *(f"{'gpu' + str(g['index']):<10} {g['uuid']}" for g in st.get("gpus", [])),
         "",
-        f"{'lane':<10} {'GB/s':>7} {'chunk':>11} {'bound':>11} {'in flight':>11} {'express':>11}  queued (requests by class)",
+        f"{'lane':<16} {'GB/s':>7} {'chunk':>11} {'bound':>11} {'in flight':>11} {'express':>11}  queued (requests by class)",
     ]
     for ln in st["lanes"]:
         queued = " ".join(f"{k}={v}" for k, v in ln["queued_requests"].items() if v) or "-"
         lines.append(
-            f"{ln['lane']:<10} {ln['bandwidth_gbps']:>7.2f} {_mib(ln['chunk_bytes']):>11} {_mib(ln['inflight_bound']):>11} "
+            f"{ln['lane']:<16} {ln['bandwidth_gbps']:>7.2f} {_mib(ln['chunk_bytes']):>11} {_mib(ln['inflight_bound']):>11} "
             f"{_mib(ln['inflight_bytes'] + ln['strict_inflight_bytes']):>11} {_mib(ln['express_inflight_bytes']):>11}  {queued}"
         )
     clients = st.get("clients_total", len(st["clients"]))  # a non-root viewer sees only its own lines

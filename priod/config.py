@@ -333,8 +333,12 @@ def _validate(cfg: Config) -> None:
         need(getattr(lim, name) >= 0, f"[limits] {name} must be >= 0")
     sim = cfg.sim
     need(sim.devices >= 1, f"[sim] devices = {sim.devices} is invalid; set devices >= 1")
-    for name in ("h2d_gbps", "d2h_gbps", "d2d_gbps"):
+    for name in ("h2d_gbps", "d2h_gbps", "d2d_gbps", "peer_gbps"):
         need(getattr(sim, name) > 0, f"[sim] {name} must be > 0 (GB/s)")
+    need(
+        0 <= sim.host_gbps < float("inf"),
+        f"[sim] host_gbps = {sim.host_gbps} is invalid; set a finite number of GB/s >= 0 (0: no shared host-memory cap)",
+    )
     need(0 < sim.express_share <= 1, f"[sim] express_share = {sim.express_share} is invalid; set 0 < express_share <= 1")
     need(
         0 <= sim.cotenant_stall_us < float("inf"),

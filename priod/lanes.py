@@ -28,10 +28,12 @@ class Lane:
         "classes",
         "express_inflight",
         "fifo",
+        "host_scale",
         "inflight",
         "info",
         "key",
         "last_strict",
+        "min_chunk",
         "nonstrict",
         "params",
         "queued",
@@ -68,6 +70,10 @@ class Lane:
         """Kept past a tenant's last request until its bucket is full again (see `budget.sweep`)."""
         self.sweep_at = 64
         self.budget_rate = 0.0
+        self.host_scale = 1.0
+        """A host lane's share of its own rate while the host links busy now ask for more host
+        memory bandwidth than there is (set by the scheduler each turn); 1.0 otherwise."""
+        self.min_chunk = ALIGN
 
     def configure(self, policy: Policy) -> None:
         """Fresh class queues and parameters for ``policy`` (requests are re-placed by the caller)."""
@@ -79,6 +85,7 @@ class Lane:
         self.fifo = deque()
         self.queued = 0
         self.window = policy.urgent_window_ms / 1e3
+        self.min_chunk = policy.min_chunk_bytes
         self.budget_rate = min(policy.urgent_budget_bytes_per_s, policy.urgent_budget_share * self.info.bandwidth)
         for tn in self.tenants.values():
             tn.parked.clear()  # their groups went with the old class queues
@@ -107,5 +114,15 @@ class Lane:
         """
         p = self.params
         if now - self.last_strict < self.window:
-            return p.urgent_chunk_bytes, p.urgent_inflight_bytes
-        return p.chunk_bytes, p.inflight_bytes
+            chunk, bound = p.urgent_chunk_bytes, p.urgent_inflight_bytes
+        else:
+            chunk, bound = p.chunk_bytes, p.inflight_bytes
+        scale = self.host_scale
+        if scale < 1.0:
+            # The host binds: this lane moves at ``scale`` of its rate, so the same bytes in
+            # flight would hold an urgent copy 1/scale times longer. Keep the bound in time
+            # instead, with as many (smaller) chunks, no smaller than min_chunk_bytes.
+            depth = bound // chunk
+            chunk = max(min(chunk, self.min_chunk), int(chunk * scale) // ALIGN * ALIGN)
+            bound = chunk * depth
+        return chunk, bound

@@ -37,7 +37,11 @@ def gpu_label(device: int, names: Mapping[int, str] | None = None) -> str:
 
 
 def lane_labels(lane: LaneKey, names: Mapping[int, str] | None = None) -> tuple[str, str]:
-    """``(gpu, direction)`` label values of a lane."""
+    """``(gpu, direction)`` label values of a lane. A peer lane's ``direction`` names its
+    destination, ``peer:<gpu label>`` (``gpu`` is the source), so each pair is its own series
+    and ``direction=~"peer:.*"`` selects them all without a label that other lanes lack."""
+    if lane.peer is not None:
+        return gpu_label(lane.device, names), f"peer:{gpu_label(lane.peer, names)}"
     return gpu_label(lane.device, names), lane.direction.value
 
 

@@ -172,7 +172,7 @@ class RegionTable:
         self.total_device_bytes = 0
         # The engine's own key objects: every dict lookup on the per-chunk path then matches
         # by identity instead of comparing dataclasses field by field.
-        self._lanes: dict[tuple[int, Direction], LaneKey] = {(i.key.device, i.key.direction): i.key for i in engine.lanes()}
+        self._lanes: dict[tuple[int, Direction, int | None], LaneKey] = {(i.key.device, i.key.direction, i.key.peer): i.key for i in engine.lanes()}
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -248,11 +248,18 @@ class RegionTable:
             device, direction = src.device, Direction.D2H
         elif src.kind == "device" and dst.kind == "device":
             if src.device != dst.device:
-                raise InvalidRequest(f"device-to-device copies must stay on one GPU (src on {src.device}, dst on {dst.device}); copy through a host region")
+                # Across GPUs: the peer lane of the pair, driven from the source GPU.
+                lane = self._lanes.get((src.device, Direction.PEER, dst.device))  # type: ignore[arg-type]
+                if lane is None:
+                    raise InvalidRequest(
+                        f"no peer lane gpu{src.device} -> gpu{dst.device}: this daemon has no peer path between those GPUs "
+                        "(one GPU, or the engine found no peer access between them); copy through a host region"
+                    )
+                return lane
             device, direction = src.device, Direction.D2D
         else:
             raise InvalidRequest("both regions are host memory; copy between them with memcpy in your own process")
-        lane = self._lanes.get((device, direction))  # type: ignore[arg-type]
+        lane = self._lanes.get((device, direction, None))  # type: ignore[arg-type]
         if lane is None:
             raise InvalidRequest(f"no lane {direction.value} on device {device}; this daemon serves {sorted(map(str, self._lanes.values()))}")
         return lane

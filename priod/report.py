@@ -43,10 +43,12 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
         "max_block_us": d.cfg.scheduler.max_block_us,
         "classes": [{"name": c.name, "weight": c.weight, "strict": c.strict} for c in st.classes],
         "gpus": [{"index": i, "uuid": u} for i, u in sorted(d.engine.device_uuids().items())],
+        "host_bandwidth_gbps": round(d.engine.host_bandwidth() / 1e9, 3),
         "lanes": [
             {
                 "lane": ls.lane,
                 "gpu": d.engine.device_uuid(ls.device),
+                **({"peer_gpu": d.engine.device_uuid(ls.peer)} if ls.peer is not None else {}),
                 "bandwidth_gbps": round(ls.bandwidth / 1e9, 3),
                 "chunk_bytes": ls.chunk_bytes,
                 "inflight_bound": ls.inflight_bound,
@@ -58,6 +60,7 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
                 "express_inflight_bytes": ls.express_inflight_bytes,
                 "urgent_chunk_bytes": ls.urgent_chunk_bytes,
                 "urgent_inflight_bound": ls.urgent_inflight_bound,
+                "host_scale": round(ls.host_scale, 4),
             }
             for ls in st.lanes
         ],

@@ -39,7 +39,7 @@ from .batch import SEGMENT_COST_S, Segments
 from .budget import TenantKey
 from .choice import PathChooser, PathEstimate
 from .dispatch import Dispatcher
-from .engines.base import LaneInfo, LaneKey, Path
+from .engines.base import Direction, LaneInfo, LaneKey, Path
 from .errors import ConfigError, InvalidRequest, NotFound, PermissionDenied
 from .lanes import Lane
 from .policy import ClassSpec, LaneParams, Policy, validate_policy
@@ -140,6 +140,10 @@ class LaneStats:
     """Each tenant's strict budget on this lane: the lower of the two settings."""
     device: int = 0
     """The lane's GPU by the daemon's ordinal; `Engine.device_uuid` gives its UUID (the ``gpu`` label)."""
+    peer: int | None = None
+    """A peer lane's destination GPU (the daemon's ordinal); None for other lanes."""
+    host_scale: float = 1.0
+    """A host lane's share of its rate now, where the host's memory bandwidth binds (1.0: not)."""
 
 
 @dataclass(frozen=True)
@@ -172,8 +176,14 @@ class Scheduler:
     budget is moved to a lower class at once rather than held for tokens).
     """
 
-    def __init__(self, policy: Policy, lanes: Iterable[LaneInfo]) -> None:
+    def __init__(self, policy: Policy, lanes: Iterable[LaneInfo], *, host_bandwidth: float = 0.0) -> None:
+        """``host_bandwidth``: bytes/s of host memory shared by every h2d and d2h lane
+        (`Engine.host_bandwidth`; 0: none). While the host lanes with work ask for more, each
+        one's chunks and in-flight bound shrink in proportion (`Lane.bound`), so an urgent copy
+        still waits for about ``max_block_us`` of bulk, not that times the slowdown."""
         validate_policy(policy)
+        if not (0 <= host_bandwidth < math.inf):
+            raise ConfigError(f"host bandwidth = {host_bandwidth} is invalid; give a finite number of bytes/s >= 0 (0: none)")
         self._policy = policy
         self._lanes: dict[LaneKey, Lane] = {}
         for info in sorted(lanes, key=lambda i: i.key):
@@ -183,6 +193,8 @@ class Scheduler:
             lane.configure(policy)
             self._lanes[info.key] = lane
         self._lane_list = list(self._lanes.values())
+        self._host_bandwidth = host_bandwidth
+        self._host_lanes = [ln for ln in self._lane_list if ln.key.direction in (Direction.H2D, Direction.D2H)] if host_bandwidth > 0 else []
         self._tracks: dict[int, Track] = {}
         self._by_owner: dict[Hashable, set[int]] = {}
         self._seq = 0
@@ -331,6 +343,8 @@ class Scheduler:
         """
         out: list[Chunk] = []
         fifo = self._policy.mode == "fifo"
+        if self._host_lanes and not fifo:
+            self._share_host()
         for lane in self._lane_list:
             if not lane.queued:
                 continue
@@ -411,6 +425,8 @@ class Scheduler:
             LaneStats(
                 lane=str(lane.key),
                 device=lane.key.device,
+                peer=lane.key.peer,
+                host_scale=lane.host_scale,
                 bandwidth=lane.info.bandwidth,
                 chunk_bytes=lane.params.chunk_bytes,
                 inflight_bound=lane.params.inflight_bytes,
@@ -445,6 +461,17 @@ class Scheduler:
             known = ", ".join(str(k) for k in self._lanes) or "none"
             raise InvalidRequest(f"no lane {key}; the lanes are {known}")
         return lane
+
+    def _share_host(self) -> None:
+        """Set each host lane's share of its rate from the host lanes that have work now: the
+        sum of their rates against the host's bandwidth (proportional, as the sim models it)."""
+        demand = 0.0
+        for lane in self._host_lanes:
+            if lane.queued or lane.inflight or lane.strict_inflight or lane.express_inflight:
+                demand += lane.info.bandwidth
+        scale = min(1.0, self._host_bandwidth / demand) if demand else 1.0
+        for lane in self._host_lanes:
+            lane.host_scale = scale
 
     def _place(self, t: Track) -> None:
         """Count a request with bytes to hand out as queued, in the queue its mode and class say."""

@@ -144,7 +144,7 @@ class Daemon:
         notify: Callable[[str], object] | None = None,
     ) -> None:
         self.engine = engine
-        self.scheduler = Scheduler(cfg.policy(), engine.lanes())
+        self.scheduler = Scheduler(cfg.policy(), engine.lanes(), host_bandwidth=engine.host_bandwidth())
         self.metrics = Metrics(engine.device_uuids())
         self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll)
         self.own_uid = os.geteuid()

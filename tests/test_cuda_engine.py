@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from priod.cuda_ipc import export_cuda_array, open_device_export
-from priod.engines.base import Completion, DeviceMemory, Direction, HostMemory, LaneKey, Path
+from priod.engines.base import Completion, DeviceMemory, LOCAL_DIRECTIONS, Direction, HostMemory, LaneKey, Path
 from priod.engines.cuda import EXPRESS_MAX, EXPRESS_MIN_H2D, CudaEngine, gpu_available
 from priod.errors import CudaError, EngineError, InvalidRequest
 
@@ -212,6 +212,44 @@ def _ipc_child(conn: Connection) -> None:
         raise
 
 
+def _gpu_count() -> int:
+    from priod.engines.cuda._driver import device_count
+
+    return device_count()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU or _gpu_count() < 2, reason="needs two NVIDIA GPUs (never run yet: no machine with two was lent)")
+def test_peer_lane_copies_between_two_gpus_exactly() -> None:
+    """Two GPUs: a peer lane each way, calibrated; bytes put on GPU 0 (h2d), copied to GPU 1 on
+    the peer lane at odd offsets (plain and strict stream), and read back (d2h) are exact."""
+    eng = CudaEngine(devices=[0, 1], calibrate_bytes=16 << 20)
+    client = HostRegion(REGION)
+    try:
+        peers = {info.key: info for info in eng.lanes() if info.key.direction is Direction.PEER}
+        assert set(peers) == {LaneKey(0, Direction.PEER, 1), LaneKey(1, Direction.PEER, 0)}
+        assert all(info.bandwidth > 1e9 and info.express_max == 0 for info in peers.values())
+        host = eng.map_host(client.fd, REGION)
+        a, b = eng.alloc_device(REGION, 0), eng.alloc_device(REGION, 1)
+        client.view[:] = np.random.default_rng(3).integers(0, 256, REGION, dtype=np.uint8)
+        expected = client.view.copy()
+        wait(eng.submit(LaneKey(0, Direction.H2D), Path.DMA, a, 0, host, 0, REGION))
+        half = REGION // 2
+        wait(eng.submit(LaneKey(0, Direction.PEER, 1), Path.DMA, b, 5, a, 11, half - 16))
+        wait(eng.submit(LaneKey(0, Direction.PEER, 1), Path.DMA, b, half + 5, a, half + 11, half - 16, strict=True))
+        client.view[:] = 0
+        wait(eng.submit(LaneKey(1, Direction.D2H), Path.DMA, host, 0, b, 0, REGION))
+        assert np.array_equal(client.view[5 : half - 11], expected[11 : half - 5])
+        assert np.array_equal(client.view[half + 5 : REGION - 11], expected[half + 11 : REGION - 5])
+        print(eng.statistics()["lanes"])
+        for mem in (a, b):
+            eng.release_device(mem)
+        eng.release_host(host)
+    finally:
+        eng.close()
+        client.close()
+
+
 class TestOnGpu:
     """The engine on a real GPU."""
 
@@ -221,7 +259,7 @@ class TestOnGpu:
     ]
 
     @pytest.mark.parametrize("path", [Path.DMA, Path.EXPRESS])
-    @pytest.mark.parametrize("direction", list(Direction))
+    @pytest.mark.parametrize("direction", LOCAL_DIRECTIONS)
     def test_copy_is_exact(self, engine: CudaEngine, regions: dict[str, Any], direction: Direction, path: Path) -> None:
         """Every direction and path copies exactly the asked bytes, for odd sizes and offsets, and
         touches nothing around them."""
@@ -281,7 +319,7 @@ class TestOnGpu:
         """lanes() gives one calibrated lane per direction with the express range; statistics()
         shows calibration, the device and registration times."""
         lanes = {info.key: info for info in engine.lanes()}
-        assert set(lanes) == {LaneKey(0, d) for d in Direction}
+        assert set(lanes) == {LaneKey(0, d) for d in LOCAL_DIRECTIONS}
         for key, info in lanes.items():
             assert info.bandwidth > 1e9, key
             assert info.express_max == EXPRESS_MAX
@@ -296,6 +334,18 @@ class TestOnGpu:
         register = stats["host_register"]
         assert isinstance(register, dict) and register["count"] >= 1 and register["ms_total"] > 0
         print(stats)
+
+    def test_one_gpu_has_no_peer_lanes(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
+        """Serving one GPU (as on every machine lent so far), the engine is what it was before
+        peer lanes: its three local lanes and nothing else, no peer figures in its statistics,
+        and a chunk for a peer lane is refused rather than run somewhere."""
+        keys = sorted(info.key for info in engine.lanes())
+        assert keys == sorted(LaneKey(0, d) for d in LOCAL_DIRECTIONS)
+        lane_stats = engine.statistics()["lanes"]
+        assert isinstance(lane_stats, dict) and set(lane_stats) == {"gpu0/h2d", "gpu0/d2h", "gpu0/d2d"}
+        assert not any("peer_access" in figures for figures in lane_stats.values())
+        with pytest.raises(InvalidRequest, match=r"^this engine has no lane gpu0/peer/gpu1$"):
+            engine.submit(LaneKey(0, Direction.PEER, 1), Path.DMA, regions["b"], 0, regions["a"], 0, 4096)
 
     def test_each_gpu_is_known_by_its_uuid(self, engine: CudaEngine) -> None:
         """The engine reports each GPU's UUID as nvidia-smi prints it (``GPU-`` and 8-4-4-4-12

@@ -111,7 +111,9 @@ async def test_status_shows_each_gpu_and_each_lane_by_uuid(two_gpus: DaemonProce
     async with priod.connect(two_gpus.socket_path) as c:
         st = await c.status()
     assert st["gpus"] == [{"index": 0, "uuid": U0}, {"index": 1, "uuid": U1}]
-    assert {ln["lane"]: ln["gpu"] for ln in st["lanes"]} == {f"gpu{i}/{d}": u for i, u in ((0, U0), (1, U1)) for d in ("d2d", "d2h", "h2d")}
+    local = {f"gpu{i}/{d}": u for i, u in ((0, U0), (1, U1)) for d in ("d2d", "d2h", "h2d")}
+    assert {ln["lane"]: ln["gpu"] for ln in st["lanes"]} == {**local, "gpu0/peer/gpu1": U0, "gpu1/peer/gpu0": U1}
+    assert {ln["lane"]: ln["peer_gpu"] for ln in st["lanes"] if "peer_gpu" in ln} == {"gpu0/peer/gpu1": U1, "gpu1/peer/gpu0": U0}
     assert st["engine"]["devices"] == st["gpus"]
     r = subprocess.run([sys.executable, "-m", "priod", "status", "--socket", two_gpus.socket_path], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

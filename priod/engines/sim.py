@@ -10,6 +10,14 @@ kernel on the SMs, so with ``cotenant_stall_us`` set each express chunk first wa
 co-tenant's compute time slice, without holding the link; the copy engines do not wait.
 "Device memory" is a sealed memfd the client can map too, so tests read what landed.
 
+A multi-GPU host is modelled too (``devices`` > 1): each GPU has its own h2d, d2h and d2d
+lanes with their own links (PCIe links are per GPU), and each ordered pair of GPUs a peer lane
+(`Direction.PEER`) with a copy engine and link of its own at ``peer_gbps`` (NVLink: each
+direction of a pair is its own path), DMA only. With ``host_gbps`` set, every link that touches
+host memory (h2d and d2h of all GPUs) also draws on one host-memory bandwidth: while the links
+busy at once ask for more than it, each gets its rate scaled by ``host_gbps / demand``
+(proportional sharing, as a memory controller under load does roughly), so the sum is the cap.
+
 The bytes are moved by numpy in slices, and the thread sleeps between slices to keep to the
 modelled rate: what the scheduler sees (FIFO order, time per byte, contention) is what it would
 see on a copy engine, only slower.
@@ -66,6 +74,12 @@ class SimSettings:
     h2d_gbps: float = 2.0
     d2h_gbps: float = 2.0
     d2d_gbps: float = 8.0
+    peer_gbps: float = 16.0
+    """Each ordered GPU pair's peer link (NVLink-like: faster than a GPU's host link), used
+    only with ``devices`` > 1."""
+    host_gbps: float = 0.0
+    """Host-memory bandwidth shared by every h2d and d2h link of every GPU (0: no shared cap;
+    each link then runs at its own rate)."""
     express_share: float = 0.33
     """Share of the link an express copy gets while DMA runs beside it (about a third, measured on the H200)."""
     express_max_bytes: int = 64 << 20
@@ -137,20 +151,74 @@ class _Job:
         return [(dst[d : d + n], src[s : s + n]) for d, s, n in zip(*self.segments, strict=True)]
 
 
-class _Link:
-    """One lane's bandwidth, shared by its copy engine and its express path."""
+class _HostBus:
+    """Host-memory bandwidth shared by the links that touch host memory (``[sim] host_gbps``).
 
-    def __init__(self, bandwidth: float, express_share: float) -> None:
+    ``demand`` is the sum of the nominal rates of the host links moving bytes now; while it
+    exceeds ``bandwidth`` every such link runs at ``bandwidth / demand`` of its rate, so
+    together they move exactly ``bandwidth``. Read without the lock on the pacing path (a
+    float read is atomic under the GIL; a stale value costs one slice at the old rate).
+    """
+
+    def __init__(self, bandwidth: float) -> None:
+        self.bandwidth = bandwidth
+        self.demand = 0.0
+        self._lock = threading.Lock()
+
+    def scale(self) -> float:
+        demand = self.demand
+        return 1.0 if demand <= self.bandwidth else self.bandwidth / demand
+
+    def add(self, rate: float) -> None:
+        with self._lock:
+            self.demand = max(0.0, self.demand + rate)
+
+
+class _Link:
+    """One lane's bandwidth, shared by its copy engine and its express path (and, for host
+    links under ``host_gbps``, with every other host link through the bus)."""
+
+    def __init__(self, bandwidth: float, express_share: float, bus: _HostBus | None = None) -> None:
         self.bandwidth = bandwidth
         self.express_share = express_share
+        self.bus = bus
         self.dma_busy = False
         self.express_busy = 0
         self.busy_seconds = 0.0
+        self._active = 0
+        self._active_lock = threading.Lock()
 
     def rate(self, path: Path) -> float:
         if path is Path.DMA:
-            return self.bandwidth * (1 - self.express_share) if self.express_busy else self.bandwidth
-        return self.bandwidth * self.express_share if self.dma_busy else self.bandwidth
+            rate = self.bandwidth * (1 - self.express_share) if self.express_busy else self.bandwidth
+        else:
+            rate = self.bandwidth * self.express_share if self.dma_busy else self.bandwidth
+        return rate if self.bus is None else rate * self.bus.scale()
+
+    def enter(self, path: Path) -> None:
+        """A worker of this link starts moving bytes."""
+        if path is Path.DMA:
+            self.dma_busy = True
+        else:
+            self.express_busy += 1
+        if self.bus is not None:
+            with self._active_lock:
+                self._active += 1
+                first = self._active == 1
+            if first:  # the link asks the bus for its rate once, however many paths use it
+                self.bus.add(self.bandwidth)
+
+    def leave(self, path: Path) -> None:
+        if path is Path.DMA:
+            self.dma_busy = False
+        else:
+            self.express_busy -= 1
+        if self.bus is not None:
+            with self._active_lock:
+                self._active -= 1
+                last = self._active == 0
+            if last:
+                self.bus.add(-self.bandwidth)
 
 
 class _Worker(threading.Thread):
@@ -201,17 +269,11 @@ class _Worker(threading.Thread):
             if job.stall_s > 0:
                 self._stall(job.stall_s)
             started = time.perf_counter()
-            if self.path is Path.DMA:
-                self.link.dma_busy = True
-            else:
-                self.link.express_busy += 1
+            self.link.enter(self.path)
             try:
                 self._move(job)
             finally:
-                if self.path is Path.DMA:
-                    self.link.dma_busy = False
-                else:
-                    self.link.express_busy -= 1
+                self.link.leave(self.path)
                 self.link.busy_seconds += time.perf_counter() - started
                 self.completed += 1
             job = None  # drop the views now, so a freed region's mapping can close
@@ -282,22 +344,30 @@ class SimEngine(Engine):
         self._cotenant_stall_s = 0.0
         self.set_cotenant_stall(self.cfg.cotenant_stall_us)
         rates = {Direction.H2D: self.cfg.h2d_gbps, Direction.D2H: self.cfg.d2h_gbps, Direction.D2D: self.cfg.d2d_gbps}
+        self._bus = _HostBus(self.cfg.host_gbps * 1e9) if self.cfg.host_gbps > 0 else None
         self._links: dict[LaneKey, _Link] = {}
         self._workers: dict[tuple[LaneKey, Path], _Worker] = {}
         for device in range(self.cfg.devices):
             for direction, gbps in rates.items():
-                key = LaneKey(device, direction)
-                link = self._links[key] = _Link(gbps * 1e9, self.cfg.express_share)
-                for path in Path:
-                    w = _Worker(f"priod-sim-{key}-{path.value}", link, path, lambda: self._wake)
-                    w.start()
-                    self._workers[(key, path)] = w
+                bus = self._bus if direction is not Direction.D2D else None
+                self._add_lane(LaneKey(device, direction), _Link(gbps * 1e9, self.cfg.express_share, bus), tuple(Path))
+            for peer in range(self.cfg.devices):
+                if peer != device:
+                    # DMA only: no express kernel over peer memory is modelled (nor built on cuda).
+                    self._add_lane(LaneKey(device, Direction.PEER, peer), _Link(self.cfg.peer_gbps * 1e9, self.cfg.express_share), (Path.DMA,))
         self._started = time.perf_counter()
         self._closed = False
 
+    def _add_lane(self, key: LaneKey, link: _Link, paths: tuple[Path, ...]) -> None:
+        self._links[key] = link
+        for path in paths:
+            w = _Worker(f"priod-sim-{key}-{path.value}", link, path, lambda: self._wake)
+            w.start()
+            self._workers[(key, path)] = w
+
     def lanes(self) -> list[LaneInfo]:
         return [
-            LaneInfo(key, link.bandwidth, self.cfg.express_min_bytes, self.cfg.express_max_bytes)
+            LaneInfo(key, link.bandwidth, self.cfg.express_min_bytes, self.cfg.express_max_bytes if key.peer is None else 0)
             for key, link in sorted(self._links.items())
         ]
 
@@ -409,10 +479,14 @@ class SimEngine(Engine):
             "engine": "sim",
             "devices": [{"index": i, "uuid": u} for i, u in self._uuids.items()],
             "busy_fraction": {str(k): round(link.busy_seconds / elapsed, 4) for k, link in sorted(self._links.items())},
+            "host_gbps": self.cfg.host_gbps,
             "cotenant_stall_us": round(self._cotenant_stall_s * 1e6, 3),
             "cotenant_stalled_chunks": sum(w.stalled for w in self._workers.values()),
             "cotenant_stalled_seconds": round(sum(w.stalled_seconds for w in self._workers.values()), 6),
         }
+
+    def host_bandwidth(self) -> float:
+        return self.cfg.host_gbps * 1e9
 
     def busy_seconds(self) -> dict[LaneKey, float]:
         return {k: link.busy_seconds for k, link in self._links.items()}

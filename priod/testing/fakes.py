@@ -30,6 +30,7 @@ from ..engines.base import (
     Completion,
     DeviceExport,
     DeviceMemory,
+    LOCAL_DIRECTIONS,
     Direction,
     Engine,
     HostMemory,
@@ -140,7 +141,7 @@ class ManualEngine(Engine):
         *,
         bandwidth: float | Mapping[Direction, float] = 2e9,
         express_range: tuple[int, int] = (4096, 64 << 20),
-        directions: Iterable[Direction] = tuple(Direction),
+        directions: Iterable[Direction] = LOCAL_DIRECTIONS,
         wakes_on_completion: bool = False,
     ) -> None:
         if devices < 1:

@@ -22,10 +22,12 @@ from ._driver import bindings, check
 from .device import Device, Lane
 from .express import EXPRESS_MAX, EXPRESS_MIN_H2D, ExpressKernel
 
-__all__ = ["NOMINAL", "Log", "calibrate"]
+__all__ = ["NOMINAL", "Log", "calibrate", "time_copy"]
 
-NOMINAL = {Direction.H2D: 55e9, Direction.D2H: 55e9, Direction.D2D: 1.5e12}
-"""Bytes/s assumed when calibration is skipped (an H200 on PCIe Gen5 x16, measured)."""
+NOMINAL = {Direction.H2D: 55e9, Direction.D2H: 55e9, Direction.D2D: 1.5e12, Direction.PEER: 300e9}
+"""Bytes/s assumed when calibration is skipped (an H200 on PCIe Gen5 x16, measured; the peer
+figure is NOT measured: no machine with two GPUs was lent. It is below NVLink 4's 450 GB/s per
+direction, as copies fall short of a link's nominal rate; calibration replaces it at start)."""
 
 
 class Log(Protocol):
@@ -48,7 +50,7 @@ def calibrate(
     """Fill the lanes' express ranges, then time DMA and express copies of ``nbytes`` per
     direction on ``dev`` and fill the lanes' bandwidths (`NOMINAL` if ``nbytes`` is 0)."""
     has_express = dev.function is not None and express
-    for lane in dev.lanes:
+    for lane in dev.local_lanes:
         direction = lane.key.direction
         lane.express_max = EXPRESS_MAX if has_express else 0
         lane.express_min = EXPRESS_MIN_H2D if (has_express and direction is Direction.H2D) else 0
@@ -76,7 +78,7 @@ def calibrate(
             Direction.D2D: (dev_b, dev_a, dev_a),
         }
         figures: dict[str, float] = {}
-        for lane in dev.lanes:
+        for lane in dev.local_lanes:
             direction = lane.key.direction
             dst, src, src_alias = ends[direction]
             dst_alias = host_alias if direction is Direction.D2H else dst
@@ -102,6 +104,21 @@ def calibrate(
             if ptr:
                 rt.cudaFree(ptr)
         rt.cudaFreeHost(host)
+
+
+def time_copy(op: Callable[[], None], stream: Any, reps: int = 3) -> float:
+    """Median seconds of ``op`` on ``stream`` (current device: the stream's) over ``reps`` runs
+    after one warm-up, timed by a pair of events made and destroyed here."""
+    rt, _ = bindings()
+    start = check(rt.cudaEventCreate())
+    try:
+        stop = check(rt.cudaEventCreate())
+        try:
+            return _time(op, stream, start, stop, reps)
+        finally:
+            rt.cudaEventDestroy(stop)
+    finally:
+        rt.cudaEventDestroy(start)
 
 
 def _time(op: Callable[[], None], stream: Any, start: Any, stop: Any, reps: int = 3) -> float:

@@ -33,10 +33,15 @@ __all__ = ["HOST_ENDS", "Device", "Lane", "open_device"]
 Attempt = Callable[[tuple[Any, ...]], None]
 """Checks a CUDA result and keeps its error for later (used on the way out, in close)."""
 
-HOST_ENDS = {Direction.H2D: (True, False), Direction.D2H: (False, True), Direction.D2D: (False, False)}
+HOST_ENDS = {Direction.H2D: (True, False), Direction.D2H: (False, True), Direction.D2D: (False, False), Direction.PEER: (False, False)}
 """Per direction: whether the source, and whether the destination, is host memory."""
 
-_KIND_NAMES = {Direction.H2D: "cudaMemcpyHostToDevice", Direction.D2H: "cudaMemcpyDeviceToHost", Direction.D2D: "cudaMemcpyDeviceToDevice"}
+_KIND_NAMES = {
+    Direction.H2D: "cudaMemcpyHostToDevice",
+    Direction.D2H: "cudaMemcpyDeviceToHost",
+    Direction.D2D: "cudaMemcpyDeviceToDevice",
+    Direction.PEER: "cudaMemcpyDefault",  # unused (peer chunks name both GPUs); UVA would tell them apart
+}
 _kinds: dict[Direction, Any] = {}
 
 
@@ -73,6 +78,9 @@ class Lane:
     express_max: int = 0
     busy: Busy = field(default_factory=Busy)
     """Time with a chunk of this lane outstanding (the metrics' busy counter)."""
+    peer_access: bool = False
+    """A peer lane only: direct peer access is enabled (NVLink or PCIe P2P); without it
+    ``cudaMemcpyPeerAsync`` stages through host memory, slower and on the host's bandwidth."""
 
     @property
     def streams(self) -> tuple[Any, Any, Any]:
@@ -85,7 +93,8 @@ class Device:
 
     The lanes are attributes named after their direction (``h2d``, ``d2h``, ``d2d``), which
     `CudaEngine.submit` reads by identity test on the direction rather than by hashing an Enum;
-    `lanes` lists them.
+    peer lanes (this GPU to another, `peer.open_peer_lanes`) are in ``peers`` by destination.
+    `lanes` lists them all.
     """
 
     def __init__(self, index: int) -> None:
@@ -102,16 +111,28 @@ class Device:
         self.table_function: Any = None
         """``priod_copy_table``, a batch's chunk in one launch (None: launch per segment)."""
         self.kernel_registers = 0
-        self.h2d, self.d2h, self.d2d = (self._new_lane(d) for d in (Direction.H2D, Direction.D2H, Direction.D2D))
+        self.h2d, self.d2h, self.d2d = (self._new_lane(LaneKey(index, d)) for d in (Direction.H2D, Direction.D2H, Direction.D2D))
+        self.peers: dict[int, Lane] = {}
+        """Peer lanes from this GPU, by destination ordinal (empty on a one-GPU engine)."""
 
-    def _new_lane(self, direction: Direction) -> Lane:
-        host_src, host_dst = HOST_ENDS[direction]
-        return Lane(LaneKey(self.index, direction), kind=_kind(direction), host_src=host_src, host_dst=host_dst)
+    def _new_lane(self, key: LaneKey) -> Lane:
+        host_src, host_dst = HOST_ENDS[key.direction]
+        return Lane(key, kind=_kind(key.direction), host_src=host_src, host_dst=host_dst)
+
+    def add_peer(self, peer: int) -> Lane:
+        """A peer lane to GPU ``peer`` (no streams yet)."""
+        lane = self.peers[peer] = self._new_lane(LaneKey(self.index, Direction.PEER, peer))
+        return lane
 
     @property
-    def lanes(self) -> tuple[Lane, Lane, Lane]:
-        """The lanes in `Direction` order."""
+    def local_lanes(self) -> tuple[Lane, Lane, Lane]:
+        """The lanes within this GPU, in `Direction` order."""
         return self.h2d, self.d2h, self.d2d
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        """Every lane: the local ones, then the peer lanes by destination."""
+        return (*self.local_lanes, *(self.peers[p] for p in sorted(self.peers)))
 
     def synchronize(self, attempt: Attempt) -> None:
         """Wait for every stream of the device's lanes."""
@@ -170,7 +191,7 @@ def open_device(
     least, greatest = (int(v) for v in check(rt.cudaDeviceGetStreamPriorityRange()))
     devices[index] = dev
     load_kernel(dev)
-    for lane in dev.lanes:
+    for lane in dev.local_lanes:
         lane.dma = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, least))
         lane.strict = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
         lane.express = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))

@@ -46,6 +46,7 @@ from .device import Device, Lane, open_device
 from .events import Done, EventCompletion
 from .express import ExpressKernel, read_ptx
 from .memory import CudaDeviceMemory, CudaHostMemory, Regions
+from .peer import open_peer_lanes
 
 __all__ = ["CudaEngine"]
 
@@ -117,6 +118,7 @@ class CudaEngine(Engine):
                 open_device(index, self._devices, self._use, lambda dev: self._load_kernel(dev, ptx))
             for dev in self._devices.values():
                 calibrate(dev, calibrate_bytes, use=self._use, kernel=self._kernel, express=self._express_wanted, log=self._log)
+            open_peer_lanes(self._devices, self._use, calibrate_bytes, self._log)  # nothing with one GPU
         except BaseException:
             self.close()
             raise
@@ -217,19 +219,19 @@ class CudaEngine(Engine):
             stream = info.strict if strict else info.dma
             sp = (s_host.host_pointer if s_host is not None else src.pointer) + src_offset  # type: ignore[attr-defined]
             dp = (d_host.host_pointer if d_host is not None else dst.pointer) + dst_offset  # type: ignore[attr-defined]
-            check(rt.cudaMemcpyAsync(dp, sp, nbytes, info.kind, stream))
+            if direction is _PEER:
+                # Names both GPUs, so it works with or without peer access (staged through the
+                # host then); the stream is the source GPU's, as the lane is.
+                check(rt.cudaMemcpyPeerAsync(dp, lane.peer, sp, lane.device, nbytes, stream))
+            else:
+                check(rt.cudaMemcpyAsync(dp, sp, nbytes, info.kind, stream))
         else:
             if info.express_max == 0:
                 raise EngineError(f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA")
             stream = info.express
             sp = (s_host.device_pointer if s_host is not None else src.pointer) + src_offset  # type: ignore[attr-defined]
             dp = (d_host.device_pointer if d_host is not None else dst.pointer) + dst_offset  # type: ignore[attr-defined]
-            if direction is _D2D and src.device != dst.device:
-                # A kernel would need peer access between the two GPUs; a peer copy on the
-                # express stream is always possible and does not queue behind this lane's DMA.
-                check(rt.cudaMemcpyAsync(dp, sp, nbytes, info.kind, stream))
-            else:
-                self._kernel.launch(dev, dp, sp, nbytes, info.express_cu)
+            self._kernel.launch(dev, dp, sp, nbytes, info.express_cu)
         return self._record(dev, info, stream)
 
     def submit_segments(
@@ -247,8 +249,8 @@ class CudaEngine(Engine):
         """Start one chunk of a batch, followed by one event. DMA: one ``cuMemcpyBatchAsync``
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
         stream `submit` would use. Express: the copy kernel's table form, one launch per 128
-        segments (a launch per segment where the kernel has no table form, and between GPUs a
-        peer copy per segment on the express stream)."""
+        segments (a launch per segment where the kernel has no table form). A peer lane's chunk
+        (DMA only) is one ``cudaMemcpyPeerAsync`` per segment."""
         dev, info, s_host, d_host = self._ends(lane, dst, src)
         if not len(sizes):
             return Done()
@@ -259,17 +261,23 @@ class CudaEngine(Engine):
             stream = info.strict if strict else info.dma
             sp = s_host.host_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
             dp = d_host.host_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
-            self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
+            if lane.direction is _PEER:
+                # Segment by segment: the batched call over peer memory has never run (no machine
+                # with two GPUs was lent), and a first failure there would switch every lane's
+                # batches to per-segment copies for good (`BatchedDma`).
+                copy_peer = self._rt.cudaMemcpyPeerAsync
+                dst_dev, src_dev = lane.peer, lane.device
+                for d, s_, n in zip((dst_offsets + np.uint64(dp)).tolist(), (src_offsets + np.uint64(sp)).tolist(), sizes.tolist(), strict=True):
+                    check(copy_peer(d, dst_dev, s_, src_dev, n, stream))
+            else:
+                self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
         else:
             if info.express_max == 0:
                 raise EngineError(f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA")
             stream = info.express
             sp = s_host.device_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
             dp = d_host.device_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
-            if lane.direction is _D2D and src.device != dst.device:
-                self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)  # see `submit`
-            else:
-                self._kernel.launch_table(dev, dp, sp, dst_offsets, src_offsets, sizes, info.express_cu)
+            self._kernel.launch_table(dev, dp, sp, dst_offsets, src_offsets, sizes, info.express_cu)
         return self._record(dev, info, stream)
 
     def _ends(self, lane: LaneKey, dst: Memory, src: Memory) -> tuple[Device, Lane, CudaHostMemory | None, CudaHostMemory | None]:
@@ -281,13 +289,22 @@ class CudaEngine(Engine):
             self._check_open()
             raise InvalidRequest(f"this engine does not serve gpu{lane.device}")
         direction = lane.direction
-        info = dev.h2d if direction is _H2D else dev.d2h if direction is _D2H else dev.d2d
+        if direction is _PEER:
+            peer = dev.peers.get(lane.peer)  # type: ignore[arg-type]
+            if peer is None:
+                raise InvalidRequest(f"this engine has no lane {lane}")
+            info = peer
+        else:
+            info = dev.h2d if direction is _H2D else dev.d2h if direction is _D2H else dev.d2d
         s_host = src if type(src) is CudaHostMemory else _host(src)
         d_host = dst if type(dst) is CudaHostMemory else _host(dst)
         if (s_host is not None) is not info.host_src or (d_host is not None) is not info.host_dst:
             raise InvalidRequest(f"lane {lane} needs {_ENDS_TEXT[direction]}, got {_what(src)} -> {_what(dst)}")
-        if lane.device != src.device and lane.device != dst.device:
-            raise InvalidRequest(f"lane {lane} got {_what(src)} -> {_what(dst)}: neither end is on gpu{lane.device}")
+        # Every device end must be on the lane's GPU (a peer lane: the source on it, the
+        # destination on its peer); a copy between GPUs belongs on their peer lane.
+        want_src, want_dst = lane.device, lane.peer if direction is _PEER else lane.device
+        if (s_host is None and src.device != want_src) or (d_host is None and dst.device != want_dst):
+            raise InvalidRequest(f"lane {lane} got {_what(src)} -> {_what(dst)}: a device end is on another GPU")
         return dev, info, s_host, d_host
 
     def _record(self, dev: Device, info: Lane, stream: Any) -> Completion:
@@ -326,6 +343,7 @@ class CudaEngine(Engine):
                     "express_gbps": round(lane.express_bandwidth / 1e9, 2),
                     "express_min": lane.express_min,
                     "express_max": lane.express_max,
+                    **({"peer_access": lane.peer_access} if lane.key.peer is not None else {}),
                 }
         return {
             "backend": self.name,
@@ -377,9 +395,9 @@ class CudaEngine(Engine):
         return dev
 
 
-_H2D, _D2H, _D2D = Direction.H2D, Direction.D2H, Direction.D2D
+_H2D, _D2H, _D2D, _PEER = Direction.H2D, Direction.D2H, Direction.D2D, Direction.PEER
 _DMA = Path.DMA
-_ENDS_TEXT = {Direction.H2D: "host -> device", Direction.D2H: "device -> host", Direction.D2D: "device -> device"}
+_ENDS_TEXT = {Direction.H2D: "host -> device", Direction.D2H: "device -> host", Direction.D2D: "device -> device", Direction.PEER: "device -> device"}
 
 
 def _host(mem: Memory) -> CudaHostMemory | None:
