@@ -313,3 +313,27 @@ def test_sync_client_records_and_waits(daemon: DaemonProcess) -> None:
         assert b.wait(timeout=5).segments == 1
         with pytest.raises(InvalidRequest, match=r"^this copy was sent without signal_event"):
             c.start_copy(dst, src, 64).wait_recorded()
+
+
+def test_bench_script_dry_run_on_sim(tmp_path: Any) -> None:
+    """scripts/bench_gpu_events.py runs end to end on the sim engine (its GPU rows need a GPU):
+    every form has samples, and it prints the table last and writes results.json."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu_events.py"
+    out = tmp_path / "bench"
+    r = subprocess.run(
+        [sys.executable, str(script), "--backend", "sim", "--sizes", "4096", "--count", "3", "--warm", "1", "--opens", "2", "--interval-ms", "0", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["sizes"]["4096"]
+    assert {k: v["n"] for k, v in rows.items()} == {
+        "plain": 3, "wait": 3, "signal": 3, "wait+signal": 3, "signal recorded": 3, "wait+signal recorded": 3, "wait (open)": 2,
+    }
+    assert "wait (open)" in r.stdout.strip().splitlines()[-1]  # the table comes last
