@@ -194,13 +194,9 @@ def main() -> int:
     ap.add_argument("--out", default="out/bench_gpu_events")
     ap.add_argument("--backend", choices=["cuda", "sim"], default="cuda", help="sim: a dry run on any machine")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     results: dict[str, Any] = {"args": vars(args), "priod": priod.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sizes": {}}
-
-    def save() -> None:
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-
+    where = os.path.join(args.out, "results.json")
+    os.makedirs(args.out, exist_ok=True)
     env = {"PRIOD_LOG__LEVEL": '"warning"', **dict(s.split("=", 1) for s in args.set)}
     with daemon_process(env, backend=args.backend, start_timeout=180) as d, priod.SyncClient(d.socket_path, name="bench-events", spin_us=2000) as c:
         events = Events(c, args.backend)
@@ -208,16 +204,19 @@ def main() -> int:
             for size in (int(s) for s in args.sizes.split(",")):
                 log(f"size {size}")
                 results["sizes"][str(size)] = size_rows(c, events, size, args)
-                save()
+                save(where, results)  # after each size: a run that fails later keeps these
         finally:
             events.close()
         results["daemon_status"] = {k: c.status().get(k) for k in ("polls", "event_polls", "held_copies")}
-    table = render(results)
-    results["table"] = table
-    save()
-    print(table)
+    print(save(where, {**results, "table": render(results)})["table"])
     return 0
 
+
+def save(path: str, results: dict[str, Any]) -> dict[str, Any]:
+    """Write ``results`` as JSON to ``path``; return them."""
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return results
 
 
 if __name__ == "__main__":
