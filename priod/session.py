@@ -29,11 +29,12 @@ from . import __version__
 from .batch import MAX_SEGMENTS, SEGMENT_BYTES, Segments
 from .config import Config
 from .copies import PendingCopy, cancel_copy, check_copy_bounds, check_limits, copy_finished, copy_log_fields, outcome_reply
-from .engines.base import Engine, LaneKey
+from .engines.base import Engine, IpcEvent, LaneKey, Memory
 from .errors import ConnectionClosed, InvalidRequest, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
 from .gates import EventTable
 from .log import error_fields
 from .messages import (
+    PROGRESS_SIGNAL_RECORDED,
     PROTOCOL_VERSION,
     AllocDevice,
     AllocHost,
@@ -46,7 +47,6 @@ from .messages import (
     Free,
     Hello,
     HelloReply,
-    PROGRESS_SIGNAL_RECORDED,
     Message,
     Ping,
     RegionReply,
@@ -64,7 +64,6 @@ from .pump import Pump
 from .regions import Holdings, Region, RegionTable
 from .scheduler import Finished, Request as QueuedCopy, Scheduler
 from .transport import FramedSocket, Peer, close_received
-from .engines.base import IpcEvent
 
 __all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]  # the first and last from copies.py, for the server
 
@@ -450,7 +449,7 @@ class Session:
             return
         regions, holdings = self.shared.regions, self.holdings
 
-        def region(region_id: int) -> Any:  # a sim event names a byte of a region the client may use
+        def region(region_id: int) -> Memory:  # a sim event names a byte of a region the client may use
             return regions.usable(holdings, region_id).mem
 
         def opened(name: str, handle: bytes) -> IpcEvent:
