@@ -10,21 +10,28 @@ copies; it can be cancelled or time out; hostile handles get clear refusals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import priod
-from priod.engines.base import IpcEvent
-from priod.errors import Cancelled, CopyTimeout, InvalidRequest, LimitExceeded, NotFound
+from priod.config import load_config
+from priod.engines.base import Completion, IpcEvent
+from priod.engines.sim import SimEngine, SimSettings
+from priod.errors import Cancelled, CopyTimeout, EngineError, InvalidRequest, LimitExceeded, NotFound
 from priod.gates import GATE_MAX_INTERVAL_S, GATE_POLLS_PER_S, GATE_POLLS_PER_TURN, GATE_SPIN_S, Gates
 from priod.ipc_event import SimEvent, event_handle, parse_sim_handle, sim_handle
 from priod.messages import Copy, CopyBatch, decode_request
 from priod.scheduler import Request
 from priod.engines.base import Direction, LaneKey
+from priod.server import Daemon
 from priod.testing import DaemonProcess, daemon_process
 
 MiB = 1 << 20
@@ -337,3 +344,67 @@ def test_bench_script_dry_run_on_sim(tmp_path: Any) -> None:
         "plain": 3, "wait": 3, "signal": 3, "wait+signal": 3, "signal recorded": 3, "wait+signal recorded": 3, "wait (open)": 2,
     }
     assert "wait (open)" in r.stdout.strip().splitlines()[-1]  # the table comes last
+
+
+# -- in-process daemons: a polled engine, a record that fails --------------------------------------
+
+
+class _PolledSim(SimEngine):
+    """The sim engine found by polling alone, as the cuda engine is (the timer-thread path)."""
+
+    wakes_on_completion = False
+    fail_records = False
+
+    def record_event(self, event: IpcEvent, after: list[Completion]) -> None:
+        if self.fail_records:
+            raise EngineError("injected: cudaEventRecord failed")
+        super().record_event(event, after)
+
+
+@contextlib.asynccontextmanager
+async def _inprocess(engine: SimEngine) -> AsyncIterator[tuple[Daemon, str]]:
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    cfg = load_config(None, environ={}).replace(server={"socket": path, "bulk_poll": "timer"}, log={"level": "warning"})
+    daemon = Daemon(cfg, engine)
+    await daemon.start()
+    try:
+        yield daemon, path
+    finally:
+        await daemon.stop()
+
+
+async def test_a_long_held_copy_costs_few_polls_on_a_polled_engine() -> None:
+    """On an engine found by polling (cuda's path: the timer thread wakes the loop), a copy held
+    for half a second is polled every turn for its first millisecond, then backs off to one poll
+    per 10 ms (not one per loop turn); it lands as soon as its event is set."""
+    engine = _PolledSim(SimSettings())
+    async with _inprocess(engine) as (daemon, path), priod.connect(path) as c:
+        src, dst, evr = await regions(c, MiB, 6)
+        assert src.array is not None and dst.array is not None
+        ev = SimEvent(evr, 0)
+        ev.record()
+        h = c.start_copy(dst, src, wait_event=ev, priority="urgent")
+        await asyncio.sleep(0.1)
+        early = daemon.pump.gates.polls  # mostly the first millisecond's, one a loop turn
+        await asyncio.sleep(0.4)
+        late = daemon.pump.gates.polls - early  # backed off to one per 10 ms: about 40
+        assert early >= 2 and late < 100, (early, late)
+        assert not h.done() and not dst.array.any()
+        ev.complete()
+        r = await h.wait(timeout=5)
+        assert np.array_equal(dst.array, src.array)
+        assert r.event_wait_us is not None and 500_000 <= r.event_wait_us < 600_000, r  # set at 0.5 s, seen within the back-off (<= 10 ms) plus the test's own lag
+
+
+async def test_a_signal_that_cannot_be_recorded_fails_the_reply_not_the_bytes() -> None:
+    """If the engine cannot record the signal_event, no progress frame comes; ``recorded()``
+    raises, and the copy's reply is an ``engine`` error saying the bytes landed anyway."""
+    engine = _PolledSim(SimSettings())
+    engine.fail_records = True
+    async with _inprocess(engine) as (_, path), priod.connect(path) as c:
+        src, dst, evr = await regions(c, MiB, 7)
+        assert src.array is not None and dst.array is not None
+        h = c.start_copy(dst, src, signal_event=SimEvent(evr, 0))
+        with pytest.raises(EngineError, match=r"^the copy landed \(after 1048576 of 1048576 bytes\) but its signal_event could not be recorded: injected"):
+            await h.recorded()
+        assert np.array_equal(dst.array, src.array)
