@@ -45,6 +45,7 @@ from .messages import (
     StatusReply,
     StatusRequest,
     error_of,
+    is_progress,
 )
 from .protocol import REPLY_LIMITS
 from .transport import FramedSocket
@@ -92,10 +93,25 @@ class _Handle(Generic[R]):
 
     _decode: Callable[[Message], R]
 
-    def __init__(self, client: Client, req_id: int, future: asyncio.Future[Reply]) -> None:
+    def __init__(self, client: Client, req_id: int, future: asyncio.Future[Reply], recorded: asyncio.Future[None] | None = None) -> None:
         self.client, self.id, self._future = client, req_id, future
+        self._recorded = recorded
         self.segments_done: int | None = None
         """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
+
+    async def recorded(self) -> None:
+        """Return once the daemon has recorded this copy's ``signal_event`` behind its last
+        chunk (the copy itself may still be in flight): from then on
+        ``stream.wait_event(event)`` makes ``stream``'s later work wait for the copy's bytes,
+        with no host synchronisation. Raises the copy's error if it ended without recording
+        it (cancelled before its last chunk, failed, or the record failed)."""
+        if self._recorded is None:
+            raise InvalidRequest("this copy was sent without signal_event; pass signal_event= to wait on it from a stream")
+        if not self._recorded.done():
+            either: list[asyncio.Future[Any]] = [self._recorded, self._future]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not self._recorded.done():
+            await self  # the reply came first: it raises why nothing was recorded
 
     def __await__(self) -> Generator[Any, None, R]:
         msg, _fds = yield from self._future.__await__()
@@ -156,6 +172,8 @@ class Client:
         """Connect only to a daemon whose process runs as this uid (checked on every connect)."""
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._recorded: dict[int, asyncio.Future[None]] = {}
+        """Copies sent with a signal_event whose record the daemon has not reported yet."""
         self._sock: FramedSocket | None = None
         self._closed_exc: PriodError | None = None
         self.generation = 0
@@ -242,6 +260,14 @@ class Client:
         try:
             while (item := sock.take()) is not None:
                 msg, fds = item
+                if is_progress(msg):  # not the reply: a copy's signal_event was recorded
+                    close_fds(fds)
+                    rec = self._recorded.pop(msg.get("id", 0), None)
+                    if rec is not None and not rec.done():
+                        rec.set_result(None)
+                    continue
+                if self._recorded:
+                    self._recorded.pop(msg.get("id", 0), None)
                 fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
                 if fut is None or fut.done():
                     close_fds(fds)
@@ -270,6 +296,7 @@ class Client:
             if not fut.done():
                 fut.set_exception(self._closed_exc)
         self._pending.clear()
+        self._recorded.clear()  # their handles see the copy's future fail
 
     def _send(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> tuple[int, asyncio.Future[Reply]]:
         if self._closed_exc is not None:
@@ -353,8 +380,9 @@ class Client:
         comes from the regions' kinds.
         """
         self._check_region(dst, src)
-        req_id, fut = self._send(copy_request(dst, src, nbytes, options))
-        return CopyHandle(self, req_id, fut)
+        req = copy_request(dst, src, nbytes, options)
+        req_id, fut = self._send(req)
+        return CopyHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
 
     def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> BatchHandle:
         """Send many copies between ``src`` and ``dst`` as one request and return at once.
@@ -368,8 +396,15 @@ class Client:
         segments landed whole.
         """
         self._check_region(dst, src)
-        req_id, fut = self._send(batch_request(dst, src, segments, options, self.server.max_frame_bytes))
-        return BatchHandle(self, req_id, fut)
+        req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
+        req_id, fut = self._send(req)
+        return BatchHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
+
+    def _expect_record(self, req_id: int, signal_event: bytes | None) -> asyncio.Future[None] | None:
+        if signal_event is None:
+            return None
+        fut = self._recorded[req_id] = asyncio.get_running_loop().create_future()
+        return fut
 
     async def copy(
         self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from .batch import encode_segments
 from .config import find_socket
 from .errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied
+from .ipc_event import event_handle
 from .messages import (
     AllocDevice,
     Copy,
@@ -81,6 +82,14 @@ class CopyOptions(TypedDict, total=False):
     """A class from the daemon's ``hello`` reply; default ``normal``."""
     deadline_ms: float | None
     """Orders work within its class, earliest first; a miss is counted, not an error."""
+    wait_event: Any
+    """An event the copy waits for before it starts (GPU-side ordering, docs/protocol.md):
+    handle bytes, a ``torch.cuda.Event(interprocess=True)``, `priod.cuda_ipc.ipc_event()`, or
+    under sim a `priod.ipc_event.SimEvent`. Record it behind your producing kernel first."""
+    signal_event: Any
+    """An event of yours (as for ``wait_event``) the daemon records right behind the copy: once
+    the handle's ``recorded()`` returns, ``stream.wait_event`` on it orders your next kernel
+    after the copy with no host synchronisation."""
 
 
 class BatchOptions(TypedDict, total=False):
@@ -88,6 +97,10 @@ class BatchOptions(TypedDict, total=False):
 
     priority: str
     deadline_ms: float | None
+    wait_event: Any
+    """As `CopyOptions.wait_event`."""
+    signal_event: Any
+    """As `CopyOptions.signal_event`."""
 
 
 class Region:
@@ -236,10 +249,21 @@ def check_owner(sock: socket.socket, path: str, expect_uid: int | None) -> None:
         )
 
 
+def _with_handles(options: Any) -> Any:
+    """``options`` with its events as handle bytes (whatever names them: `event_handle`)."""
+    if options.get("wait_event") is None and options.get("signal_event") is None:
+        return options
+    out = dict(options)
+    for key in ("wait_event", "signal_event"):
+        if out.get(key) is not None:
+            out[key] = event_handle(out[key])
+    return out
+
+
 def copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOptions) -> Copy:
     if nbytes is None:
         nbytes = min(dst.nbytes - options.get("dst_offset", 0), src.nbytes - options.get("src_offset", 0))
-    return Copy(dst.id, src.id, nbytes, **options)
+    return Copy(dst.id, src.id, nbytes, **_with_handles(options))
 
 
 def batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions, max_frame: int) -> CopyBatch:
@@ -249,7 +273,7 @@ def batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions
             f"{len(raw) // 24} segments make a frame of about {len(raw) + BATCH_FRAME_SLACK} bytes, over the daemon's "
             f"max_frame_bytes = {max_frame}; split them into batches of at most {(max_frame - BATCH_FRAME_SLACK) // 24} segments"
         )
-    return CopyBatch(dst.id, src.id, raw, **options)
+    return CopyBatch(dst.id, src.id, raw, **_with_handles(options))
 
 
 def cuda_register_request(obj: Any) -> RegisterDevice:

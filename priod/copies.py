@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .batch import Segments
 from .config import LimitsConfig
-from .engines.base import Memory
+from .engines.base import IpcEvent, Memory
 from .errors import InvalidRequest, LimitExceeded
 from .log import error_fields
 from .messages import CopyBatchReply, CopyReply, ErrorReply
@@ -23,7 +23,7 @@ from .scheduler import Finished, Request as QueuedCopy
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["PendingCopy", "cancel_copy", "check_copy_bounds", "check_limits", "copy_finished", "copy_log_fields", "outcome_reply"]
+__all__ = ["PendingCopy", "cancel_copy", "check_copy_bounds", "check_limits", "copy_finished", "copy_log_fields", "outcome_reply", "signal_recorded"]
 
 _US = 1e6
 
@@ -47,6 +47,12 @@ class PendingCopy:
     cancel_code: str = "cancelled"
     segments: Segments | None = None
     """A batch's segment table (offsets relative to the regions); None for a single copy."""
+    wait_event: IpcEvent | None = None
+    """The client's event the copy was held for (gates.py), if it named one."""
+    signal_event: IpcEvent | None = None
+    """The client's event the pump records behind the copy's last chunk, if it named one."""
+    signal_error: Exception | None = None
+    """Why the signal_event could not be recorded: the copy's reply then says so."""
 
     @property
     def dst_mem(self) -> Memory:
@@ -62,6 +68,14 @@ def copy_finished(f: Finished) -> None:
     payload = f.request.payload
     assert isinstance(payload, PendingCopy)
     payload.session.copy_finished(f, payload)
+
+
+def signal_recorded(req: QueuedCopy, error: Exception | None) -> None:
+    """The pump's report that a copy's signal_event was recorded (or why not): its session
+    tells the client, who may now make a stream wait on the event."""
+    payload = req.payload
+    assert isinstance(payload, PendingCopy)
+    payload.session.signal_recorded(payload, error)
 
 
 def cancel_copy(pump: Pump, req: QueuedCopy, code: str) -> bool:
@@ -122,17 +136,24 @@ def outcome_reply(f: Finished, p: PendingCopy, queued_s: float, transfer_s: floa
     (for a batch, in whole segments too)."""
     req = f.request
     segments = p.segments
-    if f.outcome == "done":
+    if f.outcome == "done" and p.signal_error is None:
         path = req.path.value if req.path else "dma"
         queued_us, transfer_us, total_us = round(queued_s * _US, 3), round(transfer_s * _US, 3), round(total_s * _US, 3)
+        waited = round(req.held_s * _US, 3) if p.wait_event is not None else None
         if segments is not None:
-            return CopyBatchReply(req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline)
-        return CopyReply(req.nbytes, queued_us, transfer_us, total_us, path, f.missed_deadline)
+            return CopyBatchReply(req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline, waited)
+        return CopyReply(req.nbytes, queued_us, transfer_us, total_us, path, f.missed_deadline, waited)
     progress = f"after {f.bytes_done} of {req.nbytes} bytes"
     done = None
     if segments is not None:
         done = segments.segments_done(f.bytes_done)
         progress += f" ({done} of {len(segments)} segments whole)"
+    if f.outcome == "done":
+        # The bytes landed, but the client's stream has nothing to wait on: an error, so a
+        # client that waits for the event never takes stale ordering for a guarantee.
+        return ErrorReply(
+            "engine", f"the copy landed ({progress}) but its signal_event could not be recorded: {p.signal_error}", f.bytes_done, done
+        )
     if f.outcome == "failed":
         return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done, done)
     return ErrorReply(p.cancel_code, f"{_CANCEL_WHY[p.cancel_code]} {progress}", f.bytes_done, done)

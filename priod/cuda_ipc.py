@@ -37,10 +37,12 @@ __all__ = [
     "CudaBuffer",
     "DeviceBuffer",
     "DeviceBytes",
+    "InterprocessEvent",
     "device_span",
     "export_cuda_array",
     "export_device_buffer",
     "gpu_uuid",
+    "ipc_event",
     "local_ordinal",
     "open_device_export",
 ]
@@ -256,3 +258,85 @@ def open_device_export(ipc_handle: bytes, offset: int, nbytes: int, device: int)
     with DeviceScope(device):
         base = _client_ipc.acquire(bytes(ipc_handle), device)
     return CudaBuffer(bytes(ipc_handle), base, offset, nbytes, device)
+
+
+def _stream(stream: Any) -> int:
+    """A stream as the runtime takes it: an int handle, or an object that has one (a
+    ``torch.cuda.Stream``'s ``cuda_stream``, a CuPy stream's ``ptr``); 0 or None: the legacy
+    default stream."""
+    if stream is None:
+        return 0
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    return int(stream)
+
+
+class InterprocessEvent:
+    """A CUDA event another process can open: made with ``cudaEventInterprocess |
+    cudaEventDisableTiming`` (interprocess events cannot time), on one GPU (``device``, this
+    process's ordinal); ``handle`` is its ``cudaIpcEventHandle_t``, what ``wait_event`` and
+    ``signal_event`` take. PyTorch users may use ``torch.cuda.Event(interprocess=True)`` instead.
+
+    Keep it alive while a copy names it, and until the connection that named it is closed:
+    the daemon opens each handle once per connection and keeps it.
+    """
+
+    def __init__(self, device: int | None = None) -> None:
+        rt, _ = bindings()
+        self.device = int(check(rt.cudaGetDevice())) if device is None else device
+        with DeviceScope(self.device):
+            self.event: Any = check(rt.cudaEventCreateWithFlags(rt.cudaEventInterprocess | rt.cudaEventDisableTiming))
+            try:
+                self.handle = handle_to_bytes(check(rt.cudaIpcGetEventHandle(self.event)))
+            except BaseException:
+                rt.cudaEventDestroy(self.event)
+                raise
+
+    def record(self, stream: Any = None) -> None:
+        """Record on ``stream`` (behind the kernel that produces a copy's source; before sending
+        the copy with ``wait_event=`` this event)."""
+        rt, _ = bindings()
+        with DeviceScope(self.device):
+            check(rt.cudaEventRecord(self.event, _stream(stream)))
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream``'s later work wait for the event's latest record (after a copy's
+        ``recorded()`` returned, for a ``signal_event``); the host does not wait."""
+        rt, _ = bindings()
+        with DeviceScope(self.device):
+            check(rt.cudaStreamWaitEvent(_stream(stream), self.event, 0))
+
+    def query(self) -> bool:
+        """True once the work before its latest record has completed (never blocks)."""
+        rt, _ = bindings()
+        err = rt.cudaEventQuery(self.event)[0]
+        if err == rt.cudaError_t.cudaErrorNotReady:
+            return False
+        check((err,))
+        return True
+
+    def synchronize(self) -> None:
+        """Block the host until the event completes."""
+        rt, _ = bindings()
+        check(rt.cudaEventSynchronize(self.event))
+
+    def close(self) -> None:
+        """Destroy the event (idempotent). A daemon's open copy of it is the daemon's to close."""
+        if self.event is not None:
+            rt, _ = bindings()
+            with DeviceScope(self.device):
+                check(rt.cudaEventDestroy(self.event))
+            self.event = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def ipc_event(device: int | None = None) -> InterprocessEvent:
+    """A new `InterprocessEvent` on GPU ``device`` (this process's ordinal; default: the current
+    device). Pass it (or its ``handle``) as a copy's ``wait_event`` or ``signal_event``."""
+    return InterprocessEvent(device)

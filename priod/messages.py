@@ -20,8 +20,10 @@ from typing import Any, ClassVar, Self, Union, cast, get_args, get_origin, get_t
 
 from .errors import InvalidRequest, PriodError, error_for_code
 from .gpus import uuid_key
+from .ipc_event import check_handle
 
 __all__ = [
+    "PROGRESS_SIGNAL_RECORDED",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",
     "AllocDevice",
@@ -47,6 +49,8 @@ __all__ = [
     "StatusRequest",
     "decode_request",
     "error_of",
+    "is_progress",
+    "progress_frame",
     "request_id",
 ]
 
@@ -240,6 +244,10 @@ class Copy(_Request):
     src_offset: int = 0
     priority: str = "normal"
     deadline_ms: float | None = None
+    wait_event: bytes | None = None
+    """A client's IPC event handle: the copy starts only once the event has completed."""
+    signal_event: bytes | None = None
+    """A client's IPC event handle, recorded right after the copy's last chunk."""
 
     @classmethod
     def decode(cls, msg: Message) -> Self:
@@ -257,6 +265,8 @@ class Copy(_Request):
             and type(src_offset) is int
             and type(priority) is str
             and (deadline_ms is None or type(deadline_ms) is float)
+            and "wait_event" not in msg
+            and "signal_event" not in msg
         ):
             return cls(dst, src, nbytes, dst_offset, src_offset, priority, deadline_ms)
         return cls(**cls._read(msg))
@@ -275,6 +285,10 @@ class Copy(_Request):
         }
         if self.deadline_ms is not None:
             msg["deadline_ms"] = self.deadline_ms
+        if self.wait_event is not None:
+            msg["wait_event"] = self.wait_event
+        if self.signal_event is not None:
+            msg["signal_event"] = self.signal_event
         return msg
 
     def check(self) -> None:
@@ -282,6 +296,8 @@ class Copy(_Request):
         _need_offset("dst_offset", self.dst_offset)
         _need_offset("src_offset", self.src_offset)
         _check_deadline(self.deadline_ms)
+        check_handle("wait_event", self.wait_event)
+        check_handle("signal_event", self.signal_event)
 
 
 def _check_deadline(deadline_ms: float | None) -> None:
@@ -308,9 +324,13 @@ class CopyBatch(_Request):
     segments: bytes
     priority: str = "normal"
     deadline_ms: float | None = None
+    wait_event: bytes | None = None
+    signal_event: bytes | None = None
 
     def check(self) -> None:
         _check_deadline(self.deadline_ms)
+        check_handle("wait_event", self.wait_event)
+        check_handle("signal_event", self.signal_event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,10 +438,13 @@ class CopyReply(_Reply):
     path: str
     """``dma`` or ``express``."""
     missed_deadline: bool = False
+    event_wait_us: float | None = None
+    """A copy with a ``wait_event``: arrival until the daemon saw the event complete (then
+    ``queued_us`` counts from there). None without one."""
 
     def encode(self, req_id: int) -> Message:
         # Written out: once per copy on the daemon's loop.
-        return {
+        msg: Message = {
             "id": req_id,
             "ok": True,
             "nbytes": self.nbytes,
@@ -431,10 +454,15 @@ class CopyReply(_Reply):
             "path": self.path,
             "missed_deadline": self.missed_deadline,
         }
+        if self.event_wait_us is not None:
+            msg["event_wait_us"] = self.event_wait_us
+        return msg
 
     @classmethod
     def decode(cls, msg: Message) -> Self:
-        return cls(msg["nbytes"], msg["queued_us"], msg["transfer_us"], msg["total_us"], msg["path"], msg.get("missed_deadline", False))
+        return cls(
+            msg["nbytes"], msg["queued_us"], msg["transfer_us"], msg["total_us"], msg["path"], msg.get("missed_deadline", False), msg.get("event_wait_us")
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,6 +477,30 @@ class CopyBatchReply(_Reply):
     total_us: float
     path: str
     missed_deadline: bool = False
+    event_wait_us: float | None = None
+    """As `CopyReply`'s."""
+
+    def encode(self, req_id: int) -> Message:
+        msg = {"id": req_id, "ok": True, **self._fields_dict()}
+        if self.event_wait_us is None:
+            del msg["event_wait_us"]
+        return msg
+
+
+PROGRESS_SIGNAL_RECORDED = "signal_recorded"
+"""A progress frame's ``progress``: the copy's ``signal_event`` is recorded behind its last
+chunk, which may still be in flight; a stream may now wait on the event. The reply follows."""
+
+
+def progress_frame(req_id: int, what: str) -> Message:
+    """A frame that is not a copy's reply: ``{"id", "ok": true, "progress": what}``. The copy's
+    own reply still comes, after it; clients skip progress frames they do not know."""
+    return {"id": req_id, "ok": True, "progress": what}
+
+
+def is_progress(msg: Message) -> bool:
+    """True for a progress frame (`progress_frame`), which does not end its request."""
+    return "progress" in msg
 
 
 @dataclass(frozen=True, slots=True)

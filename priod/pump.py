@@ -20,10 +20,11 @@ from typing import Literal, Protocol, cast
 
 import structlog
 
-from .engines.base import Completion, Engine, LaneKey, Memory, Path
+from .engines.base import Completion, Engine, IpcEvent, LaneKey, Memory, Path
+from .gates import Gates
 from .log import error_fields
 from .errors import NotFound, PriodError
-from .scheduler import Chunk, Finished, Scheduler
+from .scheduler import Chunk, Finished, Request, Scheduler
 
 __all__ = ["CopyTarget", "InFlight", "Pump", "reanchor_dues"]
 
@@ -126,10 +127,16 @@ class Pump:
         on_finished: Callable[[Finished], None],
         *,
         bulk_poll: Literal["spin", "timer"] = "timer",
+        on_signalled: Callable[[Request, Exception | None], None] | None = None,
     ) -> None:
+        """``on_signalled``: told when a copy's ``signal_event`` was recorded (None) or could
+        not be (the error); the copy goes on either way."""
         self.scheduler = scheduler
         self.engine = engine
         self._on_finished = on_finished
+        self._on_signalled = on_signalled
+        self.gates = Gates()
+        """Copies held until their client's wait_event completes (gates.py)."""
         self._bulk_poll = bulk_poll
         self._inflight: list[InFlight] = []
         self._dma_tail: dict[LaneKey, float] = {}
@@ -216,6 +223,10 @@ class Pump:
 
     def cancel(self, request_id: int) -> bool:
         """Cancel at the next chunk boundary; True if it ended at once (nothing in flight)."""
+        held = self.gates.take(request_id)
+        if held is not None:
+            self._on_finished(Finished(held, "cancelled", 0))
+            return True
         try:
             f = self.scheduler.cancel(request_id, time.perf_counter())
         except NotFound:
@@ -227,8 +238,63 @@ class Pump:
 
     def drop_owner(self, owner: object) -> None:
         """End every request of ``owner`` (a connection that left); chunks in flight finish."""
+        for held in self.gates.take_owner(owner):
+            self._on_finished(Finished(held, "cancelled", 0))
         for f in self.scheduler.drop_owner(owner, time.perf_counter()):
             self._on_finished(f)
+
+    # -- GPU-side ordering -----------------------------------------------------------------
+    def hold(self, req: Request, event: IpcEvent, now: float) -> None:
+        """Queue ``req`` once ``event`` (its client's wait_event) has completed: at once if it
+        has, else from the poll loop (gates.py). ``req`` must have passed `Scheduler.check`.
+        An event that fails to query fails this copy alone."""
+        try:
+            done = event.query()
+        except PriodError as exc:
+            self._on_finished(Finished(req, "failed", 0, error=exc))
+            return
+        if done:
+            self._admit(req, now)
+            self.kick()
+            return
+        self.gates.hold(req, event, now)
+        self._wakeup()
+
+    def _admit(self, req: Request, now: float) -> None:
+        """Queue a request whose event completed; waiting for it earns no aging."""
+        req.held_s = now - req.arrival
+        req.arrival = now
+        try:
+            self.scheduler.enqueue(req, now)
+        except PriodError as exc:  # a reload removed its class meanwhile, or took it away from this uid
+            self._on_finished(Finished(req, "failed", 0, error=exc))
+
+    def _poll_gates(self) -> float | None:
+        """Poll the held copies that are due, queue those whose event completed; seconds until
+        the next poll is due (None with nothing held)."""
+        now = time.perf_counter()
+        opened, failed = self.gates.poll(now)
+        for req, exc in failed:
+            self._on_finished(Finished(req, "failed", 0, error=exc))
+        for req in opened:
+            self._admit(req, now)
+        if opened:
+            self.kick()
+        due = self.gates.next_due()
+        return None if due is None else max(0.0, due - now)
+
+    def _signal(self, chunk: Chunk, event: IpcEvent) -> None:
+        """Record a copy's signal_event behind its last chunk, just submitted (and behind any
+        other chunk of it still in flight)."""
+        req = chunk.request
+        error: Exception | None = None
+        try:
+            self.engine.record_event(event, [e.completion for e in self._inflight if e.chunk.request is req])
+        except PriodError as exc:
+            log.warning("signal_event_failed", **error_fields(exc))
+            error = exc
+        if self._on_signalled is not None:
+            self._on_signalled(req, error)
 
     # -- the engine side -------------------------------------------------------------------
     def _submit(self, chunks: list[Chunk]) -> bool:
@@ -261,6 +327,10 @@ class Pump:
                 continue
             now = time.perf_counter()
             self._inflight.append(InFlight(chunk, completion, now, self._due(chunk, now)))
+            if chunk.offset + chunk.nbytes == req.nbytes:
+                signal = getattr(target, "signal_event", None)  # test payloads have none
+                if signal is not None:
+                    self._signal(chunk, signal)
         return bool(chunks)
 
     def _due(self, chunk: Chunk, now: float) -> float:
@@ -341,8 +411,13 @@ class Pump:
         loop = asyncio.get_running_loop()
         engine_wakes = not self._paced_by_polls
         while True:
+            # Copies held for their client's event: the soonest poll due bounds every sleep below.
+            gate_wait = self._poll_gates() if len(self.gates) else None
             if self._inflight and self._poll():
                 self.kick()
+                continue
+            if gate_wait == 0.0:
+                await asyncio.sleep(0)  # a copy held for under GATE_SPIN_S: poll it every turn
                 continue
             timeout: float | None = None  # None: no CPU at all until something wakes us
             if not self._inflight and not engine_wakes and self.scheduler.urgent_recent(time.perf_counter()):
@@ -364,6 +439,11 @@ class Pump:
                 else:
                     assert self._timer is not None
                     self._timer.wake_at(time.perf_counter() + max(wait, TIMER_MIN_S))
+            if gate_wait is not None and (timeout is None or gate_wait < timeout):
+                if gate_wait < 0.002 and self._timer is not None:
+                    self._timer.wake_at(time.perf_counter() + max(gate_wait, TIMER_MIN_S))
+                else:
+                    timeout = gate_wait
             self._wake = loop.create_future()
             handle = loop.call_later(timeout, self._wakeup) if timeout is not None else None
             try:

@@ -67,6 +67,8 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
         "urgent_paths": [dataclasses.asdict(e) for e in d.scheduler.path_estimates()],
         "inflight_chunks": d.pump.inflight_chunks,
         "polls": d.pump.polls,
+        "held_copies": len(d.pump.gates),
+        "event_polls": d.pump.gates.polls,
         "lane_bytes": {str(lane): n for lane, n in sorted(d.pump.lane_bytes.items())},
         "inflight_bytes": inflight,
         "deadline_misses": st.deadline_misses,

@@ -43,7 +43,7 @@ from .engines.base import Direction, LaneInfo, LaneKey, Path
 from .errors import ConfigError, InvalidRequest, NotFound, PermissionDenied
 from .lanes import Lane
 from .policy import ClassSpec, LaneParams, Policy, validate_policy
-from .queues import Track, leave_class, push, unpark
+from .queues import ClassQueue, Track, leave_class, push, unpark
 
 __all__ = ["Chunk", "Finished", "LaneStats", "Request", "RequestState", "Scheduler", "SchedulerStats"]
 
@@ -81,6 +81,9 @@ class Request:
     segments: Segments | None = None
     """A batch's segment table: its chunks are cut so that their bytes plus a cost per segment
     fit the size a contiguous chunk would get (batch.py); None for a contiguous copy."""
+    held_s: float = 0.0
+    """Seconds it waited, before it was queued here, for a client's event (pump.py's gates);
+    ``arrival`` is then when it was queued, so that waiting earns it no aging."""
     # Bookkeeping, owned by the scheduler:
     state: RequestState = RequestState.QUEUED
     submitted_bytes: int = 0
@@ -264,6 +267,24 @@ class Scheduler:
             PermissionDenied: the class's ``uids``/``gids`` leave this client out.
         """
         lane = self._lane(req.lane)
+        cq = self.check(req)
+        spec = cq.spec
+        if spec.strict:
+            lane.last_strict = now
+            self._urgent_until = max(self._urgent_until, now + self._policy.urgent_window_ms / 1e3)
+        tkey: TenantKey = ("owner", req.owner) if req.uid is None else ("uid", req.uid)
+        tenant = budget.tenant(lane, tkey, self._policy, now)
+        tenant.tracks += 1
+        self._seq += 1
+        t = Track(req, lane, cq, self._seq, tkey, tenant)
+        self._tracks[req.id] = t
+        self._by_owner.setdefault(req.owner, set()).add(req.id)
+        self._place(t)
+
+    def check(self, req: Request) -> ClassQueue:
+        """Raise what `enqueue` would raise for ``req``, queuing nothing (a request held for
+        its event is checked on arrival); the class queue it would join."""
+        lane = self._lane(req.lane)
         cq = lane.classes.get(req.cls)
         if cq is None:
             allowed = ", ".join(lane.classes)
@@ -278,17 +299,7 @@ class Scheduler:
                 f"uid {req.uid} (gid {req.gid}) may not use class {req.cls!r}: [classes.{req.cls}] uids = {list(spec.uids)}, "
                 f"gids = {list(spec.gids)}; use another class, or ask the operator to add your uid or group there"
             )
-        if spec.strict:
-            lane.last_strict = now
-            self._urgent_until = max(self._urgent_until, now + self._policy.urgent_window_ms / 1e3)
-        tkey: TenantKey = ("owner", req.owner) if req.uid is None else ("uid", req.uid)
-        tenant = budget.tenant(lane, tkey, self._policy, now)
-        tenant.tracks += 1
-        self._seq += 1
-        t = Track(req, lane, cq, self._seq, tkey, tenant)
-        self._tracks[req.id] = t
-        self._by_owner.setdefault(req.owner, set()).add(req.id)
-        self._place(t)
+        return cq
 
     def get(self, request_id: int) -> Request | None:
         """The request while queued or in flight; None once finished (or never seen)."""

@@ -31,6 +31,7 @@ from .metrics import Metrics
 from .pump import Pump
 from .regions import RegionTable
 from .scheduler import Scheduler
+from .copies import signal_recorded
 from .session import Session, Shared, copy_finished
 from .copies import cancel_copy
 from .admission import PRIVILEGED_RESERVE, Admission
@@ -146,7 +147,7 @@ class Daemon:
         self.engine = engine
         self.scheduler = Scheduler(cfg.policy(), engine.lanes(), host_bandwidth=engine.host_bandwidth())
         self.metrics = Metrics(engine.device_uuids())
-        self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll)
+        self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll, on_signalled=signal_recorded)
         self.own_uid = os.geteuid()
         """With uid 0, the uid that sees every client in `status` and may use PRIVILEGED_RESERVE."""
         _raise_open_files_limit()
@@ -192,7 +193,7 @@ class Daemon:
         return 2 * (self.cfg.server.max_clients + PRIVILEGED_RESERVE) + REFUSING_MAX + FD_SPARE
 
     def _cancel_for_freed_region(self, request_id: int) -> None:
-        req = self.scheduler.get(request_id)
+        req = self.scheduler.get(request_id) or self.pump.gates.get(request_id)  # queued, or held for its event
         if req is not None:
             cancel_copy(self.pump, req, "not_found")
 

@@ -29,10 +29,12 @@ from . import __version__
 from .batch import MAX_SEGMENTS, SEGMENT_BYTES, Segments
 from .config import Config
 from .copies import PendingCopy, cancel_copy, check_copy_bounds, check_limits, copy_finished, copy_log_fields, outcome_reply
-from .engines.base import Engine, LaneKey
+from .engines.base import Engine, IpcEvent, LaneKey, Memory
 from .errors import ConnectionClosed, InvalidRequest, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
+from .gates import EventTable
 from .log import error_fields
 from .messages import (
+    PROGRESS_SIGNAL_RECORDED,
     PROTOCOL_VERSION,
     AllocDevice,
     AllocHost,
@@ -54,6 +56,7 @@ from .messages import (
     StatusReply,
     StatusRequest,
     decode_request,
+    progress_frame,
     request_id,
 )
 from .metrics import Metrics
@@ -111,6 +114,8 @@ class Session:
         self.queued_segments = 0
         """Segments of this connection's pending batches ([limits] max_queued_segments)."""
         self._turn_segments = 0
+        self.events = EventTable(shared.engine)
+        """The IPC events this connection's copies named, opened once each (gates.py)."""
         self.greeted = False
         self.closed = False
         self.copies = 0
@@ -273,6 +278,7 @@ class Session:
         self.closed = self.holdings.closed = True
         self.shared.sessions.pop(self.id, None)
         self.shared.pump.drop_owner(self.id)
+        self.events.close()  # after drop_owner: no held copy polls them any more
         self.shared.regions.release_all(self.holdings)
 
     def cancel_all(self, code: str) -> None:
@@ -293,6 +299,7 @@ class Session:
             "pending": len(self.pending),
             "queued_bytes": self.queued_bytes,
             "copies": self.copies,
+            "events": len(self.events),
             "output_buffered": self.sock.output_buffered,
         }
 
@@ -418,6 +425,7 @@ class Session:
         check_copy_bounds(regions, dst, req.dst_offset, src, req.src_offset, nbytes)
         check_limits(self.shared.cfg.limits, self, self.holdings.tally, nbytes, 0)
         payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
+        self._open_events(payload, lane.device, req.wait_event, req.signal_event)
         self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
 
     def _copy_batch(self, req_id: int, req: CopyBatch) -> None:
@@ -431,7 +439,29 @@ class Session:
         check_limits(self.shared.cfg.limits, self, self.holdings.tally, segments.total, len(segments))
         segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
         payload = PendingCopy(self, req_id, dst, 0, src, 0, segments=segments)
+        self._open_events(payload, lane.device, req.wait_event, req.signal_event)
         self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
+
+    def _open_events(self, payload: PendingCopy, device: int, wait: bytes | None, signal: bytes | None) -> None:
+        """Open the events a copy names (once per connection), on its lane's GPU: an IPC event
+        can be used on its own GPU only. A handle that does not open refuses the copy."""
+        if wait is None and signal is None:
+            return
+        regions, holdings = self.shared.regions, self.holdings
+
+        def region(region_id: int) -> Memory:  # a sim event names a byte of a region the client may use
+            return regions.usable(holdings, region_id).mem
+
+        def opened(name: str, handle: bytes) -> IpcEvent:
+            try:
+                return self.events.open(handle, device, region)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"{name}: {exc}") from exc
+
+        if wait is not None:
+            payload.wait_event = opened("wait_event", wait)
+        if signal is not None:
+            payload.signal_event = opened("signal_event", signal)
 
     def _copy_regions(self, req_id: int, dst_id: int, src_id: int) -> tuple[Region, Region]:
         """The two regions a copy names, once it may be taken at all."""
@@ -449,7 +479,11 @@ class Session:
         queued = QueuedCopy(
             next(shared.request_ids), self.id, lane, priority, nbytes, now, deadline, payload, uid=self.peer.uid, gid=self.peer.gid, segments=segments
         )
-        shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
+        held = payload.wait_event
+        if held is None:
+            shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
+        else:
+            shared.scheduler.check(queued)  # the same refusals now; queued once its event completes
         self.pending[req_id] = queued
         self.queued_bytes += nbytes
         tally = self.holdings.tally
@@ -460,7 +494,10 @@ class Session:
             tally.queued_segments += len(segments)
         payload.dst.users.add(queued.id)
         payload.src.users.add(queued.id)
-        shared.pump.kick()
+        if held is None:
+            shared.pump.kick()
+        else:
+            shared.pump.hold(queued, held, now)
 
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
         queued = self.pending.get(req.target)
@@ -468,6 +505,15 @@ class Session:
             raise NotFound(f"no copy with id {req.target} is pending on this connection; it may have finished already")
         ended = cancel_copy(self.shared.pump, queued, "cancelled")
         return CancelReply(req.target, "cancelled" if ended else "stopping")
+
+    def signal_recorded(self, p: PendingCopy, error: Exception | None) -> None:
+        """A copy's signal_event was recorded behind its last chunk: tell the client at once (a
+        progress frame; the reply comes when the bytes land), so its stream can wait on the event
+        while the copy is still in flight. If it could not be, the reply says so."""
+        if error is not None:
+            p.signal_error = error
+        elif not self.closed:
+            self.sock.send(progress_frame(p.client_id, PROGRESS_SIGNAL_RECORDED))
 
     def copy_finished(self, f: Finished, p: PendingCopy) -> None:
         """Answer a copy that ended (done, cancelled or failed), then count and log it."""
@@ -487,7 +533,8 @@ class Session:
         shared.regions.copy_ended(req.id, p.dst, p.src)
         end = req.last_done if req.last_done is not None else time.perf_counter()
         first = req.first_submit if req.first_submit is not None else end
-        queued_s, total_s = first - req.arrival, end - req.arrival
+        # A copy held for its wait_event was queued (``arrival``) held_s after it came.
+        queued_s, total_s = first - req.arrival, end - req.arrival + req.held_s
         outcome = f.outcome if f.outcome != "cancelled" else p.cancel_code
         if f.outcome == "done":
             self.copies += 1

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Any, Generic, Unpack
 
 from .config import find_socket
-from .errors import PriodError
+from .errors import InvalidRequest, PriodError
 from .messages import (
     PROTOCOL_VERSION,
     AllocHost,
@@ -36,6 +36,7 @@ from .messages import (
     StatusReply,
     StatusRequest,
     error_of,
+    is_progress,
 )
 from .transport import BlockingFramedSocket
 from .client_base import (
@@ -68,8 +69,9 @@ class _SyncHandle(Generic[R]):
 
     _decode: Callable[[Message], R]
 
-    def __init__(self, client: SyncClient, req_id: int) -> None:
+    def __init__(self, client: SyncClient, req_id: int, signalled: bool = False) -> None:
         self.client, self.id = client, req_id
+        self._signalled = signalled
         self._reply: Message | None = None
         self.segments_done: int | None = None
         """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
@@ -82,6 +84,26 @@ class _SyncHandle(Generic[R]):
         if self._reply is None:
             self._reply = self.client._take(self.id, timeout)
         return self._reply
+
+    def wait_recorded(self, timeout: float | None = None) -> None:
+        """Block until the daemon has recorded this copy's ``signal_event`` behind its last
+        chunk (the copy may still be in flight); see `priod.client.CopyHandle.recorded`. Raises
+        the copy's error if it ended without recording it, TimeoutError after ``timeout`` s."""
+        if not self._signalled:
+            raise InvalidRequest("this copy was sent without signal_event; pass signal_event= to wait on it from a stream")
+        c = self.client
+        deadline = time.perf_counter() + (math.inf if timeout is None else timeout)
+        while self.id not in c._recorded:
+            if self.poll_reply(0.0) is not None:
+                assert self._reply is not None
+                self._result(self._reply)  # the reply came first: it raises why nothing was recorded
+                return
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TimeoutError(f"the daemon did not record copy {self.id}'s signal_event within {timeout} s")
+            got = c._sock.receive() if left == math.inf else c._sock.receive_within(left)
+            if got is not None:
+                c._keep(*got)
 
     def poll(self) -> R | None:
         """The result if the copy has ended, else None; never blocks. Raises the copy's error."""
@@ -166,6 +188,8 @@ class SyncClient:
         self._regions: list[Region] = []
         self._started: dict[int, Message | None] = {}
         """Copies started and not yet collected by their handle: their reply once it came."""
+        self._recorded: set[int] = set()
+        """Started copies whose signal_event the daemon reported recorded (a progress frame)."""
         msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
         self.server = HelloReply.decode(msg)
         """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
@@ -175,6 +199,9 @@ class SyncClient:
         self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
         while True:
             reply, got = self._sock.receive()
+            if is_progress(reply) and reply.get("id") == req_id:
+                close_fds(got)  # a blocking copy() with signal_event: its reply follows
+                continue
             if reply.get("id") == req_id:
                 if (exc := error_of(reply)) is not None:
                     close_fds(got)
@@ -186,6 +213,10 @@ class SyncClient:
         """A reply that is not the one awaited: a started copy's is kept for its handle."""
         close_fds(fds)
         rid = reply.get("id")
+        if is_progress(reply):
+            if rid in self._started:
+                self._recorded.add(rid)
+            return
         if rid in self._started:
             self._started[rid] = reply
         elif not rid and (exc := error_of(reply)) is not None:
@@ -210,6 +241,7 @@ class SyncClient:
             if got is None:
                 return None
             self._keep(*got)
+        self._recorded.discard(req_id)
         return self._started.pop(req_id)
 
     def raw_request(self, msg: Message) -> Message:
@@ -260,7 +292,8 @@ class SyncClient:
 
     def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> SyncCopyHandle:
         """Send a copy and return at once (see `Client.start_copy`)."""
-        return SyncCopyHandle(self, self._start(copy_request(dst, src, nbytes, options)))
+        req = copy_request(dst, src, nbytes, options)
+        return SyncCopyHandle(self, self._start(req), req.signal_event is not None)
 
     def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
         """Copy every segment and wait for the batch (see `Client.start_copy_batch`)."""
@@ -269,7 +302,7 @@ class SyncClient:
     def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> SyncBatchHandle:
         """Send a batch and return at once (see `Client.start_copy_batch`)."""
         req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
-        return SyncBatchHandle(self, self._start(req))
+        return SyncBatchHandle(self, self._start(req), req.signal_event is not None)
 
     def copy_tensor(self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> CopyResult:
         """Copy tensor ``src`` into tensor ``dst`` and wait (see `Client.start_copy_tensor`)."""

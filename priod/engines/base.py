@@ -37,6 +37,7 @@ __all__ = [
     "Direction",
     "Engine",
     "HostMemory",
+    "IpcEvent",
     "LaneInfo",
     "LaneKey",
     "Memory",
@@ -204,6 +205,28 @@ class AllOf(Completion):
             part.release()
 
 
+class IpcEvent(ABC):
+    """An event a client shares for GPU-side ordering (docs/design.md): opened once per
+    connection by `Engine.open_event`, then polled (a ``wait_event``) or recorded after a copy
+    (a ``signal_event``). Never waited on by a stream the daemon shares between clients."""
+
+    device: int
+    """The daemon's ordinal of the GPU the event belongs to."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the work recorded before it has completed (or it was never recorded).
+
+        Cheap and never blocks: a copy's ``wait_event`` is polled from the loop. Raises
+        `EngineError` if the engine reports the event broken.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Give the event back (the client's connection ended). Idempotent. A record still
+        pending completes on its own; the client's event is not destroyed, only our import."""
+
+
 class Engine(ABC):
     """A copy backend. All methods are called from the daemon's event-loop thread."""
 
@@ -331,6 +354,22 @@ class Engine(ABC):
         """Per lane, the running total of seconds its copy engine was busy (the metrics' busy
         counter); an engine that cannot tell returns no lane."""
         return {}
+
+    def open_event(self, handle: bytes, device: int, region: Callable[[int], Memory]) -> IpcEvent:
+        """Open a client's event from its 64-byte handle (cuda: a ``cudaIpcEventHandle_t``) with
+        GPU ``device`` current. ``region`` resolves a region id that the client may use (the sim
+        engine's handles name a byte of a device region; it raises if the client may not).
+
+        Raises:
+            InvalidRequest: the handle does not open, naming what to send instead.
+        """
+        raise InvalidRequest(f"the {self.name} engine has no IPC events; send the copy without wait_event and signal_event")
+
+    def record_event(self, event: IpcEvent, after: list[Completion]) -> None:
+        """Record ``event`` so that it completes once every chunk in ``after`` has (the copy's
+        chunks in flight, its last one last), on the stream of the last one: no stream waits
+        for anything of the client's. Returns at once."""
+        raise InvalidRequest(f"the {self.name} engine has no IPC events; send the copy without signal_event")
 
     @abstractmethod
     def close(self) -> None:

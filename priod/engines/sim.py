@@ -40,6 +40,7 @@ import numpy.typing as npt
 
 from ..errors import EngineError, InvalidRequest
 from ..gpus import sim_uuid
+from ..ipc_event import parse_sim_handle
 from .base import (
     Completion,
     DeviceExport,
@@ -47,6 +48,7 @@ from .base import (
     Direction,
     Engine,
     HostMemory,
+    IpcEvent,
     LaneInfo,
     LaneKey,
     Memory,
@@ -120,16 +122,84 @@ class SimDeviceMemory(DeviceMemory):
 
 
 class SimCompletion(Completion):
-    __slots__ = ("_error", "_finished")
+    __slots__ = ("_callbacks", "_error", "_finished")
 
     def __init__(self) -> None:
         self._finished = False
         self._error: EngineError | None = None
+        self._callbacks: list[Callable[[], None]] | None = None
+        """Run once on the thread that completes the chunk (a signal_event's set); rare, so the
+        per-chunk path pays one attribute read."""
 
     def done(self) -> bool:
         if self._error is not None:
             raise self._error
         return self._finished
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the chunk has ended (at once if it has), on the thread that ends it."""
+        with _CALLBACKS:
+            if self._callbacks is None:
+                self._callbacks = []
+            self._callbacks.append(fn)
+        # Set, then look: the worker sets _finished, then looks for callbacks; one of the two
+        # looks sees the other's write, and `_fire` hands the list to exactly one of them.
+        if self._finished or self._error is not None:
+            self._fire()
+
+    def _fire(self) -> None:
+        with _CALLBACKS:
+            fns, self._callbacks = self._callbacks, None
+        for fn in fns or ():
+            fn()
+
+
+_CALLBACKS = threading.Lock()
+
+
+class SimIpcEvent(IpcEvent):
+    """A client's sim event (priod.ipc_event): one byte of a device region, read and written in
+    place; nonzero means complete. The view keeps the mapping alive if the region is freed."""
+
+    __slots__ = ("_flag", "_generation", "_lock", "device")
+
+    def __init__(self, flag: npt.NDArray[np.uint8], device: int) -> None:
+        self._flag: npt.NDArray[np.uint8] | None = flag
+        self.device = device
+        self._lock = threading.Lock()
+        self._generation = 0
+        """Records so far: as with a CUDA event, only the latest record's completion sets it."""
+
+    def query(self) -> bool:
+        flag = self._flag
+        return flag is not None and bool(flag[0])
+
+    def record(self, after: list[SimCompletion]) -> None:
+        """Pending now; set on the copy engine's thread as soon as every chunk of ``after`` ended
+        (at once if they all have), unless the event was recorded again meanwhile."""
+        flag = self._flag
+        if flag is None:
+            return
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+            flag[0] = 0
+        left = [len(after)]
+
+        def one_done() -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0] <= 0 and generation == self._generation:
+                    flag[0] = 1
+
+        if not after:
+            left[0] = 1
+            one_done()
+        for c in after:
+            c.on_done(one_done)
+
+    def close(self) -> None:
+        self._flag = None
 
 
 class _Job:
@@ -263,6 +333,8 @@ class _Worker(threading.Thread):
             )
         else:
             job.completion._finished = True
+        if job.completion._callbacks is not None:
+            job.completion._fire()
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -453,6 +525,25 @@ class SimEngine(Engine):
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wake = wakeup
+
+    def open_event(self, handle: bytes, device: int, region: Callable[[int], Memory]) -> IpcEvent:
+        """A byte of a device region of the client's on GPU ``device`` (priod.ipc_event.SimEvent);
+        ``region`` checks that the client may name it."""
+        region_id, offset = parse_sim_handle(handle)
+        mem = region(region_id)
+        if not isinstance(mem, SimDeviceMemory) or mem.device != device:
+            where = "host memory" if mem.device is None else f"gpu{mem.device}"
+            raise InvalidRequest(
+                f"sim event region {region_id} is {where}, but the copy runs on gpu{device}: an IPC event belongs to "
+                "one GPU; put the event in a device region of the copy's GPU"
+            )
+        if offset >= mem.nbytes:
+            raise InvalidRequest(f"sim event offset {offset} is outside region {region_id} of {mem.nbytes} bytes")
+        return SimIpcEvent(mem.array[offset : offset + 1], device)
+
+    def record_event(self, event: IpcEvent, after: list[Completion]) -> None:
+        assert isinstance(event, SimIpcEvent)
+        event.record([c for c in after if isinstance(c, SimCompletion)])
 
     def device_uuids(self) -> dict[int, str]:
         return dict(self._uuids)

@@ -35,6 +35,7 @@ __all__ = [
     "check",
     "device_count",
     "error",
+    "event_handle_from_bytes",
     "gpu_available",
     "gpu_uuid",
     "handle_from_bytes",
@@ -218,12 +219,22 @@ def handle_to_bytes(handle: Any) -> bytes:
 
 def handle_from_bytes(data: bytes) -> Any:
     """A ``cudaIpcMemHandle_t`` holding ``data``; InvalidRequest unless it is 64 bytes."""
-    if len(data) != 64:
-        raise InvalidRequest(f"a CUDA IPC handle is 64 bytes, this one is {len(data)}")
     rt, _ = bindings()
-    handle = rt.cudaIpcMemHandle_t()
+    return _ipc_handle(rt.cudaIpcMemHandle_t, data, "CUDA IPC handle")
+
+
+def _ipc_handle(kind: Any, data: bytes, what: str) -> Any:
+    if len(data) != 64:
+        raise InvalidRequest(f"a {what} is 64 bytes, this one is {len(data)}")
+    handle = kind()
     ctypes.memmove(int(handle.getPtr()), data, 64)
     return handle
+
+
+def event_handle_from_bytes(data: bytes) -> Any:
+    """A ``cudaIpcEventHandle_t`` holding ``data``; InvalidRequest unless it is 64 bytes."""
+    rt, _ = bindings()
+    return _ipc_handle(rt.cudaIpcEventHandle_t, data, "CUDA IPC event handle")
 
 
 class IpcTable:

@@ -32,6 +32,7 @@ from priod.engines.base import (
     Direction,
     Engine,
     HostMemory,
+    IpcEvent,
     LaneInfo,
     LaneKey,
     Memory,
@@ -39,11 +40,11 @@ from priod.engines.base import (
 )
 from priod.errors import CudaError, EngineError, InvalidRequest
 
-from ._driver import bindings, check, device_count
+from ._driver import bindings, check, device_count, event_handle_from_bytes
 from .batched import BatchedDma
 from .calibrate import Log, calibrate
 from .device import Device, Lane, open_device
-from .events import Done, EventCompletion
+from .events import CudaIpcEvent, Done, EventCompletion
 from .express import ExpressKernel, read_ptx
 from .memory import CudaDeviceMemory, CudaHostMemory, Regions
 from .peer import open_peer_lanes
@@ -101,6 +102,8 @@ class CudaEngine(Engine):
         self._express_error: str | None = None
         self._kernel = ExpressKernel()
         self._batched: BatchedDma
+        self._ipc_events: set[CudaIpcEvent] = set()
+        """Client events opened and not yet closed: destroyed at `close` if a session did not."""
 
         count = device_count()
         wanted = list(range(count)) if devices is None else list(devices)
@@ -313,7 +316,56 @@ class CudaEngine(Engine):
         pool = dev.events
         event = pool.free.pop() if pool.free else pool.take()
         check(self._rt.cudaEventRecord(event, stream))
-        return EventCompletion(event, pool, info.busy)
+        return EventCompletion(event, pool, info.busy, stream)
+
+    # -- GPU-side ordering: the client's IPC events ----------------------------------------
+
+    def open_event(self, handle: bytes, device: int, region: Any) -> IpcEvent:
+        """Open a client's ``cudaIpcEventHandle_t`` with GPU ``device`` current (an IPC event
+        can be used on its own GPU only). About as costly as an event create; the session opens
+        each handle once per connection."""
+        self._check_open()
+        dev = self._device(device)
+        self._use(device)
+        try:
+            event = check(self._rt.cudaIpcOpenEventHandle(event_handle_from_bytes(handle)))
+        except CudaError as exc:
+            raise InvalidRequest(
+                f"the event handle does not open on gpu{device} ({exc}): send cudaIpcGetEventHandle of an event made with "
+                "cudaEventInterprocess | cudaEventDisableTiming on the copy's GPU, by a live process"
+            ) from exc
+        opened = CudaIpcEvent(event, device, dev.events, self._close_event)
+        self._ipc_events.add(opened)
+        return opened
+
+    def _close_event(self, event: CudaIpcEvent) -> None:
+        self._ipc_events.discard(event)
+        if self._closed:
+            return
+        self._use(event.device)
+        try:
+            check(self._rt.cudaEventDestroy(event.event))
+        except CudaError as exc:  # the client's process or the GPU failed: nothing to undo
+            self._log.warning("cuda ipc event destroy", error=str(exc))
+
+    def record_event(self, event: IpcEvent, after: list[Completion]) -> None:
+        """Record the client's event on the stream of the copy's last chunk, right behind it.
+
+        A copy's chunks normally share one stream, so stream order alone makes the event
+        complete after all of them. Where an earlier chunk went on another of the lane's
+        streams (a reload moved its class), that stream's own pool event is waited on first:
+        only our chunks' events, which complete whatever the client does, never the client's.
+        """
+        assert isinstance(event, CudaIpcEvent)
+        last = after[-1] if after else None
+        if not isinstance(last, EventCompletion) or last.stream is None:
+            raise EngineError("a signal_event needs the copy's last chunk in flight; none was")
+        self._use(event.device)
+        rt = self._rt
+        for c in after[:-1]:
+            if isinstance(c, EventCompletion) and c.stream is not last.stream and c.event is not None:
+                check(rt.cudaStreamWaitEvent(last.stream, c.event, 0))
+        check(rt.cudaEventRecord(event.event, last.stream))
 
     def busy_seconds(self) -> dict[LaneKey, float]:
         return {lane.key: lane.busy.total() for dev in self._devices.values() for lane in dev.lanes}
@@ -375,6 +427,10 @@ class CudaEngine(Engine):
 
         for dev in self._devices.values():
             dev.synchronize(attempt)
+        for ipc in list(self._ipc_events):
+            self._use(ipc.device)
+            attempt(self._rt.cudaEventDestroy(ipc.event))
+        self._ipc_events.clear()
         errors.extend(self._regions.close())
         for dev in self._devices.values():
             dev.close(attempt)

@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from priod.engines.base import Completion
+from priod.engines.base import Completion, IpcEvent
 from priod.errors import EngineError
 
 from ._driver import bindings, check, error, status_codes
 
-__all__ = ["Busy", "Done", "EventCompletion", "EventPool"]
+__all__ = ["Busy", "CudaIpcEvent", "Done", "EventCompletion", "EventPool"]
 
 
 class EventPool:
@@ -93,14 +93,21 @@ class Busy:
 class EventCompletion(Completion):
     """Done when the event recorded after the chunk has completed."""
 
-    __slots__ = ("_busy", "_done", "_event", "_pool")
+    __slots__ = ("_busy", "_done", "_event", "_pool", "stream")
 
-    def __init__(self, event: Any, pool: EventPool, busy: Busy) -> None:
+    def __init__(self, event: Any, pool: EventPool, busy: Busy, stream: Any = None) -> None:
         self._event = event
         self._pool = pool
         self._done = False
         self._busy = busy
+        self.stream = stream
+        """The stream the chunk went on: a copy's signal_event is recorded there after it."""
         busy.start()
+
+    @property
+    def event(self) -> Any:
+        """The pool's event recorded after the chunk (None once released)."""
+        return self._event
 
     def done(self) -> bool:
         if self._done:
@@ -129,3 +136,35 @@ class Done(Completion):
 
     def done(self) -> bool:
         return True
+
+
+class CudaIpcEvent(IpcEvent):
+    """A client's interprocess event, opened in the daemon (``cudaIpcOpenEventHandle``).
+
+    Polled with ``cudaEventQuery`` as a ``wait_event``; recorded after a copy's last chunk as a
+    ``signal_event``. `close` destroys the daemon's import only (the client's event lives on);
+    a record still pending then completes on its own (``cudaEventDestroy`` does not wait).
+    """
+
+    __slots__ = ("_on_close", "_pool", "device", "event")
+
+    def __init__(self, event: Any, device: int, pool: EventPool, on_close: Callable[[CudaIpcEvent], None]) -> None:
+        self.event: Any = event
+        self.device = device
+        self._pool = pool
+        self._on_close = on_close
+
+    def query(self) -> bool:
+        if self.event is None or self._pool.closed:
+            raise EngineError("the event was closed (its connection ended, or the engine stopped)")
+        err = self._pool.query(self.event)[0]
+        if err is self._pool.ok:
+            return True
+        if err is self._pool.not_ready:
+            return False
+        raise error(err)
+
+    def close(self) -> None:
+        if self.event is not None:
+            self._on_close(self)
+            self.event = None
