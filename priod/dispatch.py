@@ -33,7 +33,7 @@ from .policy import Policy
 from .queues import ClassQueue, Group, Track, leave_class, park, pick, push
 
 if TYPE_CHECKING:
-    from .scheduler import Chunk
+    from .records import Chunk
 
 HandOut = Callable[[Track, int, Path, float], "Chunk"]
 """Cut the next ``size`` bytes of a request on ``path`` at ``now``, and account for them as in flight."""

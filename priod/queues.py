@@ -33,7 +33,7 @@ from .policy import ClassSpec
 
 if TYPE_CHECKING:
     from .lanes import Lane
-    from .scheduler import Request
+    from .records import Request
 
 
 class Track:

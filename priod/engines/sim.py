@@ -18,9 +18,9 @@ host memory (h2d and d2h of all GPUs) also draws on one host-memory bandwidth: w
 busy at once ask for more than it, each gets its rate scaled by ``host_gbps / demand``
 (proportional sharing, as a memory controller under load does roughly), so the sum is the cap.
 
-The bytes are moved by numpy in slices, and the thread sleeps between slices to keep to the
-modelled rate: what the scheduler sees (FIFO order, time per byte, contention) is what it would
-see on a copy engine, only slower.
+This module is the engine: its settings, its memory (sealed memfds that both sides map) and
+`SimEngine`, which builds the lanes and hands them chunks. What the lanes run (links, the host
+bus, the copy-engine threads that pace the bytes, completions and events) is in sim_model.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import fcntl
 import math
 import os
-import queue
 import random
 import threading
 import time
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import EngineError, InvalidRequest
+from ..errors import InvalidRequest
 from ..gpus import sim_uuid
 from ..ipc_event import parse_sim_handle
 from .base import (
@@ -56,16 +55,9 @@ from .base import (
     map_fd,
     release_mapping,
 )
+from .sim_model import HostBus, Job, Link, SimCompletion, SimIpcEvent, Worker
 
 __all__ = ["SimEngine", "SimSettings", "sealed_memfd"]
-
-OVERSHOOT_CREDIT_S = 200e-6
-INLINE_MAX_S = 20e-6
-"""Jobs the model times at or below this run at once on an idle engine (see run_inline)."""
-INLINE_MAX_SEGMENTS = 16
-"""A batch's chunk of more segments than this never runs inline, however few its bytes."""
-SLICE_BYTES = 1 << 20
-"""Granularity of pacing; the chunk as a whole is still never preempted."""
 
 
 @dataclass(frozen=True)
@@ -121,282 +113,6 @@ class SimDeviceMemory(DeviceMemory):
         self.export = DeviceExport(fd=fd)
 
 
-class SimCompletion(Completion):
-    __slots__ = ("_callbacks", "_error", "_finished")
-
-    def __init__(self) -> None:
-        self._finished = False
-        self._error: EngineError | None = None
-        self._callbacks: list[Callable[[], None]] | None = None
-        """Run once on the thread that completes the chunk (a signal_event's set); rare, so the
-        per-chunk path pays one attribute read."""
-
-    def done(self) -> bool:
-        if self._error is not None:
-            raise self._error
-        return self._finished
-
-    def on_done(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once the chunk has ended (at once if it has), on the thread that ends it."""
-        with _CALLBACKS:
-            if self._callbacks is None:
-                self._callbacks = []
-            self._callbacks.append(fn)
-        # Set, then look: the worker sets _finished, then looks for callbacks; one of the two
-        # looks sees the other's write, and `_fire` hands the list to exactly one of them.
-        if self._finished or self._error is not None:
-            self._fire()
-
-    def _fire(self) -> None:
-        with _CALLBACKS:
-            fns, self._callbacks = self._callbacks, None
-        for fn in fns or ():
-            fn()
-
-
-_CALLBACKS = threading.Lock()
-
-
-class SimIpcEvent(IpcEvent):
-    """A client's sim event (priod.ipc_event): one byte of a device region, read and written in
-    place; nonzero means complete. The view keeps the mapping alive if the region is freed."""
-
-    __slots__ = ("_flag", "_generation", "_lock", "device")
-
-    def __init__(self, flag: npt.NDArray[np.uint8], device: int) -> None:
-        self._flag: npt.NDArray[np.uint8] | None = flag
-        self.device = device
-        self._lock = threading.Lock()
-        self._generation = 0
-        """Records so far: as with a CUDA event, only the latest record's completion sets it."""
-
-    def query(self) -> bool:
-        flag = self._flag
-        return flag is not None and bool(flag[0])
-
-    def record(self, after: list[SimCompletion]) -> None:
-        """Pending now; set on the copy engine's thread as soon as every chunk of ``after`` ended
-        (at once if they all have), unless the event was recorded again meanwhile."""
-        flag = self._flag
-        if flag is None:
-            return
-        with self._lock:
-            self._generation += 1
-            generation = self._generation
-            flag[0] = 0
-        left = [len(after)]
-
-        def one_done() -> None:
-            with self._lock:
-                left[0] -= 1
-                if left[0] <= 0 and generation == self._generation:
-                    flag[0] = 1
-
-        if not after:
-            left[0] = 1
-            one_done()
-        for c in after:
-            c.on_done(one_done)
-
-    def close(self) -> None:
-        self._flag = None
-
-
-class _Job:
-    __slots__ = ("completion", "dst", "fail", "nbytes", "segments", "src", "stall_s")
-
-    def __init__(self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool, stall_s: float = 0.0) -> None:
-        self.dst, self.src, self.nbytes, self.completion, self.fail = dst, src, nbytes, completion, fail
-        self.stall_s = stall_s
-        """Co-tenant compute wait before the copy starts (express only), drawn at submission."""
-        self.segments: tuple[list[int], list[int], list[int]] | None = None
-        """A batch's chunk: (dst offsets, src offsets, sizes) into ``dst`` and ``src``, which
-        are then the whole regions. The views are cut on the engine's thread, not the loop's."""
-
-    def parts(self) -> list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]:
-        """(destination, source) views, one per segment: the job's bytes in order."""
-        if self.segments is None:
-            return [(self.dst, self.src)]
-        dst, src = self.dst, self.src
-        return [(dst[d : d + n], src[s : s + n]) for d, s, n in zip(*self.segments, strict=True)]
-
-
-class _HostBus:
-    """Host-memory bandwidth shared by the links that touch host memory (``[sim] host_gbps``).
-
-    ``demand`` is the sum of the nominal rates of the host links moving bytes now; while it
-    exceeds ``bandwidth`` every such link runs at ``bandwidth / demand`` of its rate, so
-    together they move exactly ``bandwidth``. Read without the lock on the pacing path (a
-    float read is atomic under the GIL; a stale value costs one slice at the old rate).
-    """
-
-    def __init__(self, bandwidth: float) -> None:
-        self.bandwidth = bandwidth
-        self.demand = 0.0
-        self._lock = threading.Lock()
-
-    def scale(self) -> float:
-        demand = self.demand
-        return 1.0 if demand <= self.bandwidth else self.bandwidth / demand
-
-    def add(self, rate: float) -> None:
-        with self._lock:
-            self.demand = max(0.0, self.demand + rate)
-
-
-class _Link:
-    """One lane's bandwidth, shared by its copy engine and its express path (and, for host
-    links under ``host_gbps``, with every other host link through the bus)."""
-
-    def __init__(self, bandwidth: float, express_share: float, bus: _HostBus | None = None) -> None:
-        self.bandwidth = bandwidth
-        self.express_share = express_share
-        self.bus = bus
-        self.dma_busy = False
-        self.express_busy = 0
-        self.busy_seconds = 0.0
-        self._active = 0
-        self._active_lock = threading.Lock()
-
-    def rate(self, path: Path) -> float:
-        if path is Path.DMA:
-            rate = self.bandwidth * (1 - self.express_share) if self.express_busy else self.bandwidth
-        else:
-            rate = self.bandwidth * self.express_share if self.dma_busy else self.bandwidth
-        return rate if self.bus is None else rate * self.bus.scale()
-
-    def enter(self, path: Path) -> None:
-        """A worker of this link starts moving bytes."""
-        if path is Path.DMA:
-            self.dma_busy = True
-        else:
-            self.express_busy += 1
-        if self.bus is not None:
-            with self._active_lock:
-                self._active += 1
-                first = self._active == 1
-            if first:  # the link asks the bus for its rate once, however many paths use it
-                self.bus.add(self.bandwidth)
-
-    def leave(self, path: Path) -> None:
-        if path is Path.DMA:
-            self.dma_busy = False
-        else:
-            self.express_busy -= 1
-        if self.bus is not None:
-            with self._active_lock:
-                self._active -= 1
-                last = self._active == 0
-            if last:
-                self.bus.add(-self.bandwidth)
-
-
-class _Worker(threading.Thread):
-    """A copy engine (or the express path) of one lane: FIFO, one chunk at a time."""
-
-    def __init__(self, name: str, link: _Link, path: Path, wakeup: Callable[[], Callable[[], None]]) -> None:
-        super().__init__(name=name, daemon=True)
-        self.link, self.path, self._wakeup = link, path, wakeup
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._last_due = 0.0
-        # Jobs handed to the thread, and jobs it finished: one writer each (the loop, the
-        # worker), so their difference is the queue's length without a lock.
-        self.submitted = 0
-        self.completed = 0
-        # Co-tenant waits served (express only); written by the worker alone.
-        self.stalled = 0
-        self.stalled_seconds = 0.0
-
-    def run_inline(self, job: _Job) -> bool:
-        """Run a tiny job on the caller's thread if this engine is idle; False if it must queue.
-
-        A copy the model says takes a few microseconds should not take two thread wake-ups
-        (about 150 us on a small VM): a real copy engine finishes a 4 KiB copy in 7-10 us.
-        Only when nothing is queued or running, so FIFO order is kept.
-        """
-        if job.stall_s > 0 or self.submitted != self.completed or job.nbytes / self.link.rate(self.path) > INLINE_MAX_S:
-            return False
-        if job.segments is not None and len(job.segments[0]) > INLINE_MAX_SEGMENTS:
-            return False  # a Python step per segment: thousands of tiny ones would hold the loop
-        started = time.perf_counter()
-        for dst, src in job.parts():
-            dst[:] = src
-        self._complete(job)
-        self.link.busy_seconds += time.perf_counter() - started
-        return True
-
-    @staticmethod
-    def _complete(job: _Job) -> None:
-        if job.fail:
-            job.completion._error = EngineError(
-                f"injected engine fault on a chunk of {job.nbytes} bytes ([sim] fault_on_nbytes); the copy did not complete"
-            )
-        else:
-            job.completion._finished = True
-        if job.completion._callbacks is not None:
-            job.completion._fire()
-
-    def run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.stall_s > 0:
-                self._stall(job.stall_s)
-            started = time.perf_counter()
-            self.link.enter(self.path)
-            try:
-                self._move(job)
-            finally:
-                self.link.leave(self.path)
-                self.link.busy_seconds += time.perf_counter() - started
-                self.completed += 1
-            job = None  # drop the views now, so a freed region's mapping can close
-            self._wakeup()()
-
-    def _stall(self, seconds: float) -> None:
-        """Wait for the co-tenant's time slice: the kernel is launched but not running, so the
-        link is not marked busy (DMA beside it keeps the whole bandwidth) and no bytes move."""
-        began = time.perf_counter()
-        until = began + seconds
-        while (delay := until - time.perf_counter()) > 0:
-            time.sleep(delay)
-        # The copy starts when the slice came, not when the sleep happened to end; and the
-        # overshoot credit in _move must not count the wait as time the bytes were moving.
-        self._last_due = max(self._last_due, until)
-        self.stalled_seconds += time.perf_counter() - began
-        self.stalled += 1
-
-    def _move(self, job: _Job) -> None:
-        # A chunk queued behind the previous one starts when that one was due, not when its
-        # sleep happened to end: sleep overshoots by ~50-100 us, which would otherwise cost
-        # every back-to-back chunk. The credit is capped well below a chunk's time, so an
-        # engine left idle by the scheduler still shows as idle.
-        now = time.perf_counter()
-        due = max(self._last_due, now - OVERSHOOT_CREDIT_S)
-        moved = 0  # bytes since the last pause: a batch's small segments are paced together
-        for dst, src in job.parts():
-            size = len(dst)
-            done = 0
-            while done < size:
-                k = min(SLICE_BYTES - moved, size - done)
-                dst[done : done + k] = src[done : done + k]
-                done += k
-                moved += k
-                if moved >= SLICE_BYTES:
-                    due = self._pace(due, moved)
-                    moved = 0
-        if moved:
-            due = self._pace(due, moved)
-        self._last_due = due
-        self._complete(job)
-
-    def _pace(self, due: float, nbytes: int) -> float:
-        """Sleep until ``nbytes`` more would have moved at the modelled rate; the new due time."""
-        due += nbytes / self.link.rate(self.path)
-        delay = due - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        return due
-
-
 class SimEngine(Engine):
     """Copy engines simulated with threads; see the module docstring."""
 
@@ -416,24 +132,24 @@ class SimEngine(Engine):
         self._cotenant_stall_s = 0.0
         self.set_cotenant_stall(self.cfg.cotenant_stall_us)
         rates = {Direction.H2D: self.cfg.h2d_gbps, Direction.D2H: self.cfg.d2h_gbps, Direction.D2D: self.cfg.d2d_gbps}
-        self._bus = _HostBus(self.cfg.host_gbps * 1e9) if self.cfg.host_gbps > 0 else None
-        self._links: dict[LaneKey, _Link] = {}
-        self._workers: dict[tuple[LaneKey, Path], _Worker] = {}
+        self._bus = HostBus(self.cfg.host_gbps * 1e9) if self.cfg.host_gbps > 0 else None
+        self._links: dict[LaneKey, Link] = {}
+        self._workers: dict[tuple[LaneKey, Path], Worker] = {}
         for device in range(self.cfg.devices):
             for direction, gbps in rates.items():
                 bus = self._bus if direction is not Direction.D2D else None
-                self._add_lane(LaneKey(device, direction), _Link(gbps * 1e9, self.cfg.express_share, bus), tuple(Path))
+                self._add_lane(LaneKey(device, direction), Link(gbps * 1e9, self.cfg.express_share, bus), tuple(Path))
             for peer in range(self.cfg.devices):
                 if peer != device:
                     # DMA only: no express kernel over peer memory is modelled (nor built on cuda).
-                    self._add_lane(LaneKey(device, Direction.PEER, peer), _Link(self.cfg.peer_gbps * 1e9, self.cfg.express_share), (Path.DMA,))
+                    self._add_lane(LaneKey(device, Direction.PEER, peer), Link(self.cfg.peer_gbps * 1e9, self.cfg.express_share), (Path.DMA,))
         self._started = time.perf_counter()
         self._closed = False
 
-    def _add_lane(self, key: LaneKey, link: _Link, paths: tuple[Path, ...]) -> None:
+    def _add_lane(self, key: LaneKey, link: Link, paths: tuple[Path, ...]) -> None:
         self._links[key] = link
         for path in paths:
-            w = _Worker(f"priod-sim-{key}-{path.value}", link, path, lambda: self._wake)
+            w = Worker(f"priod-sim-{key}-{path.value}", link, path, lambda: self._wake)
             w.start()
             self._workers[(key, path)] = w
 
@@ -478,7 +194,7 @@ class SimEngine(Engine):
         # One copy engine per lane: strict DMA chunks queue with the rest (the scheduler
         # already put them first), as they would on a single hardware queue.
         completion = SimCompletion()
-        job = _Job(
+        job = Job(
             _view(dst)[dst_offset : dst_offset + nbytes],
             _view(src)[src_offset : src_offset + nbytes],
             nbytes,
@@ -508,7 +224,7 @@ class SimEngine(Engine):
         thread, paced by their bytes together, as one entry of the lane's FIFO."""
         nbytes = int(sizes.sum())
         completion = SimCompletion()
-        job = _Job(
+        job = Job(
             _view(dst),
             _view(src),
             nbytes,
