@@ -1,29 +1,43 @@
-"""A copy from the time it is queued until it is answered: its payload, its limits, its reply.
+"""A copy from the time it comes in until it is answered: its intake, payload, limits and reply.
 
-The session (session.py) checks a copy's regions and bounds, then `check_limits`, and queues a
-`PendingCopy` with the scheduler; the pump reports the end through `copy_finished`, and the
-session answers with `outcome_reply`. Pure logic apart from the session it calls back.
+The session (session.py) hands a decoded copy to `take_copy` (a batch to `take_batch`), which
+checks its regions, bounds, limits and events and queues a `PendingCopy` with the scheduler; the
+pump reports the end through `copy_finished`, and the session answers with `outcome_reply`.
+Pure logic apart from the session whose counters it updates and which it calls back.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .batch import Segments
 from .config import LimitsConfig
-from .engines.base import IpcEvent, Memory
-from .errors import InvalidRequest, LimitExceeded
+from .engines.base import IpcEvent, LaneKey, Memory
+from .errors import InvalidRequest, LimitExceeded, ShuttingDown
 from .log import error_fields
-from .messages import CopyBatchReply, CopyReply, ErrorReply
+from .messages import Copy, CopyBatch
 from .pump import Pump
 from .regions import Region, RegionTable, UidHoldings
+from .replies import CopyBatchReply, CopyReply, ErrorReply
 from .scheduler import Finished, Request as QueuedCopy
 
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["PendingCopy", "cancel_copy", "check_copy_bounds", "check_limits", "copy_finished", "copy_log_fields", "outcome_reply", "signal_recorded"]
+__all__ = [
+    "PendingCopy",
+    "cancel_copy",
+    "check_copy_bounds",
+    "check_limits",
+    "copy_finished",
+    "copy_log_fields",
+    "outcome_reply",
+    "signal_recorded",
+    "take_batch",
+    "take_copy",
+]
 
 _US = 1e6
 
@@ -61,6 +75,95 @@ class PendingCopy:
     @property
     def src_mem(self) -> Memory:
         return self.src.mem
+
+
+def take_copy(session: Session, req_id: int, req: Copy) -> None:
+    """Check a copy (regions, bounds, limits, events) and queue it; its reply comes when it ends
+    (`copy_finished`). Raises a RequestError naming the fix, and then nothing is queued."""
+    now = time.perf_counter()
+    dst, src = _copy_regions(session, req_id, req.dst, req.src)
+    nbytes = req.nbytes
+    regions = session.shared.regions
+    lane = regions.lane_between(dst, src)
+    check_copy_bounds(regions, dst, req.dst_offset, src, req.src_offset, nbytes)
+    check_limits(session.shared.cfg.limits, session, session.holdings.tally, nbytes, 0)
+    payload = PendingCopy(session, req_id, dst, req.dst_offset, src, req.src_offset)
+    _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
+    _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
+
+
+def take_batch(session: Session, req_id: int, req: CopyBatch) -> None:
+    """A batch: checked as a unit (every segment, or none, is queued), then one request."""
+    now = time.perf_counter()
+    dst, src = _copy_regions(session, req_id, req.dst, req.src)
+    segments = Segments.decode(req.segments)
+    regions = session.shared.regions
+    lane = regions.lane_between(dst, src)
+    check_limits(session.shared.cfg.limits, session, session.holdings.tally, segments.total, len(segments))
+    segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
+    payload = PendingCopy(session, req_id, dst, 0, src, 0, segments=segments)
+    _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
+    _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
+
+
+def _open_events(session: Session, payload: PendingCopy, device: int, wait: bytes | None, signal: bytes | None) -> None:
+    """Open the events a copy names (once per connection), on its lane's GPU: an IPC event
+    can be used on its own GPU only. A handle that does not open refuses the copy."""
+    if wait is None and signal is None:
+        return
+    regions, holdings = session.shared.regions, session.holdings
+
+    def region(region_id: int) -> Memory:  # a sim event names a byte of a region the client may use
+        return regions.usable(holdings, region_id).mem
+
+    def opened(name: str, handle: bytes) -> IpcEvent:
+        try:
+            return session.events.open(handle, device, region)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{name}: {exc}") from exc
+
+    if wait is not None:
+        payload.wait_event = opened("wait_event", wait)
+    if signal is not None:
+        payload.signal_event = opened("signal_event", signal)
+
+
+def _copy_regions(session: Session, req_id: int, dst_id: int, src_id: int) -> tuple[Region, Region]:
+    """The two regions a copy names, once it may be taken at all."""
+    if session.shared.stopping:
+        raise ShuttingDown("the daemon is stopping and takes no new copies; retry once it is back")
+    if req_id in session.pending:
+        raise InvalidRequest(f"request id {req_id} is already pending on this connection; use a new id per request")
+    regions = session.shared.regions
+    return regions.usable(session.holdings, dst_id), regions.usable(session.holdings, src_id)
+
+
+def _enqueue(session: Session, req_id: int, now: float, payload: PendingCopy, lane: LaneKey, priority: str, deadline_ms: float | None, nbytes: int) -> None:
+    shared = session.shared
+    deadline = now + deadline_ms / 1e3 if deadline_ms is not None else None
+    segments = payload.segments
+    queued = QueuedCopy(
+        next(shared.request_ids), session.id, lane, priority, nbytes, now, deadline, payload, uid=session.peer.uid, gid=session.peer.gid, segments=segments
+    )
+    held = payload.wait_event
+    if held is None:
+        shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
+    else:
+        shared.scheduler.check(queued)  # the same refusals now; queued once its event completes
+    session.pending[req_id] = queued
+    session.queued_bytes += nbytes
+    tally = session.holdings.tally
+    tally.queued_requests += 1
+    tally.queued_bytes += nbytes
+    if segments is not None:
+        session.queued_segments += len(segments)
+        tally.queued_segments += len(segments)
+    payload.dst.users.add(queued.id)
+    payload.src.users.add(queued.id)
+    if held is None:
+        shared.pump.kick()
+    else:
+        shared.pump.hold(queued, held, now)
 
 
 def copy_finished(f: Finished) -> None:

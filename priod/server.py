@@ -26,7 +26,7 @@ from . import __version__
 from .config import Config
 from .engines.base import Engine
 from .errors import PriodError
-from .messages import ErrorReply
+from .replies import ErrorReply
 from .metrics import Metrics
 from .pump import Pump
 from .regions import RegionTable

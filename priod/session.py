@@ -1,8 +1,8 @@
 """A session: one client connection, from its first frame to its last reply.
 
     frame -> messages.decode_request -> handler -> reply frame
-    copy  -> checks (regions, bounds, limits) -> scheduler.enqueue -> pump.kick
-    copy_batch -> the same, its segment table checked as a unit (batch.py) -> one request
+    copy  -> copies.take_copy: checks (regions, bounds, limits) -> scheduler.enqueue -> pump.kick
+    copy_batch -> copies.take_batch: the same, its segment table checked as a unit (batch.py)
           ... pump -> `Session.copy_finished` -> reply frame, metrics, log line
 
 Requests are handled in arrival order, without awaiting, except region set-up (pinning takes
@@ -26,42 +26,36 @@ from typing import Any
 import structlog
 
 from . import __version__
-from .batch import MAX_SEGMENTS, SEGMENT_BYTES, Segments
+from .batch import MAX_SEGMENTS, SEGMENT_BYTES
 from .config import Config
-from .copies import PendingCopy, cancel_copy, check_copy_bounds, check_limits, copy_finished, copy_log_fields, outcome_reply
-from .engines.base import Engine, IpcEvent, LaneKey, Memory
-from .errors import ConnectionClosed, InvalidRequest, NotFound, PriodError, ProtocolError, RequestError, ShuttingDown
+from .copies import PendingCopy, cancel_copy, copy_finished, copy_log_fields, outcome_reply, take_batch, take_copy
+from .engines.base import Engine
+from .errors import ConnectionClosed, NotFound, PriodError, ProtocolError, RequestError
 from .gates import EventTable
 from .log import error_fields
 from .messages import (
-    PROGRESS_SIGNAL_RECORDED,
     PROTOCOL_VERSION,
     AllocDevice,
     AllocHost,
     Cancel,
-    CancelReply,
     Copy,
     CopyBatch,
-    Empty,
-    ErrorReply,
     Free,
     Hello,
-    HelloReply,
     Message,
     Ping,
-    RegionReply,
     RegisterDevice,
     RegisterHost,
     Share,
-    StatusReply,
     StatusRequest,
     decode_request,
-    progress_frame,
     request_id,
 )
 from .metrics import Metrics
 from .pump import Pump
-from .regions import Holdings, Region, RegionTable
+from .region_requests import RegionRequests
+from .regions import Holdings, RegionTable
+from .replies import PROGRESS_SIGNAL_RECORDED, CancelReply, Empty, ErrorReply, HelloReply, StatusReply, progress_frame
 from .scheduler import Finished, Request as QueuedCopy, Scheduler
 from .transport import FramedSocket, Peer, close_received
 
@@ -69,7 +63,6 @@ __all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]  # the first and
 
 log = structlog.get_logger("priod.session")
 
-_US = 1e6
 REQUESTS_PER_TURN = 64
 """Requests of one connection handled in one loop turn; the rest wait a turn, so a client
 that sends thousands at once cannot hold the loop from the others."""
@@ -133,16 +126,17 @@ class Session:
         # The per-copy log line runs thousands of times a second: resolve the logger once
         # (not through structlog's lazy proxy on every call).
         self._copy_log = structlog.get_logger("priod.session").bind()
+        regions = RegionRequests(shared, self.holdings)
         self._handlers: dict[type, Callable[[Any, list[int]], Any]] = {
             Hello: self._hello,
             Ping: self._ping,
             StatusRequest: self._status,
-            AllocHost: self._alloc_host,
-            RegisterHost: self._register_host,
-            AllocDevice: self._alloc_device,
-            RegisterDevice: self._register_device,
-            Free: self._free,
-            Share: self._share,
+            AllocHost: regions.alloc_host,
+            RegisterHost: regions.register_host,
+            AllocDevice: regions.alloc_device,
+            RegisterDevice: regions.register_device,
+            Free: regions.free,
+            Share: regions.share,
             Cancel: self._cancel,
         }
         """Every request type but Copy, whose reply comes later (`copy_finished`)."""
@@ -309,11 +303,14 @@ class Session:
         req_id = request_id(msg)
         try:
             req = decode_request(msg, greeted=self.greeted, fds=len(fds))
-            if type(req) is Copy:
-                self._copy(req_id, req)  # answered when it ends (copy_finished)
+            if type(req) is Copy:  # first and direct: the one request that comes thousands a second
+                take_copy(self, req_id, req)  # answered when it ends (copy_finished)
                 return None
             if type(req) is CopyBatch:
-                self._copy_batch(req_id, req)
+                # Counted before the checks: a turn ends after the largest table, taken or
+                # refused (SEGMENTS_PER_TURN).
+                self._turn_segments += len(req.segments) // SEGMENT_BYTES
+                take_batch(self, req_id, req)
                 return None
             reply = self._handlers[type(req)](req, fds)
             if asyncio.iscoroutine(reply):
@@ -379,126 +376,7 @@ class Session:
     def _status(self, req: StatusRequest, fds: list[int]) -> StatusReply:
         return StatusReply(self.shared.status(self.peer))
 
-    # -- regions ---------------------------------------------------------------------------
-    async def _alloc_host(self, req: AllocHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
-        region, fd = await self.shared.regions.alloc_host(self.holdings, req.nbytes)
-        return self._region_reply(region), [fd]
-
-    async def _register_host(self, req: RegisterHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
-        region = await self.shared.regions.register_host(self.holdings, req.nbytes, fds[0])
-        return self._region_reply(region), []
-
-    async def _alloc_device(self, req: AllocDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
-        device = self._device(req.device, req.device_uuid)
-        region, export, out_fds = await self.shared.regions.alloc_device(self.holdings, req.nbytes, device)
-        return self._region_reply(region, export), out_fds
-
-    async def _register_device(self, req: RegisterDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
-        device = self._device(req.device, req.device_uuid)
-        region = await self.shared.regions.register_device(self.holdings, req.handle, req.offset, req.nbytes, device)
-        return self._region_reply(region), []
-
-    def _device(self, ordinal: int, device_uuid: str | None) -> int:
-        """The daemon's ordinal of the GPU a request names: by UUID when it gives one, since the
-        client's own ordinal of that GPU may differ (CUDA_VISIBLE_DEVICES renumbers per process)."""
-        return ordinal if device_uuid is None else self.shared.engine.device_ordinal(device_uuid)
-
-    def _region_reply(self, region: Region, export: dict[str, Any] | None = None) -> RegionReply:
-        gpu = None if region.device is None else self.shared.engine.device_uuids().get(region.device)
-        return RegionReply(region.id, region.nbytes, region.kind, region.device, export, gpu)
-
-    def _free(self, req: Free, fds: list[int]) -> Empty:
-        self.shared.regions.free(self.holdings, req.region)
-        return Empty()
-
-    def _share(self, req: Share, fds: list[int]) -> Empty:
-        self.shared.regions.share(self.holdings, req.region, req.uid)
-        return Empty()
-
     # -- copies ----------------------------------------------------------------------------
-    def _copy(self, req_id: int, req: Copy) -> None:
-        now = time.perf_counter()
-        dst, src = self._copy_regions(req_id, req.dst, req.src)
-        nbytes = req.nbytes
-        regions = self.shared.regions
-        lane = regions.lane_between(dst, src)
-        check_copy_bounds(regions, dst, req.dst_offset, src, req.src_offset, nbytes)
-        check_limits(self.shared.cfg.limits, self, self.holdings.tally, nbytes, 0)
-        payload = PendingCopy(self, req_id, dst, req.dst_offset, src, req.src_offset)
-        self._open_events(payload, lane.device, req.wait_event, req.signal_event)
-        self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
-
-    def _copy_batch(self, req_id: int, req: CopyBatch) -> None:
-        """A batch: checked as a unit (every segment, or none, is queued), then one request."""
-        now = time.perf_counter()
-        self._turn_segments += len(req.segments) // SEGMENT_BYTES
-        dst, src = self._copy_regions(req_id, req.dst, req.src)
-        segments = Segments.decode(req.segments)
-        regions = self.shared.regions
-        lane = regions.lane_between(dst, src)
-        check_limits(self.shared.cfg.limits, self, self.holdings.tally, segments.total, len(segments))
-        segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
-        payload = PendingCopy(self, req_id, dst, 0, src, 0, segments=segments)
-        self._open_events(payload, lane.device, req.wait_event, req.signal_event)
-        self._enqueue(req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
-
-    def _open_events(self, payload: PendingCopy, device: int, wait: bytes | None, signal: bytes | None) -> None:
-        """Open the events a copy names (once per connection), on its lane's GPU: an IPC event
-        can be used on its own GPU only. A handle that does not open refuses the copy."""
-        if wait is None and signal is None:
-            return
-        regions, holdings = self.shared.regions, self.holdings
-
-        def region(region_id: int) -> Memory:  # a sim event names a byte of a region the client may use
-            return regions.usable(holdings, region_id).mem
-
-        def opened(name: str, handle: bytes) -> IpcEvent:
-            try:
-                return self.events.open(handle, device, region)
-            except InvalidRequest as exc:
-                raise InvalidRequest(f"{name}: {exc}") from exc
-
-        if wait is not None:
-            payload.wait_event = opened("wait_event", wait)
-        if signal is not None:
-            payload.signal_event = opened("signal_event", signal)
-
-    def _copy_regions(self, req_id: int, dst_id: int, src_id: int) -> tuple[Region, Region]:
-        """The two regions a copy names, once it may be taken at all."""
-        if self.shared.stopping:
-            raise ShuttingDown("the daemon is stopping and takes no new copies; retry once it is back")
-        if req_id in self.pending:
-            raise InvalidRequest(f"request id {req_id} is already pending on this connection; use a new id per request")
-        regions = self.shared.regions
-        return regions.usable(self.holdings, dst_id), regions.usable(self.holdings, src_id)
-
-    def _enqueue(self, req_id: int, now: float, payload: PendingCopy, lane: LaneKey, priority: str, deadline_ms: float | None, nbytes: int) -> None:
-        shared = self.shared
-        deadline = now + deadline_ms / 1e3 if deadline_ms is not None else None
-        segments = payload.segments
-        queued = QueuedCopy(
-            next(shared.request_ids), self.id, lane, priority, nbytes, now, deadline, payload, uid=self.peer.uid, gid=self.peer.gid, segments=segments
-        )
-        held = payload.wait_event
-        if held is None:
-            shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
-        else:
-            shared.scheduler.check(queued)  # the same refusals now; queued once its event completes
-        self.pending[req_id] = queued
-        self.queued_bytes += nbytes
-        tally = self.holdings.tally
-        tally.queued_requests += 1
-        tally.queued_bytes += nbytes
-        if segments is not None:
-            self.queued_segments += len(segments)
-            tally.queued_segments += len(segments)
-        payload.dst.users.add(queued.id)
-        payload.src.users.add(queued.id)
-        if held is None:
-            shared.pump.kick()
-        else:
-            shared.pump.hold(queued, held, now)
-
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
         queued = self.pending.get(req.target)
         if queued is None:

@@ -20,7 +20,7 @@ if os.environ.get("PRIOD_PROBE_OUT"):
     import priod.session as S
     import priod.pump as P
     wrap(T.FramedSocket, "_on_readable", "read")
-    wrap(S.Session, "_copy", "arrival")
+    wrap(S, "take_copy", "arrival")  # the session calls copies.take_copy through its own module name
     wrap(P.Pump, "_submit", "submitted", after=True)
     wrap(S.Session, "copy_finished", "finish")
     orig_send = T.FramedSocket.send
