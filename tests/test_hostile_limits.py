@@ -40,7 +40,7 @@ import pytest
 
 import priod
 from priod.protocol import encode
-from priod.testing import DaemonProcess, daemon_process
+from priod.testing import DaemonProcess, daemon_process, wait_until
 from priod.testing.procfs import memory_and_fds, open_fds
 from priod.transport import BlockingFramedSocket
 
@@ -162,15 +162,6 @@ def raw_as(uid: int, path: str, n: int = 1, hello: bool = True) -> Iterator[list
             c.close()
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "the condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not hold within {timeout} s")
-
-
 def root_status(path: str) -> dict[str, Any]:
     with priod.SyncClient(path, timeout=30) as c:
         return c.status()
@@ -221,7 +212,7 @@ def test_idle_connections_of_one_uid_cannot_lock_others_out() -> None:
                     assert c.at_eof(5)
                 assert 4.0 <= time.monotonic() - t0 < 9.0
                 others[0].ok("ping")  # the connections that said hello are untouched
-                wait_for(lambda: serving(d, 2), what="the expired connections leaving")
+                wait_until(lambda: serving(d, 2), timeout=10.0, what="the expired connections leaving")
                 with raw_as(STRANGER, path) as (late,):  # their slots are free again
                     late.ok("ping")
         finally:
@@ -298,7 +289,7 @@ async def test_limits_per_uid_hold_over_all_its_connections() -> None:
                 f"region {shared} is shared with 2 uids already ([limits] max_shares_per_region = 2)",
             )
             a1.close()  # its 3 MiB host region goes back to the uid's budget
-            wait_for(lambda: a2.request("alloc_host", nbytes=3 * MiB)["ok"], what=f"uid {NOBODY}'s budget coming back")
+            wait_until(lambda: a2.request("alloc_host", nbytes=3 * MiB)["ok"], timeout=10.0, what=f"uid {NOBODY}'s budget coming back")
             st = root_status(path)
             mine = {u["uid"]: u for u in st["uids"]}
             assert (mine[NOBODY]["regions"], mine[NOBODY]["pinned_bytes"], mine[NOBODY]["device_bytes"]) == (3, 3 * MiB + 4096, 3 * MiB)
@@ -373,7 +364,7 @@ def test_daemon_wide_caps_bind_every_uid() -> None:
                 "device_cap": 6 * MiB,
             }
             a.close()
-            wait_for(lambda: root.status()["holdings"]["regions"] == 2, what="the leaver's regions being released")
+            wait_until(lambda: root.status()["holdings"]["regions"] == 2, timeout=10.0, what="the leaver's regions being released")
             root.alloc_host(4 * MiB)
     assert d.proc.returncode == 0, d.log()[-4000:]
 
@@ -429,7 +420,7 @@ async def test_regions_cannot_use_up_the_daemons_fds(few_fds_daemon: DaemonProce
             finally:
                 os.close(fd)
     with priod.SyncClient(d.socket_path, timeout=30) as later:
-        wait_for(lambda: later.status()["holdings"]["regions"] == 0, what="the hog's regions being released")
+        wait_until(lambda: later.status()["holdings"]["regions"] == 0, timeout=10.0, what="the hog's regions being released")
         later.alloc_device(4096)
 
 
@@ -698,7 +689,7 @@ def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> Non
                     for i in range(32)
                 )
             )
-            wait_for(lambda: root_status(d.socket_path)["held_copies"] == 32, what="32 copies held on events that never complete")
+            wait_until(lambda: root_status(d.socket_path)["held_copies"] == 32, timeout=10.0, what="32 copies held on events that never complete")
             for _ in range(5):
                 h.array[:] = np.random.default_rng().integers(0, 256, MiB, dtype=np.uint8)
                 t = time.monotonic()
@@ -706,4 +697,4 @@ def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> Non
                 assert time.monotonic() - t < 2.0
                 assert np.array_equal(dv.array, h.array)
             assert not bad.pending(0.2), "a copy held on an event that never completed was answered"
-        wait_for(lambda: root_status(d.socket_path)["held_copies"] == 0, what="the held copies dropped with their connection")
+        wait_until(lambda: root_status(d.socket_path)["held_copies"] == 0, timeout=10.0, what="the held copies dropped with their connection")
