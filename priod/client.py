@@ -30,6 +30,7 @@ from .errors import ConnectionClosed, InvalidRequest, PermissionDenied, PriodErr
 from .messages import (
     PROTOCOL_VERSION,
     AllocHost,
+    OpenHoldPage,
     Cancel,
     CopyBatchReply,
     CopyReply,
@@ -49,7 +50,9 @@ from .messages import (
 )
 from .protocol import REPLY_LIMITS
 from .transport import FramedSocket
+from .direct import HoldPage
 from .client_base import (
+    hold_page,
     BUSY_WAIT_S,
     BatchOptions,
     BatchResult,
@@ -336,6 +339,11 @@ class Client:
                 raise InvalidRequest(f"{r!r} belongs to an earlier connection; allocate it again after reconnect()")
 
     # -- regions -----------------------------------------------------------------------------
+    async def hold_page(self) -> HoldPage:
+        """This connection's hold page, for direct urgent copies (`priod.direct.DirectCopies`):
+        your own DMA, with the daemon holding bulk back on the lane while each is under way."""
+        return hold_page(await self._request(OpenHoldPage()))
+
     async def alloc_host(self, nbytes: int) -> Region:
         """A host region: a memfd the daemon maps and pins once; ``.array`` is your view of it."""
         return self._region(await self._request(AllocHost(nbytes)))

@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from .batch import encode_segments
 from .config import find_socket
+from .direct import HoldPage
 from .errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied
 from .ipc_event import event_handle
 from .messages import (
@@ -28,6 +29,7 @@ from .messages import (
     CopyBatch,
     CopyBatchReply,
     CopyReply,
+    HoldPageReply,
     Message,
     RegionReply,
     RegisterDevice,
@@ -51,6 +53,7 @@ __all__ = [
     "copy_request",
     "cuda_register_request",
     "discover",
+    "hold_page",
     "no_daemon",
     "no_permission",
     "progress",
@@ -293,6 +296,15 @@ def alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
 
 Reply = tuple[Message, list[int]]
 """A reply as it arrived, and the fds that came beside it (the receiver owns them)."""
+
+
+def hold_page(reply: Reply) -> HoldPage:
+    """The `HoldPage` a ``hold_page`` reply brings (its memfd beside it)."""
+    msg, fds = reply
+    if len(fds) != 1:
+        close_fds(fds)
+        raise ConnectionClosed(f"the daemon's hold_page reply came with {len(fds)} fds instead of 1; is it a priod of this version?")
+    return HoldPage(fds[0], HoldPageReply.decode(msg).lanes)
 
 
 def close_fds(fds: list[int]) -> None:

@@ -83,8 +83,9 @@ class Dispatcher:
         # Hold non-strict work while a strict DMA chunk is queued *or in flight*. Measured on
         # the H200: the copy engine keeps draining the bulk stream while it stays non-empty,
         # so an urgent chunk on another stream waited seconds while bulk chunks kept coming
-        # behind it. Bulk resumes as soon as the urgent chunk lands.
-        if not dma_ok or lane.strict_inflight:
+        # behind it. Bulk resumes as soon as the urgent chunk lands. The same while a client's
+        # own urgent copy is under way (holds.py): the engine switches to its context sooner.
+        if not dma_ok or lane.strict_inflight or lane.held:
             self._serve_aged(lane, now, out)
             return
 

@@ -28,6 +28,7 @@ class Lane:
         "classes",
         "express_inflight",
         "fifo",
+        "held",
         "host_scale",
         "inflight",
         "info",
@@ -62,6 +63,8 @@ class Lane:
         """Non-strict DMA bytes in flight: the figure ``inflight_bytes`` bounds."""
         self.strict_inflight = 0
         self.express_inflight = 0
+        self.held = False
+        """A client's direct urgent copy is under way on this lane (holds.py): no bulk chunk goes."""
         self.last_strict = -math.inf
         """When a strict request last arrived: the short bound holds for ``urgent_window_ms`` after."""
         self.window = 0.0

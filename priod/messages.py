@@ -30,6 +30,7 @@ from .replies import (
     Empty,
     ErrorReply,
     HelloReply,
+    HoldPageReply,
     RegionReply,
     StatusReply,
     error_of,
@@ -55,6 +56,8 @@ __all__ = [
     "Free",
     "Hello",
     "HelloReply",
+    "HoldPageReply",
+    "OpenHoldPage",
     "Ping",
     "RegionReply",
     "RegisterDevice",
@@ -294,15 +297,24 @@ class CopyBatch(_Request):
 
 
 @dataclass(frozen=True, slots=True)
+class OpenHoldPage(_Request):
+    """Ask for this connection's hold page (holds.py), for direct urgent copies; comes back
+    with one fd beside the reply."""
+
+    op: ClassVar[str] = "hold_page"
+
+
+@dataclass(frozen=True, slots=True)
 class Cancel(_Request):
     op: ClassVar[str] = "cancel"
     target: int
 
 
-Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | CopyBatch | Cancel
+Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | CopyBatch | Cancel | OpenHoldPage
 
 REQUEST_TYPES: dict[str, type[_Request]] = {
-    t.op: t for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, CopyBatch, Cancel)
+    t.op: t
+    for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, CopyBatch, Cancel, OpenHoldPage)
 }
 """Every operation a client may send; anything else is refused with ``bad_request``."""
 

@@ -100,6 +100,15 @@ class Metrics:
             [*lane, "path", "size_bytes"],
             registry=r,
         )
+        self.direct_copies = Counter(
+            "priod_direct_copies", "Direct urgent copies (a client's own DMA) announced on hold pages, by lane", lane, registry=r
+        )
+        self.direct_holds_cut = Counter(
+            "priod_direct_holds_cut",
+            "Direct copies whose hold on bulk was cut short (under way longer than direct_hold_max_ms, or past the client's hold budget)",
+            lane,
+            registry=r,
+        )
         self.clients = Gauge("priod_clients", "Connected clients", registry=r)
         self.pinned = Gauge("priod_pinned_bytes", "Host bytes mapped and pinned for clients", registry=r)
         Info("priod_build", "priod version", registry=r).info({"version": __version__})
@@ -108,7 +117,8 @@ class Metrics:
             "priod_nvidia_device_nodes", "NVIDIA GPU device nodes (/dev/nvidiaN) visible to the daemon at start; > 0 with engine sim is a GPU left unserved", registry=r
         ).set(nvidia_device_nodes())
         self._engine_name = ""
-        self._busy_seen: dict[tuple[str, str], float] = {}
+        self._seen: dict[tuple[str, str, str], float] = {}
+        """The running totals counters were last moved to, by counter name and lane labels."""
         self._series: dict[tuple[str, str, LaneKey, Path | None], tuple[Any, ...]] = {}
 
     def copy_finished(
@@ -159,14 +169,24 @@ class Metrics:
 
     def add_busy(self, lane: LaneKey, busy_seconds: float) -> None:
         """Move the busy counter to ``busy_seconds``, the engine's running total for the lane."""
+        self._advance(self.busy, "busy", lane, busy_seconds)
+
+    def add_direct(self, lane: LaneKey, copies: int, cut: int) -> None:
+        """Move the direct-copy counters to the daemon's running totals for the lane."""
+        self._advance(self.direct_copies, "direct", lane, copies)
+        self._advance(self.direct_holds_cut, "cut", lane, cut)
+
+    def _advance(self, counter: Counter, name: str, lane: LaneKey, total: float) -> None:
+        """Move ``counter``'s series for ``lane`` up to ``total``, a running total kept elsewhere."""
         labels = lane_labels(lane, self.gpu_names)
-        seen = self._busy_seen.get(labels, 0.0)
-        if busy_seconds > seen:
-            self.busy.labels(*labels).inc(busy_seconds - seen)
-            self._busy_seen[labels] = busy_seconds
-        elif labels not in self._busy_seen:
-            self.busy.labels(*labels)  # the series exists (at 0) before the lane's first copy
-            self._busy_seen[labels] = 0.0
+        key = (name, *labels)
+        seen = self._seen.get(key)
+        if seen is None:
+            counter.labels(*labels)  # the series exists (at 0) before the lane's first event
+            seen = self._seen[key] = 0.0
+        if total > seen:
+            counter.labels(*labels).inc(total - seen)
+            self._seen[key] = total
 
     def serve(self, address: str, port: int) -> int:
         """Serve /metrics from a thread; returns the bound port (``port=0`` is not passed here)."""

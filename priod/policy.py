@@ -97,6 +97,11 @@ class SchedulerSettings:
     An urgent copy larger than this is always served as ``high``."""
     urgent_inflight_bytes: int = 64 << 20
     """Per client and lane: strict bytes admitted and not yet finished (queued or in flight)."""
+    direct_hold_max_ms: float = 5.0
+    """A client's direct urgent copy (holds.py) holds bulk back on its lane for at most this long."""
+    direct_hold_burst_ms: float = 50.0
+    """Per client (uid) and lane: held time a client may spend at once; the long-run share of
+    time it may hold a lane is ``urgent_budget_share``."""
 
     def with_classes(self, classes: tuple[ClassSpec, ...]) -> Policy:
         """The `Policy` of these settings and ``classes`` (the ``[classes]`` tables)."""
@@ -136,6 +141,9 @@ def validate_policy(policy: Policy) -> None:
     need(policy.aging_ms > 0, f"[scheduler] aging_ms = {policy.aging_ms} is invalid; set it > 0")
     need(policy.urgent_block_us >= 0, f"[scheduler] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
     need(policy.urgent_window_ms >= 0, f"[scheduler] urgent_window_ms = {policy.urgent_window_ms} is invalid; set it >= 0")
+    for name in ("direct_hold_max_ms", "direct_hold_burst_ms"):
+        value = getattr(policy, name)
+        need(0 <= value < math.inf, f"[scheduler] {name} = {value} is invalid; set a finite number of milliseconds >= 0 (0: direct copies hold nothing)")
     need(policy.explore_ms > 0, f"[scheduler] explore_ms = {policy.explore_ms} is invalid; set it > 0")
     rate = policy.urgent_budget_bytes_per_s
     need(

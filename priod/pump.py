@@ -22,6 +22,7 @@ import structlog
 
 from .engines.base import Completion, Engine, IpcEvent, LaneKey, Memory, Path
 from .gates import Gates
+from .holds import Holds
 from .log import error_fields
 from .errors import NotFound, PriodError
 from .scheduler import Chunk, Finished, Request, Scheduler
@@ -137,6 +138,9 @@ class Pump:
         self._on_signalled = on_signalled
         self.gates = Gates()
         """Copies held until their client's wait_event completes (gates.py)."""
+        self.holds = Holds()
+        """Clients' hold pages for their direct urgent copies (holds.py), read before each submission."""
+        self.configure_holds()
         self._bulk_poll = bulk_poll
         self._inflight: list[InFlight] = []
         self._dma_tail: dict[LaneKey, float] = {}
@@ -207,12 +211,31 @@ class Pump:
         finally:
             self._working = False
 
+    def configure_holds(self) -> None:
+        """Take the hold limits from the scheduler's policy (at start and on reload)."""
+        p = self.scheduler.policy
+        self.holds.configure(p.direct_hold_max_ms, p.urgent_budget_share, p.direct_hold_burst_ms)
+
+    def scan_holds(self) -> None:
+        """Read the hold pages and tell the scheduler which lanes clients' direct copies hold."""
+        now = time.perf_counter()
+        scan = self.holds.scan(now)
+        self.scheduler.set_holds(scan.held, scan.begun, now)
+
+    def close_holds(self, owner: int) -> None:
+        """A connection's hold page goes with it; a lane it held is free again at once."""
+        if owner in self.holds.pages:
+            self.holds.close(owner)
+            self.kick()
+
     def _deferred_kick(self) -> None:
         self._kick_later = False
         self.kick()
 
     def _kick(self) -> None:
         for _ in range(PUMP_ROUNDS):
+            if self.holds.pages or self.holds.held:
+                self.scan_holds()  # before anything is handed out: a direct copy holds bulk back
             if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll()):
                 break
         else:
@@ -418,6 +441,12 @@ class Pump:
                 continue
             if gate_wait == 0.0:
                 await asyncio.sleep(0)  # a copy held for under GATE_SPIN_S: poll it every turn
+                continue
+            if self.holds.held:
+                # A client's direct copy holds bulk back: look again every turn, so bulk goes
+                # on as soon as the copy is over (the client writes its end; nothing wakes us).
+                await asyncio.sleep(0)
+                self.kick()
                 continue
             timeout: float | None = None  # None: no CPU at all until something wakes us
             if not self._inflight and not engine_wakes and self.scheduler.urgent_recent(time.perf_counter()):

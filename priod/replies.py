@@ -22,6 +22,7 @@ __all__ = [
     "Empty",
     "ErrorReply",
     "HelloReply",
+    "HoldPageReply",
     "RegionReply",
     "StatusReply",
     "error_of",
@@ -159,6 +160,15 @@ class CancelReply(_Reply):
     target: int
     state: str
     """``cancelled`` (it ended at once) or ``stopping`` (its last chunk is still in flight)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HoldPageReply(_Reply):
+    """The hold page's layout: slot ``i`` (16 bytes at ``16 * i``: ``begun``, ``ended``, both
+    uint64, little-endian) is ``lanes[i]``, a dict of ``device`` (the daemon's ordinal),
+    ``device_uuid`` and ``direction`` (``h2d`` or ``d2h``). The page's memfd comes beside it."""
+
+    lanes: list[dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)

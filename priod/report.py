@@ -27,6 +27,8 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
     uid and the daemon itself (None) see every client, anyone else only its own uid's
     connections and holdings beside the totals."""
     mine = None if viewer is None or d.admission.privileged(viewer.uid) else viewer.uid
+    if d.pump.holds.pages:
+        d.pump.scan_holds()  # direct copies since the last submission are counted too
     st = d.scheduler.statistics()
     inflight: dict[str, int] = {}
     for ls in st.lanes:
@@ -68,6 +70,7 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
         "inflight_chunks": d.pump.inflight_chunks,
         "polls": d.pump.polls,
         "held_copies": len(d.pump.gates),
+        "direct": d.pump.holds.figures(),
         "event_polls": d.pump.gates.polls,
         "lane_bytes": {str(lane): n for lane, n in sorted(d.pump.lane_bytes.items())},
         "inflight_bytes": inflight,
@@ -109,5 +112,8 @@ def refresh_metrics(d: Daemon) -> None:
         for path, us in (("express", e.express_us), ("dma", e.dma_us)):
             if us is not None:
                 m.urgent_path_latency.labels(gpu, direction, path, str(e.size_bytes)).set(us / 1e6)
+    holds = d.pump.holds
+    for key in holds.copies.keys() | holds.cut.keys():
+        m.add_direct(key, holds.copies.get(key, 0), holds.cut.get(key, 0))
     m.clients.set(len(d.sessions))
     m.pinned.set(sum(s.holdings.pinned_bytes for s in d.sessions.values()))

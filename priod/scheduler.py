@@ -94,6 +94,7 @@ class Scheduler:
         self._finished = dict.fromkeys(_OUTCOMES, 0)
         self._chooser = PathChooser(policy.explore_ms / 1e3)
         self._urgent_until = -math.inf
+        self._held: frozenset[LaneKey] = frozenset()
         self._dispatch = Dispatcher(policy, self._chooser, self._hand_out)
 
     # --- configuration -------------------------------------------------------------------
@@ -292,6 +293,20 @@ class Scheduler:
         return [self._finish(t, "cancelled" if state is RequestState.CANCELLED else "failed")]
 
     # --- state ---------------------------------------------------------------------------
+
+    def set_holds(self, held: frozenset[LaneKey], begun: frozenset[LaneKey], now: float) -> None:
+        """Clients' direct urgent copies (holds.py): ``held`` lanes hand out no non-strict chunk
+        but aged ones until the next call; a copy ``begun`` on a lane starts its short bound,
+        as a strict request's arrival does. Lanes this scheduler does not serve are ignored."""
+        for key in begun:
+            lane = self._lanes.get(key)
+            if lane is not None:
+                lane.last_strict = now
+                self._urgent_until = max(self._urgent_until, now + self._policy.urgent_window_ms / 1e3)
+        if held != self._held:
+            self._held = held
+            for lane in self._lane_list:
+                lane.held = lane.key in held
 
     @property
     def idle(self) -> bool:

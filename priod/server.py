@@ -294,6 +294,7 @@ class Daemon:
             )
             cfg = cfg.replace(server={"socket": self.cfg.socket_path})
         self.scheduler.set_policy(cfg.policy())
+        self.pump.configure_holds()
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits
         # Series of classes that are gone would otherwise keep their last value forever.

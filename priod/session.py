@@ -29,7 +29,7 @@ from . import __version__
 from .batch import MAX_SEGMENTS, SEGMENT_BYTES
 from .config import Config
 from .copies import PendingCopy, cancel_copy, copy_finished, copy_log_fields, count_pending, outcome_reply, take_batch, take_copy
-from .engines.base import Engine
+from .engines.base import Direction, Engine
 from .errors import ConnectionClosed, NotFound, PriodError, ProtocolError, RequestError
 from .gates import EventTable
 from .log import error_fields
@@ -43,6 +43,7 @@ from .messages import (
     Free,
     Hello,
     Message,
+    OpenHoldPage,
     Ping,
     RegisterDevice,
     RegisterHost,
@@ -55,7 +56,7 @@ from .metrics import Metrics
 from .pump import Pump
 from .region_requests import RegionRequests
 from .regions import Holdings, RegionTable
-from .replies import PROGRESS_SIGNAL_RECORDED, CancelReply, Empty, ErrorReply, HelloReply, StatusReply, progress_frame
+from .replies import PROGRESS_SIGNAL_RECORDED, CancelReply, Empty, ErrorReply, HelloReply, HoldPageReply, StatusReply, progress_frame
 from .scheduler import Finished, Request as QueuedCopy, Scheduler
 from .transport import FramedSocket, Peer, close_received
 
@@ -138,6 +139,7 @@ class Session:
             Free: regions.free,
             Share: regions.share,
             Cancel: self._cancel,
+            OpenHoldPage: self._hold_page,
         }
         """Every request type but Copy, whose reply comes later (`copy_finished`)."""
 
@@ -272,6 +274,7 @@ class Session:
         self.closed = self.holdings.closed = True
         self.shared.sessions.pop(self.id, None)
         self.shared.pump.drop_owner(self.id)
+        self.shared.pump.close_holds(self.id)
         self.events.close()  # after drop_owner: no held copy polls them any more
         self.shared.regions.release_all(self.holdings)
 
@@ -316,7 +319,11 @@ class Session:
             if asyncio.iscoroutine(reply):
                 owned, fds = fds, []
                 return self._answer_later(req_id, msg.get("op"), reply, owned)
-            self._reply(req_id, reply, [])
+            if type(reply) is tuple:  # (reply, fds to send beside it)
+                reply, out_fds = reply
+                self._reply(req_id, reply, out_fds)
+            else:
+                self._reply(req_id, reply, [])
         except RequestError as exc:
             self._refuse(req_id, exc)
         except ConnectionClosed:
@@ -375,6 +382,16 @@ class Session:
 
     def _status(self, req: StatusRequest, fds: list[int]) -> StatusReply:
         return StatusReply(self.shared.status(self.peer))
+
+    def _hold_page(self, req: OpenHoldPage, fds: list[int]) -> tuple[HoldPageReply, list[int]]:
+        """This connection's hold page for direct urgent copies (holds.py): one slot per host
+        lane; a duplicate of the page's fd goes to the client, the daemon keeps its own."""
+        engine = self.shared.engine
+        lanes = [i.key for i in engine.lanes() if i.key.direction in (Direction.H2D, Direction.D2H)]
+        page = self.shared.pump.holds.open(self.id, self.peer.uid, lanes, time.perf_counter())
+        uuids = engine.device_uuids()
+        described = [{"device": k.device, "device_uuid": uuids.get(k.device), "direction": k.direction.value} for k in lanes]
+        return HoldPageReply(described), [os.dup(page.fd)]
 
     # -- copies ----------------------------------------------------------------------------
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:

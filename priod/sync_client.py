@@ -21,6 +21,7 @@ from .errors import InvalidRequest, PriodError
 from .messages import (
     PROTOCOL_VERSION,
     AllocHost,
+    OpenHoldPage,
     Cancel,
     CopyBatchReply,
     CopyReply,
@@ -39,7 +40,9 @@ from .messages import (
     is_progress,
 )
 from .transport import BlockingFramedSocket
+from .direct import HoldPage
 from .client_base import (
+    hold_page,
     BatchOptions,
     BatchResult,
     CopyOptions,
@@ -255,6 +258,10 @@ class SyncClient:
         region = Region(RegionReply.decode(msg), fds, 1)
         self._regions.append(region)
         return region
+
+    def hold_page(self) -> HoldPage:
+        """See `Client.hold_page`."""
+        return hold_page(self._request(OpenHoldPage()))
 
     def alloc_host(self, nbytes: int) -> Region:
         return self._region(self._request(AllocHost(nbytes)))

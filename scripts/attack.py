@@ -64,7 +64,6 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import selectors
 import signal
 import socket
@@ -89,17 +88,17 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
-from priod import __version__
 from priod.client import Client, SyncClient
 from priod.errors import ConnectionClosed, PriodError
 from priod.protocol import HEADER, REPLY_LIMITS, FrameDecoder, encode
 from priod.testing import (
+    settings_env,
+    machine,
     BulkProcess,
     CpuMeter,
     DaemonProcess,
     LoadProcess,
     bulk_load,
-    cpu_model,
     daemon_process,
     memory_and_fds,
     summarize,
@@ -1097,19 +1096,6 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "nproc": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu_model(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "priod": __version__,
-        "numpy": np.__version__,
-        "euid": os.geteuid(),
-    }
-
-
 def checkout() -> dict[str, Any]:
     """The commit and the uncommitted changes of the checkout the daemons ran from (read-only git)."""
     try:
@@ -1143,12 +1129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.attacks) - set(ATTACKS)
     if unknown:
         p.error(f"--only: unknown attack(s) {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
-    args.env = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or "__" not in key:
-            p.error(f"--set {item!r}: write SECTION__KEY=VALUE, e.g. scheduler__max_block_us=500")
-        args.env[f"PRIOD_{key.upper()}"] = value
+    try:
+        args.env = settings_env(args.set)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -1158,7 +1142,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "machine": machine(),
+        "machine": machine(euid=os.geteuid()),
         "checkout": checkout(),
         "uids": uid_note(),
         "plan": asdict(plan),

@@ -32,7 +32,6 @@ import contextlib
 import datetime as _dt
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -52,14 +51,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
-from priod import __version__
 from priod.client import Client, SyncClient
 from priod.protocol import HEADER
 from priod.testing import (
+    settings_env,
+    machine,
     BulkProcess,
     CpuMeter,
     DaemonProcess,
-    cpu_model,
     cpu_seconds,
     daemon_process,
     summarize,
@@ -527,19 +526,6 @@ def markdown_table(rows: list[tuple[str, str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "nproc": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu_model(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "priod": __version__,
-        "numpy": np.__version__,
-        "uvloop": str(getattr(uvloop, "__version__", "")),
-    }
-
-
 # -- entry point -------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="priod benchmark: fifo vs priod urgent latency, bulk throughput, daemon overhead and CPU.")
@@ -556,12 +542,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=256, help="copies outstanding per window (default 256)")
     args = p.parse_args(argv)
     args.urgent_sizes = [k * KiB for k in (args.urgent_kib or [1024, 64])]
-    args.env = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or "__" not in key:
-            p.error(f"--set {item!r}: write SECTION__KEY=VALUE, e.g. scheduler__max_block_us=500")
-        args.env[f"PRIOD_{key.upper()}"] = value
+    try:
+        args.env = settings_env(args.set)
+    except ValueError as exc:
+        p.error(str(exc))
     args.env.setdefault("PRIOD_LOG__LEVEL", os.environ.get("PRIOD_LOG__LEVEL", '"info"'))
     # (c) measures what one copy costs the daemon, so one client must be able to send as fast
     # as the daemon takes copies: the per-uid request cap (10,000/s by default) is off here.
@@ -574,7 +558,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "machine": machine(),
+        "machine": machine(uvloop=str(getattr(uvloop, "__version__", ""))),
         "plan": plan.__dict__,
         "settings": {"backend": args.backend, "bulk_mib": args.bulk_mib, "pipeline": args.pipeline, "urgent_sizes": args.urgent_sizes, "env": args.env, "config": args.config},
     }

@@ -3,6 +3,7 @@
 
 Rows, per direction set (h2d, d2h, both at once):
   idle        each urgent size alone on an idle GPU, in-process cudaMemcpyAsync (the reference)
+  idle-5ms    the same with 5 ms between copies, as every row below has (an idle link's wake-up)
   naive       in-process: bulk 2 GiB copies on a low-priority stream, urgent copies on a
               high-priority stream (what priority streams promise, and do not give for copies)
   anchor      other-process bulk, no daemon: the measuring process issues the urgent
@@ -12,6 +13,9 @@ Rows, per direction set (h2d, d2h, both at once):
   priod-idle  through priod with its defaults (express lane on), no bulk at all
   dma         through priod, express lane off: chunked bulk, urgent submitted first
   express     through priod, express lane on
+  direct      the urgent copies are the measuring process's own DMA (priod.direct: its own
+              buffers, its own context, each copy announced on its hold page), while priod runs
+              bulk and holds it back during each one; direct-idle: the same, no bulk
 The anchor and priod rows run once per co-tenant (--cotenant, default none,gemm): "gemm" is a
 process of its own, with its own CUDA context as an inference job has, running bf16 GEMMs of
 --gemm-n back to back for the whole row (for priod rows it starts once the daemon listens, as a
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -54,7 +59,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import priod
-from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_seconds
+from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_seconds, settings_env
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB)
@@ -62,6 +67,8 @@ URGENT_INTERVAL_S = 0.005
 """Pause after each urgent copy of the anchor and priod rows (the same for both, so they compare)."""
 COTENANTS = ("none", "gemm")
 SPAWN = mp.get_context("spawn")
+DAEMON_ENV: dict[str, str] = {}
+"""Settings of --set, for every priod row's daemon."""
 
 
 def log(msg: str) -> None:
@@ -206,6 +213,9 @@ def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) 
     for d in ("h2d", "d2h"):
         for n in SIZES:
             out["idle"][f"{d}/{n}"] = sorted(cc.urgent_series(d, n, count))
+    # the same with the other rows' pause after each copy: what an idle link costs a copy that
+    # comes after 5 ms of nothing, in-process (the floor for priod-idle and direct-idle)
+    out["idle_gap"] = {f"{d}/{n}": cc.urgent_series(d, n, count, URGENT_INTERVAL_S) for d in directions for n in SIZES}
     # raw: whole bulk copies in every direction of the set at once (for "both", the two
     # directions share the host's PCIe and memory, so each alone would overstate the reference)
     for i, d in enumerate(directions):
@@ -412,35 +422,64 @@ def daemon_cpu(pid: int) -> float:
     return precise[0] if precise is not None else cpu_seconds(pid)
 
 
-def urgent_client(path: str, directions: tuple[str, ...], count: int, cpu_pid: int, interval_s: float = URGENT_INTERVAL_S, spin_us: float = 2000, warm: int = 5) -> dict[str, Any]:
+def urgent_client(
+    path: str,
+    directions: tuple[str, ...],
+    count: int,
+    cpu_pid: int,
+    interval_s: float = URGENT_INTERVAL_S,
+    spin_us: float = 2000,
+    warm: int = 5,
+    direct: Any = None,
+) -> dict[str, Any]:
     """Urgent copies one at a time from a blocking client that busy-polls for its reply
     (``spin_us``), as a latency-critical caller would; client-observed latency per copy, and the
     daemon's (``cpu_pid``) CPU seconds and the wall seconds over each size's copies. ``warm``
     unmeasured copies per size go first, as in the in-process and anchor rows (the first copy of a
-    size after the daemon starts, or after the size changes, is slower than the rest)."""
+    size after the daemon starts, or after the size changes, is slower than the rest).
+
+    ``direct`` (a `CudaCopies`): the urgent copies are direct ones instead (`priod.direct`), this
+    process's own DMA between its own buffers, announced on its hold page; the daemon only holds
+    bulk back."""
     out: dict[str, Any] = {}
     paths: dict[str, set[str]] = {}
     daemon: dict[str, list[tuple[float, float, float]]] = {}  # the daemon's own queued/transfer/total
     cpu: dict[str, tuple[float, float]] = {}
     with priod.SyncClient(path, name="urgent", spin_us=spin_us) as c:
-        h, d = c.alloc_host(max(SIZES)), c.alloc_device(max(SIZES))
-        assert h.array is not None
-        h.array[:] = np.arange(max(SIZES), dtype=np.uint64).view(np.uint8)[: max(SIZES)]
+        one: Callable[[str, int], Any]
+        if direct is not None:
+            from priod.direct import DirectCopies
+
+            copier = DirectCopies(c.hold_page())
+            host, dev = (direct.urgent_host.ptr, max(SIZES)), (direct.urgent_dev.ptr, max(SIZES))
+            pairs = {"h2d": copier.pair(dev, host), "d2h": copier.pair(host, dev)}  # resolved once, as a KV cache would
+
+            def one(direction: str, n: int) -> Any:
+                return pairs[direction].copy(n)
+        else:
+            h, d = c.alloc_host(max(SIZES)), c.alloc_device(max(SIZES))
+            assert h.array is not None
+            h.array[:] = np.arange(max(SIZES), dtype=np.uint64).view(np.uint8)[: max(SIZES)]
+
+            def one(direction: str, n: int) -> Any:
+                dst, src = (d, h) if direction == "h2d" else (h, d)
+                return c.copy(dst, src, n, priority="urgent")
+
         for direction in directions:
-            dst, src = (d, h) if direction == "h2d" else (h, d)
             for n in SIZES:
                 key = f"{direction}/{n}"
                 lat = []
                 for _ in range(warm):
-                    c.copy(dst, src, n, priority="urgent")
+                    one(direction, n)
                     time.sleep(interval_s)
                 c0, w0 = daemon_cpu(cpu_pid), time.perf_counter()
                 for _ in range(count):
                     t0 = time.perf_counter()
-                    r = c.copy(dst, src, n, priority="urgent")
+                    r = one(direction, n)
                     lat.append((time.perf_counter() - t0) * 1e6)
-                    paths.setdefault(key, set()).add(r.path)
-                    daemon.setdefault(key, []).append((r.queued_us, r.transfer_us, r.total_us))
+                    if direct is None:
+                        paths.setdefault(key, set()).add(r.path)
+                        daemon.setdefault(key, []).append((r.queued_us, r.transfer_us, r.total_us))
                     time.sleep(interval_s)
                 cpu[key] = (daemon_cpu(cpu_pid) - c0, time.perf_counter() - w0)
                 out[key] = lat
@@ -455,17 +494,20 @@ def cpu_per_copy_us(probe: dict[str, Any], count: int, baseline_cpu_s_per_s: flo
     return {key: (cpu - baseline_cpu_s_per_s * wall) / count * 1e6 for key, (cpu, wall) in probe["_cpu_s"].items()}
 
 
-def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str = "cuda") -> dict[str, Any]:
-    """priod-idle (urgent copies only), then urgent copies under bulk from one client process per direction."""
+def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str = "cuda", direct: bool = False) -> dict[str, Any]:
+    """priod-idle (urgent copies only), then urgent copies under bulk from one client process per
+    direction. ``direct``: the urgent copies are direct ones (this process's own DMA, `priod.direct`)."""
+    urgent = functools.partial(urgent_client, direct=CudaCopies() if direct else None)
     env = {
         "PRIOD_SCHEDULER__EXPRESS": "true" if express else "false",
         "PRIOD_LOG__LEVEL": '"warning"',
         "PRIOD_SERVER__BULK_POLL": f'"{bulk_poll}"',
+        **DAEMON_ENV,
     }
     log(f"priod row {load.directions} express={express} bulk_poll={bulk_poll} co-tenant {load.cotenant}: starting daemon ({backend})")
     with daemon_process(env, backend=backend, start_timeout=120) as dmn, cotenant(load.cotenant, load.gemm_n) as ct:
         pid = dmn.proc.pid
-        idle = urgent_client(dmn.socket_path, load.directions, load.count, pid)
+        idle = urgent(dmn.socket_path, load.directions, load.count, pid)
         stop, q = SPAWN.Event(), SPAWN.Queue()
         log("idle via priod done; starting bulk clients")
         with ExitStack() as stack, priod.SyncClient(dmn.socket_path) as sc:
@@ -478,7 +520,7 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
             # bulk alone for a second, then under urgent load: bytes per lane from the daemon,
             # counted per chunk, so the figure does not depend on where 2 GiB copies end
             t1, b1, c1 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(pid)
-            loaded = urgent_client(dmn.socket_path, load.directions, load.count, pid)
+            loaded = urgent(dmn.socket_path, load.directions, load.count, pid)
             t2, st, c2 = time.perf_counter(), sc.status(), daemon_cpu(pid)
             b2 = st["lane_bytes"]
             # then bulk alone, measured after the loaded phase (so both see a warmed pipeline)
@@ -507,7 +549,7 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
     }
     per_copy = {"idle": cpu_per_copy_us(idle, load.count), "loaded": cpu_per_copy_us(loaded, load.count, cpu["bulk_alone_cpu_s_per_s"])}
     return {
-        "row": "express" if express else "dma",
+        "row": "direct" if direct else "express" if express else "dma",
         "bulk_poll": bulk_poll,
         "cotenant": ct,
         "idle_via_priod": idle,
@@ -551,6 +593,13 @@ def main() -> int:
         help="what else runs on the GPU during the anchor and priod rows, comma-separated: none, or gemm "
         "(a process of its own running bf16 GEMMs back to back); each row runs once per item",
     )
+    ap.add_argument(
+        "--rows",
+        default="dma,express,direct",
+        help="the priod rows, comma-separated: dma (express lane off), express (as shipped), direct (the urgent "
+        "copies are the client's own DMA, priod.direct, while the daemon runs bulk)",
+    )
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="a daemon setting for every priod row, e.g. scheduler__urgent_block_us=300")
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
     args = ap.parse_args()
@@ -559,6 +608,11 @@ def main() -> int:
     bulk = int(args.bulk_gib * GiB)
     modes = csv_choices(ap, args.bulk_poll, ("timer", "spin"), "--bulk-poll")
     cotenants = csv_choices(ap, args.cotenant, COTENANTS, "--cotenant")
+    kinds = csv_choices(ap, args.rows, ("dma", "express", "direct"), "--rows")
+    try:
+        DAEMON_ENV.update(settings_env(args.set))
+    except ValueError as exc:
+        ap.error(str(exc))
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "sets": {}}
 
     def save() -> None:
@@ -577,9 +631,9 @@ def main() -> int:
             rows.append(anchor_row(dataclasses.replace(base, cotenant=cot)))
             save()
         for i, mode in enumerate(modes):
-            for express in (False, True):
+            for kind in kinds:
                 for cot in cotenants:
-                    r = priod_row(dataclasses.replace(base, cotenant=cot), express, bulk_poll=mode)
+                    r = priod_row(dataclasses.replace(base, cotenant=cot), kind != "dma", bulk_poll=mode, direct=kind == "direct")
                     r["label"] = r["row"] if i == 0 else f"{r['row']}/{mode}"
                     rows.append(r)
                     save()
@@ -611,15 +665,20 @@ def mean_of(per_direction: dict[str, float]) -> float | None:
     return float(np.mean(list(per_direction.values()))) if per_direction else None
 
 
-def daemon_p50(probe: dict[str, Any], key: str) -> float:
-    return percentile([total for _, _, total in probe["_daemon_us"][key]], 50)
+def daemon_p50(probe: dict[str, Any], key: str) -> float | None:
+    """The daemon's own p50 for the copies of ``key``; None for direct copies (the daemon makes none)."""
+    totals = [total for _, _, total in probe["_daemon_us"].get(key, [])]
+    return percentile(totals, 50) if totals else None
 
 
 def table_lines(s: dict[str, Any], key: str) -> list[Line]:
     """idle, naive, then per co-tenant: anchor, priod-idle (from the express rows' daemons), the priod rows."""
     inproc = s["inprocess"]
     naive = inproc["naive"][key]
-    lines = [Line("idle", "none", inproc["idle"][key]), Line("naive", "none", naive["lat"], naive["bulk_gbps"], naive.get("urgent_gbps"))]
+    lines = [Line("idle", "none", inproc["idle"][key])]
+    if key in inproc.get("idle_gap", {}):
+        lines.append(Line("idle-5ms", "none", inproc["idle_gap"][key]))
+    lines.append(Line("naive", "none", naive["lat"], naive["bulk_gbps"], naive.get("urgent_gbps")))
     for cot in dict.fromkeys(r["cotenant"]["kind"] for r in s["rows"]):
         rows = [r for r in s["rows"] if r["cotenant"]["kind"] == cot]
         anchor = next((r["loaded"][key] for r in rows if r["row"] == "anchor"), None)
@@ -628,9 +687,9 @@ def table_lines(s: dict[str, Any], key: str) -> list[Line]:
             if r["row"] == "anchor":
                 lines.append(Line("anchor", cot, r["loaded"][key], mean_of(r["bulk_gbps"]), mean_of(r["urgent_gbps"])))
         for r in priod_rows:
-            if r["row"] == "express":
+            if r["row"] in ("express", "direct"):
                 idle = r["idle_via_priod"]
-                label = r["label"].replace("express", "priod-idle")
+                label = r["label"].replace("express", "priod-idle").replace("direct", "direct-idle")
                 lines.append(Line(label, cot, idle[key], daemon_us=daemon_p50(idle, key), cpu_us=r["cpu_per_copy_us"]["idle"][key], anchor=anchor))
         for r in priod_rows:
             loaded = r["loaded"]

@@ -25,6 +25,7 @@ from priod.messages import (
     Free,
     Hello,
     HelloReply,
+    HoldPageReply,
     Ping,
     RegionReply,
     RegisterDevice,
@@ -64,7 +65,7 @@ def test_every_request_survives_the_wire(req: Request) -> None:
 
 
 def test_every_op_has_a_type() -> None:
-    assert set(REQUEST_TYPES) == {"hello", "ping", "status", "alloc_host", "register_host", "alloc_device", "register_device", "free", "share", "copy", "copy_batch", "cancel"}
+    assert set(REQUEST_TYPES) == {"hello", "ping", "status", "alloc_host", "register_host", "alloc_device", "register_device", "free", "share", "copy", "copy_batch", "cancel", "hold_page"}
 
 
 def test_replies_survive_the_wire() -> None:
@@ -76,6 +77,7 @@ def test_replies_survive_the_wire() -> None:
         (CopyBatchReply(8192, 512, 1.5, 2.5, 4.0, "express", False), CopyBatchReply),
         (CancelReply(9, "stopping"), CancelReply),
         (StatusReply({"lanes": []}), StatusReply),
+        (HoldPageReply([{"device": 0, "device_uuid": "GPU-00000000-0000-0000-0000-000000000000", "direction": "h2d"}]), HoldPageReply),
         (Empty(), Empty),
     ]
     for reply, kind in replies:

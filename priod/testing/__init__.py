@@ -16,7 +16,7 @@ Every public name is importable from ``priod.testing`` itself.
 
 from __future__ import annotations
 
-from .daemon import DaemonProcess, daemon_pid, daemon_process, wait_for_socket, wait_until
+from .daemon import DaemonProcess, daemon_pid, daemon_process, settings_env, wait_for_socket, wait_until
 from .fakes import (
     ManualChunk,
     ManualDeviceMemory,
@@ -40,6 +40,7 @@ from .procfs import (
     CpuMeter,
     cpu_model,
     cpu_seconds,
+    machine,
     memory_and_fds,
     open_fds,
     schedstat_seconds,
@@ -66,11 +67,13 @@ __all__ = [
     "daemon_process",
     "describe",
     "framed_pair",
+    "machine",
     "memfd",
     "memory_and_fds",
     "open_fds",
     "percentile",
     "schedstat_seconds",
+    "settings_env",
     "summarize",
     "thread_cpu_seconds",
     "throughput_between",

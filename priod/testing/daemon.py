@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from ..transport import peer_credentials
 
-__all__ = ["DaemonProcess", "daemon_pid", "daemon_process", "wait_for_socket", "wait_until"]
+__all__ = ["DaemonProcess", "daemon_pid", "daemon_process", "settings_env", "wait_for_socket", "wait_until"]
 
 
 T = TypeVar("T")
@@ -65,6 +65,21 @@ def daemon_pid(path: str) -> int:
         return peer_credentials(s).pid
     finally:
         s.close()
+
+
+def settings_env(items: list[str]) -> dict[str, str]:
+    """``SECTION__KEY=VALUE`` items (a script's ``--set``) as the daemon's ``PRIOD_*`` environment.
+
+    Raises:
+        ValueError: an item not of that form; the message shows one that is.
+    """
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "__" not in key:
+            raise ValueError(f"--set {item!r}: write SECTION__KEY=VALUE, e.g. scheduler__max_block_us=500")
+        env[f"PRIOD_{key.upper()}"] = value
+    return env
 
 
 @dataclass

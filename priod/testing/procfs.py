@@ -106,6 +106,27 @@ def cpu_model() -> str:
     return ""
 
 
+def machine(**extra: object) -> dict[str, object]:
+    """What a benchmark ran on, for its JSON report: cores, CPU, Python, platform, priod and
+    numpy versions, and whatever the caller adds."""
+    import platform
+
+    import numpy as np
+
+    from priod import __version__
+
+    return {
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "priod": __version__,
+        "numpy": np.__version__,
+        **extra,
+    }
+
+
 class CpuMeter:
     """CPU seconds of a process and of its main thread (which runs the daemon's event loop).
 

@@ -1,0 +1,241 @@
+"""Direct urgent copies: this process's own DMA, while the daemon holds bulk back.
+
+An urgent copy through the daemon costs a round trip between two Python processes (150-300 us
+on the H200 host) on top of the copy. A process that owns both buffers (pinned host memory and
+device memory in its own CUDA context, such as an inference process's KV-cache tensors) can
+instead issue the ``cudaMemcpyAsync`` itself, on a high-priority stream of its own, and announce
+it on its hold page (holds.py): the daemon submits no bulk chunk on that lane until the copy is
+over, and runs the lane's short bound meanwhile. The copy engine time-slices between the two
+contexts, so the urgent copy waits only for the short bulk chunks already in flight.
+
+    page = client.hold_page()                    # once per connection (SyncClient or Client)
+    direct = DirectCopies(page)
+    direct.copy(gpu_tensor, pinned_cpu_tensor)    # h2d, blocking; bytes, not elements
+    blocks = direct.pair(gpu_pool, pinned_pool)   # resolved once, for a loop over the same buffers
+    blocks.copy(nbytes, dst_offset=..., src_offset=...)
+
+`HoldPage` is the page alone (announce, no CUDA); `DirectCopies` makes the copies. Buffers are
+PyTorch tensors (any dtype, contiguous; host ones pinned), NumPy arrays in pinned memory, objects
+with ``__cuda_array_interface__``, or ``(address, nbytes)`` tuples. What goes through the
+daemon instead: copies between regions the daemon holds, device-to-device copies, pageable host
+memory, and bulk (which the daemon paces; a direct copy is never paced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .cuda_ipc import _is_torch_tensor, device_span
+from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, status_codes
+from .errors import InvalidRequest
+from .gpus import uuid_key
+from .holds import PAGE_BYTES, SLOT_BYTES
+
+__all__ = ["DirectCopies", "DirectPair", "HoldPage"]
+
+_U64 = struct.Struct("<Q")
+
+
+class HoldPage:
+    """This connection's hold page, as the client writes it: `begin` before a copy is issued,
+    `end` once it is over (or failed). No CUDA here: anything that moves bytes on its own may
+    announce them. The daemon reads the page; closing the connection ends every hold."""
+
+    def __init__(self, fd: int, lanes: list[dict[str, Any]]) -> None:
+        """``fd`` (the page's memfd, from the reply) is closed here once mapped."""
+        try:
+            self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.lanes = lanes
+        """``lanes[i]``: slot i's ``device`` (the daemon's ordinal), ``device_uuid``, ``direction``."""
+        self._begun = [0] * len(lanes)
+        self._ended = [0] * len(lanes)
+        """What this process wrote, the page's only writer (so no read back of the page)."""
+        self._slots = {(uuid_key(ln["device_uuid"]) if ln.get("device_uuid") else ln["device"], ln["direction"]): i for i, ln in enumerate(lanes)}
+        self._lock = threading.Lock()
+
+    def slot(self, device_uuid: str | None, direction: str, device: int = 0) -> int:
+        """The slot of the lane to a GPU (by UUID; by the daemon's ordinal where it has none, as
+        on the sim engine) in ``direction`` (``h2d`` or ``d2h``)."""
+        key = (uuid_key(device_uuid) if device_uuid else device, direction)
+        try:
+            return self._slots[key]
+        except KeyError:
+            served = ", ".join(f"{ln.get('device_uuid') or ln['device']}/{ln['direction']}" for ln in self.lanes)
+            raise InvalidRequest(f"the daemon serves no {direction} lane of GPU {device_uuid or device} (it serves {served})") from None
+
+    def begin(self, slot: int) -> None:
+        """Announce a copy on ``slot``'s lane: the daemon holds bulk there until `end`."""
+        with self._lock:  # one writer per counter: threads of this process take turns
+            n = self._begun[slot] = self._begun[slot] + 1
+            _U64.pack_into(self._map, slot * SLOT_BYTES, n)
+
+    def end(self, slot: int) -> None:
+        with self._lock:
+            n = self._ended[slot] = self._ended[slot] + 1
+            _U64.pack_into(self._map, slot * SLOT_BYTES + 8, n)
+
+    @contextlib.contextmanager
+    def holding(self, slot: int) -> Iterator[None]:
+        """`begin`, then `end` however the block ends."""
+        self.begin(slot)
+        try:
+            yield
+        finally:
+            self.end(slot)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def _span(obj: object) -> tuple[int, int]:
+    """``(address, nbytes)`` of a buffer: an ``(address, nbytes)`` tuple, a contiguous torch
+    tensor on either side, a NumPy array, or anything with ``__cuda_array_interface__``."""
+    if isinstance(obj, tuple):
+        address, nbytes = obj
+        if not (isinstance(address, int) and isinstance(nbytes, int) and nbytes > 0):
+            raise InvalidRequest(f"a buffer given as a tuple is (address, nbytes), two ints, nbytes > 0; got {obj!r}")
+        return address, nbytes
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise InvalidRequest("the array is not C-contiguous: pass np.ascontiguousarray(...) of pinned memory")
+        return int(obj.ctypes.data), int(obj.nbytes)
+    if _is_torch_tensor(obj) and not obj.is_cuda:  # type: ignore[attr-defined]
+        t: Any = obj
+        if not t.is_contiguous():
+            raise InvalidRequest("the tensor is not contiguous: pass .contiguous() of a pinned tensor")
+        return int(t.data_ptr()), int(t.numel()) * int(t.element_size())
+    return device_span(obj)
+
+
+class DirectPair:
+    """Copies between one host buffer and one device buffer, resolved once (`DirectCopies.pair`):
+    which GPU, which direction, which slot of the page. For a loop over the same buffers, such as
+    a KV cache's pinned pool and its GPU blocks: each `copy` is then one ``cudaMemcpyAsync``,
+    the page's two counters and the wait. The buffers must outlive the pair."""
+
+    def __init__(self, owner: DirectCopies, dst: int, dst_bytes: int, src: int, src_bytes: int, device: int, slot: int) -> None:
+        self._owner, self._device, self._slot = owner, device, slot
+        self.dst, self.dst_bytes, self.src, self.src_bytes = dst, dst_bytes, src, src_bytes
+
+    def copy(self, nbytes: int | None = None, *, dst_offset: int = 0, src_offset: int = 0) -> int:
+        """Copy ``nbytes`` (default: the whole source) from ``src + src_offset`` to ``dst +
+        dst_offset``; return once they have landed. Returns ``nbytes``."""
+        n = self.src_bytes - src_offset if nbytes is None else nbytes
+        if n <= 0 or src_offset < 0 or dst_offset < 0 or src_offset + n > self.src_bytes or dst_offset + n > self.dst_bytes:
+            raise InvalidRequest(
+                f"{n} bytes at source offset {src_offset} and destination offset {dst_offset} do not fit "
+                f"buffers of {self.src_bytes} and {self.dst_bytes} bytes"
+            )
+        owner = self._owner
+        with DeviceScope(self._device):
+            owner._run(self._device, self._slot, self.dst + dst_offset, self.src + src_offset, n)
+        return n
+
+
+class DirectCopies:
+    """Urgent copies by this process's own DMA, announced on a `HoldPage`.
+
+    Each copy goes on a high-priority, non-blocking stream of the GPU it touches (one per GPU,
+    made on first use in that GPU's primary context, the one PyTorch and CuPy use), and is
+    waited for by spinning ``spin_s`` on the stream, then blocking. Thread-safe.
+    """
+
+    def __init__(self, page: HoldPage, *, spin_s: float = 0.002) -> None:
+        self.page = page
+        self.spin_s = spin_s
+        self._rt, _ = bindings()
+        self._ok, self._not_ready = status_codes()
+        self._default = self._rt.cudaMemcpyKind.cudaMemcpyDefault
+        self._streams: dict[int, Any] = {}
+        self._uuids: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def copy(self, dst: object, src: object, nbytes: int | None = None) -> int:
+        """Copy ``nbytes`` (default: all of ``src``) from ``src`` to ``dst``, one on the host
+        (pinned) and one on a GPU; return once the bytes have landed. Returns ``nbytes``.
+        (`pair` resolves the buffers once, for a loop over the same ones.)
+
+        Raises:
+            InvalidRequest: not a host/device pair, pageable host memory, sizes that do not fit.
+            CudaError: the copy failed (the hold ends either way).
+        """
+        return self.pair(dst, src).copy(nbytes)
+
+    def pair(self, dst: object, src: object) -> DirectPair:
+        """Resolve a destination and a source buffer once: see `DirectPair`. Buffers are torch
+        tensors (contiguous; host ones pinned), NumPy arrays, ``__cuda_array_interface__``
+        objects, or ``(address, nbytes)`` tuples."""
+        (dst_ptr, dst_bytes), (src_ptr, src_bytes) = _span(dst), _span(src)
+        device, direction = self._lane_of(dst_ptr, src_ptr)
+        uuid = self._uuids.get(device) or self._uuids.setdefault(device, gpu_uuid(device))
+        slot = self.page.slot(uuid, direction, device)
+        return DirectPair(self, dst_ptr, dst_bytes, src_ptr, src_bytes, device, slot)
+
+    def _run(self, device: int, slot: int, dst: int, src: int, n: int) -> None:
+        """One copy on ``device`` (current), announced on ``slot``, waited for."""
+        rt = self._rt
+        stream = self._streams.get(device) or self._stream(device)
+        page = self.page
+        page.begin(slot)
+        try:
+            check(rt.cudaMemcpyAsync(dst, src, n, self._default, stream))
+            self._wait(stream)
+        finally:
+            page.end(slot)
+
+    def _wait(self, stream: Any) -> None:
+        query, ok, not_ready = self._rt.cudaStreamQuery, self._ok, self._not_ready
+        give_up = time.perf_counter() + self.spin_s
+        while True:
+            (err,) = query(stream)
+            if err is ok:
+                return
+            if err is not not_ready:
+                check((err,))
+            if time.perf_counter() > give_up:
+                check(self._rt.cudaStreamSynchronize(stream))
+                return
+
+    def _lane_of(self, dst: int, src: int) -> tuple[int, str]:
+        """(GPU ordinal here, direction) of a copy from ``src`` to ``dst``."""
+        rt = self._rt
+        kinds = rt.cudaMemoryType
+        a_dst, a_src = check(rt.cudaPointerGetAttributes(dst)), check(rt.cudaPointerGetAttributes(src))
+        if a_src.type == kinds.cudaMemoryTypeHost and a_dst.type == kinds.cudaMemoryTypeDevice:
+            return int(a_dst.device), "h2d"
+        if a_src.type == kinds.cudaMemoryTypeDevice and a_dst.type == kinds.cudaMemoryTypeHost:
+            return int(a_src.device), "d2h"
+        if kinds.cudaMemoryTypeUnregistered in (a_src.type, a_dst.type):
+            raise InvalidRequest(
+                "a direct copy needs pinned host memory (tensor.pin_memory(), cudaHostAlloc or cudaHostRegister): "
+                "pageable memory would make it synchronous; or copy through the daemon (Client.copy)"
+            )
+        raise InvalidRequest("a direct copy goes between pinned host memory and device memory; copy other pairs through the daemon (Client.copy)")
+
+    def _stream(self, device: int) -> Any:
+        """This GPU's urgent stream, made on first use (the caller has made the GPU current)."""
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                rt = self._rt
+                _, greatest = check(rt.cudaDeviceGetStreamPriorityRange())
+                stream = self._streams[device] = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
+        return stream
+
+    def close(self) -> None:
+        """Destroy the streams (after the last copy); the page stays the caller's."""
+        for device, stream in list(self._streams.items()):
+            with DeviceScope(device):
+                self._rt.cudaStreamDestroy(stream)
+        self._streams.clear()

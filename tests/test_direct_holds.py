@@ -1,0 +1,213 @@
+"""Direct urgent copies: a client's own DMA, announced on its hold page, holds bulk back.
+
+The daemon side (holds.py, the scheduler's held lanes, the pump) runs here on the sim engine;
+the client's CUDA copies themselves (`priod.direct.DirectCopies`) are tested on the GPU
+(tests/test_gpu_direct.py). What a hold page must guarantee, whoever writes it:
+- while a copy is announced and not over on a lane, no bulk chunk is handed out there, and the
+  lane runs its short bound; bulk goes on once the copy ends, and its bytes are all right;
+- a hold lasts at most ``direct_hold_max_ms`` per copy and the uid's hold budget, whatever the
+  client writes (garbage counters, a copy never ended, a connection that leaves);
+- the page cannot be resized under the daemon's mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+import time
+
+import numpy as np
+import pytest
+
+import priod
+from priod.direct import HoldPage
+from priod.engines.base import Direction, LaneInfo, LaneKey, Path
+from priod.errors import InvalidRequest
+from priod.holds import PAGE_BYTES, Holds
+from priod.policy import Policy
+from priod.scheduler import Request, Scheduler
+from priod.testing import daemon_process, wait_until
+
+H2D = LaneKey(0, Direction.H2D)
+D2H = LaneKey(0, Direction.D2H)
+LANES = [{"device": 0, "device_uuid": None, "direction": "h2d"}, {"device": 0, "device_uuid": None, "direction": "d2h"}]
+MiB = 1 << 20
+
+
+def page_pair(holds: Holds, owner: int = 1, uid: int | None = 1000, now: float = 0.0) -> HoldPage:
+    """The daemon's page for ``owner`` and the client's mapping of it."""
+    page = holds.open(owner, uid, [H2D, D2H], now)
+    return HoldPage(os.dup(page.fd), LANES)
+
+
+# -- holds.py alone ----------------------------------------------------------------------------
+def test_an_announced_copy_holds_its_lane_until_it_ends() -> None:
+    holds = Holds(hold_max_s=1.0, share=0.25, burst_s=1.0)
+    client = page_pair(holds)
+    assert holds.scan(0.0).held == frozenset()
+    client.begin(client.slot(None, "h2d"))
+    scan = holds.scan(0.001)
+    assert scan.held == {H2D} and scan.begun == {H2D}
+    again = holds.scan(0.002)
+    assert again.held == {H2D} and again.begun == frozenset()  # begun is news once
+    client.end(client.slot(None, "h2d"))
+    assert holds.scan(0.003).held == frozenset()
+    assert holds.copies == {H2D: 1} and holds.cut == {}
+
+
+def test_a_copy_never_ended_holds_for_hold_max_only() -> None:
+    holds = Holds(hold_max_s=0.005, share=1.0, burst_s=1.0)
+    client = page_pair(holds)
+    client.begin(client.slot(None, "d2h"))
+    assert holds.scan(0.0).held == {D2H}
+    assert holds.scan(0.004).held == {D2H}
+    assert holds.scan(0.006).held == frozenset()
+    assert holds.scan(0.5).held == frozenset()  # still announced: not held again
+    assert holds.cut == {D2H: 1}
+    client.end(client.slot(None, "d2h"))
+    client.begin(client.slot(None, "d2h"))  # the next copy holds afresh
+    assert holds.scan(0.6).held == {D2H}
+
+
+def test_holding_is_budgeted_per_uid_over_its_connections() -> None:
+    # 10 ms of holding at once, then 10% of the time; two connections of one uid share it.
+    holds = Holds(hold_max_s=1.0, share=0.1, burst_s=0.010)
+    a, b = page_pair(holds, owner=1), page_pair(holds, owner=2)
+    t = 0.0
+    held_for = 0.0
+    for _ in range(100):  # copies of 1 ms back to back on both connections
+        for c in (a, b):
+            c.begin(c.slot(None, "h2d"))
+        if holds.scan(t).held:
+            held_for += 0.001
+        t += 0.001
+        for c in (a, b):
+            c.end(c.slot(None, "h2d"))
+        holds.scan(t)
+    # Both connections' holds are charged to one bucket: 10 ms of burst, then ~10% of 100 ms.
+    assert 0.004 <= held_for <= 0.030
+    assert holds.cut.get(H2D, 0) > 100
+
+
+def test_garbage_counters_count_boundedly_and_hold_no_longer_than_hold_max() -> None:
+    holds = Holds(hold_max_s=0.005, share=1.0, burst_s=1.0)
+    client = page_pair(holds)
+    raw = np.frombuffer(client._map, dtype="<u8", count=4)
+    raw[:] = [2**64 - 1, 7, 123, 2**63]
+    scan = holds.scan(0.0)
+    assert scan.held == {H2D, D2H}
+    assert holds.copies[H2D] <= 1_000_000 and holds.copies[D2H] <= 1_000_000
+    assert holds.scan(0.01).held == frozenset()
+    del raw
+
+
+def test_the_page_cannot_be_resized_and_one_connection_gets_one() -> None:
+    holds = Holds()
+    page = holds.open(1, 0, [H2D], 0.0)
+    fd = os.dup(page.fd)
+    try:
+        for size in (0, PAGE_BYTES * 2):
+            with pytest.raises(OSError) as exc:
+                os.ftruncate(fd, size)
+            assert exc.value.errno == errno.EPERM
+        with pytest.raises(OSError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # sealed for good: F_SEAL_SEAL
+    finally:
+        os.close(fd)
+    with pytest.raises(InvalidRequest, match="already has its hold page"):
+        holds.open(1, 0, [H2D], 0.0)
+    holds.close(1)
+    assert not holds.pages and holds.scan(1.0).held == frozenset()
+
+
+# -- the scheduler ----------------------------------------------------------------------------
+def test_a_held_lane_hands_out_no_bulk_and_a_begun_copy_starts_the_short_bound() -> None:
+    sched = Scheduler(Policy(urgent_block_us=100.0), [LaneInfo(H2D, 2e9, 0, 0), LaneInfo(D2H, 2e9, 0, 0)])
+    for i, lane in enumerate((H2D, D2H)):
+        sched.enqueue(Request(i + 1, "c", lane, "bulk", 64 * MiB, 0.0), 0.0)
+    sched.set_holds(frozenset({H2D}), frozenset({H2D}), 0.0)
+    chunks = sched.next_chunks(0.0)
+    assert chunks and {c.request.lane for c in chunks} == {D2H}  # the other lane runs on
+    short = sched.lane_params(H2D).urgent_chunk_bytes
+    sched.set_holds(frozenset(), frozenset(), 0.001)
+    h2d = [c for c in sched.next_chunks(0.001) if c.request.lane == H2D]
+    assert h2d and all(c.nbytes <= short for c in h2d) and all(c.path is Path.DMA for c in h2d)
+
+
+# -- end to end, sim daemon -------------------------------------------------------------------
+LONG_HOLDS = {
+    "PRIOD_LOG__LEVEL": '"warning"',
+    "PRIOD_SCHEDULER__DIRECT_HOLD_MAX_MS": "3000",
+    "PRIOD_SCHEDULER__DIRECT_HOLD_BURST_MS": "10000",
+    "PRIOD_SCHEDULER__URGENT_BUDGET_SHARE": "1.0",
+    "PRIOD_SCHEDULER__AGING_MS": "60000",
+}
+
+
+def h2d_bytes(c: priod.SyncClient) -> int:
+    return int(c.status()["lane_bytes"].get("gpu0/h2d", 0))
+
+
+async def test_bulk_waits_while_a_direct_copy_is_announced_and_lands_whole_after() -> None:
+    with daemon_process(LONG_HOLDS) as d, priod.SyncClient(d.socket_path) as urgent:
+        page = urgent.hold_page()
+        slot = page.slot(page.lanes[0]["device_uuid"], "h2d")
+        async with await priod.connect(d.socket_path) as bulk:
+            host, dev = await bulk.alloc_host(16 * MiB), await bulk.alloc_device(16 * MiB)
+            back = await bulk.alloc_host(16 * MiB)
+            assert host.array is not None and back.array is not None
+            host.array[:] = np.random.default_rng(7).integers(0, 256, 16 * MiB, dtype=np.uint8)
+            page.begin(slot)
+            copy = asyncio.ensure_future(bulk.copy(dev, host, priority="bulk"))
+            await asyncio.sleep(0.3)  # 16 MiB at the sim's 2 GB/s would take 8 ms
+            assert not copy.done() and h2d_bytes(urgent) == 0
+            assert urgent.status()["direct"]["held"] == ["gpu0/h2d"]
+            page.end(slot)
+            await asyncio.wait_for(copy, 10)
+            await bulk.copy(back, dev, priority="bulk")
+            assert np.array_equal(back.array, host.array)
+        st = urgent.status()["direct"]
+        assert st["copies"] == {"gpu0/h2d": 1} and st["held"] == [] and st["pages"] == 1
+        page.close()
+
+
+async def test_a_copy_announced_and_never_ended_delays_bulk_by_hold_max_only() -> None:
+    env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SCHEDULER__DIRECT_HOLD_MAX_MS": "50"}
+    with daemon_process(env) as d, priod.SyncClient(d.socket_path) as urgent:
+        page = urgent.hold_page()
+        page.begin(page.slot(page.lanes[0]["device_uuid"], "h2d"))  # and never ended
+        async with await priod.connect(d.socket_path) as bulk:
+            host, dev = await bulk.alloc_host(16 * MiB), await bulk.alloc_device(16 * MiB)
+            t0 = time.perf_counter()
+            await asyncio.wait_for(bulk.copy(dev, host, priority="bulk"), 10)
+            assert time.perf_counter() - t0 >= 0.04  # it was held, for about hold_max
+        st = urgent.status()["direct"]
+        assert st["cut"] == {"gpu0/h2d": 1} and st["held"] == []
+
+
+async def test_a_client_that_leaves_mid_copy_releases_its_hold_at_once() -> None:
+    with daemon_process(LONG_HOLDS) as d:
+        holder = priod.SyncClient(d.socket_path)
+        page = holder.hold_page()
+        page.begin(page.slot(page.lanes[0]["device_uuid"], "h2d"))
+        async with await priod.connect(d.socket_path) as bulk:
+            host, dev = await bulk.alloc_host(16 * MiB), await bulk.alloc_device(16 * MiB)
+            copy = asyncio.ensure_future(bulk.copy(dev, host, priority="bulk"))
+            await asyncio.sleep(0.2)
+            assert not copy.done()
+            holder.close()  # the page goes with the connection: bulk goes on
+            await asyncio.wait_for(copy, 5)
+        page.close()
+        with priod.SyncClient(d.socket_path) as c:
+            wait_until(lambda: c.status()["direct"]["pages"] == 0 or None, 10, "the page to be forgotten")
+
+
+def test_a_second_hold_page_on_one_connection_is_refused(daemon: priod.testing.DaemonProcess) -> None:
+    with priod.SyncClient(daemon.socket_path) as c:
+        page = c.hold_page()
+        assert sorted(ln["direction"] for ln in page.lanes) == ["d2h", "h2d"]
+        with pytest.raises(InvalidRequest, match="already has its hold page"):
+            c.hold_page()
+        page.close()

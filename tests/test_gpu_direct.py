@@ -1,0 +1,123 @@
+"""Direct urgent copies on a real GPU (marker ``gpu``): the client's own DMA, bytes checked,
+while the daemon runs bulk and holds it back for each one (priod.direct, holds.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import priod
+from priod.direct import DirectCopies
+from priod.errors import InvalidRequest
+from priod.testing import DaemonProcess, daemon_process
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gpu_daemon() -> Iterator[DaemonProcess]:
+    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=120) as d:
+        yield d
+
+
+def test_direct_copies_move_the_right_bytes_both_ways_and_are_counted(gpu_daemon: DaemonProcess) -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng(11)
+    n = 3 * MiB + 5
+    host = cp.cuda.alloc_pinned_memory(n)
+    src = np.frombuffer(host, dtype=np.uint8, count=n)
+    src[:] = rng.integers(0, 256, n, dtype=np.uint8)
+    dev = cp.empty(n, dtype=cp.uint8)
+    back_mem = cp.cuda.alloc_pinned_memory(n)
+    back = np.frombuffer(back_mem, dtype=np.uint8, count=n)
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        direct = DirectCopies(c.hold_page())
+        for size in (1, 4097, 64 << 10, n):
+            back[:size] = 0
+            assert direct.copy(dev, src, size) == size
+            assert direct.copy(back, dev, size) == size
+            assert np.array_equal(back[:size], src[:size]), size
+        # a pair, resolved once, with offsets inside both buffers; and what does not fit is refused
+        up, down = direct.pair(dev, src), direct.pair(back, dev)
+        back[:] = 0
+        up.copy(4096, dst_offset=100, src_offset=7)
+        down.copy(4096, dst_offset=9, src_offset=100)
+        assert np.array_equal(back[9 : 9 + 4096], src[7 : 7 + 4096])
+        with pytest.raises(InvalidRequest, match="do not fit"):
+            up.copy(n, dst_offset=1)
+        st = c.status()["direct"]
+        assert sum(st["copies"].values()) == 10 and st["held"] == []
+        direct.close()
+
+
+def test_direct_copies_under_daemon_bulk_keep_both_copies_whole(gpu_daemon: DaemonProcess) -> None:
+    """Bulk through the daemon in both directions while direct copies cut in: every byte of both."""
+    import cupy as cp
+
+    rng = np.random.default_rng(12)
+    n = 1 * MiB
+    host = cp.cuda.alloc_pinned_memory(n)
+    src = np.frombuffer(host, dtype=np.uint8, count=n)
+    dev = cp.empty(n, dtype=cp.uint8)
+    back_mem = cp.cuda.alloc_pinned_memory(n)
+    back = np.frombuffer(back_mem, dtype=np.uint8, count=n)
+
+    async def bulk() -> None:
+        async with await priod.connect(gpu_daemon.socket_path) as b:
+            nb = 256 * MiB
+            h, d, h2 = await b.alloc_host(nb), await b.alloc_device(nb), await b.alloc_host(nb)
+            assert h.array is not None and h2.array is not None
+            h.array[:] = rng.integers(0, 256, nb, dtype=np.uint8)
+            for _ in range(4):
+                await b.copy(d, h, priority="bulk")
+                await b.copy(h2, d, priority="bulk")
+            assert np.array_equal(h2.array, h.array)
+
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        direct = DirectCopies(c.hold_page())
+        loop = asyncio.new_event_loop()
+        task = loop.run_in_executor(None, asyncio.run, bulk())
+        copies = 0
+        while not task.done() or copies < 20:
+            src[:] = rng.integers(0, 256, n, dtype=np.uint8)
+            direct.copy(dev, src)
+            direct.copy(back, dev)
+            assert np.array_equal(back, src)
+            copies += 1
+            loop.run_until_complete(asyncio.sleep(0.002))
+        loop.run_until_complete(task)
+        loop.close()
+        assert sum(c.status()["direct"]["copies"].values()) >= 2 * copies
+        direct.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_torch_tensors_of_any_dtype_copy_directly(gpu_daemon: DaemonProcess, dtype: str) -> None:
+    torch = pytest.importorskip("torch")
+    dt = getattr(torch, dtype)
+    x = torch.randn(4096, 64).to(dt).pin_memory()
+    g = torch.empty_like(x, device="cuda")
+    y = torch.empty_like(x).pin_memory()
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        direct = DirectCopies(c.hold_page())
+        direct.copy(g, x)
+        direct.copy(y, g)
+        assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))
+        direct.close()
+
+
+def test_pageable_host_memory_is_refused_with_the_fix(gpu_daemon: DaemonProcess) -> None:
+    import cupy as cp
+
+    dev = cp.empty(4096, dtype=cp.uint8)
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        direct = DirectCopies(c.hold_page())
+        with pytest.raises(InvalidRequest, match="pinned host memory"):
+            direct.copy(dev, np.zeros(4096, dtype=np.uint8))
+        direct.close()
