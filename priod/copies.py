@@ -33,6 +33,7 @@ __all__ = [
     "check_limits",
     "copy_finished",
     "copy_log_fields",
+    "count_pending",
     "outcome_reply",
     "signal_recorded",
     "take_batch",
@@ -151,19 +152,26 @@ def _enqueue(session: Session, req_id: int, now: float, payload: PendingCopy, la
     else:
         shared.scheduler.check(queued)  # the same refusals now; queued once its event completes
     session.pending[req_id] = queued
-    session.queued_bytes += nbytes
-    tally = session.holdings.tally
-    tally.queued_requests += 1
-    tally.queued_bytes += nbytes
-    if segments is not None:
-        session.queued_segments += len(segments)
-        tally.queued_segments += len(segments)
+    count_pending(session, nbytes, segments, +1)
     payload.dst.users.add(queued.id)
     payload.src.users.add(queued.id)
     if held is None:
         shared.pump.kick()
     else:
         shared.pump.hold(queued, held, now)
+
+
+def count_pending(session: Session, nbytes: int, segments: Segments | None, sign: int) -> None:
+    """Count a copy into (``sign`` +1) or out of (-1) what its connection and its uid have
+    pending, the figures `check_limits` holds against the limits: one place, so the two stay
+    in step."""
+    tally = session.holdings.tally
+    session.queued_bytes += sign * nbytes
+    tally.queued_requests += sign
+    tally.queued_bytes += sign * nbytes
+    if segments is not None:
+        session.queued_segments += sign * len(segments)
+        tally.queued_segments += sign * len(segments)
 
 
 def copy_finished(f: Finished) -> None:

@@ -28,7 +28,7 @@ import structlog
 from . import __version__
 from .batch import MAX_SEGMENTS, SEGMENT_BYTES
 from .config import Config
-from .copies import PendingCopy, cancel_copy, copy_finished, copy_log_fields, outcome_reply, take_batch, take_copy
+from .copies import PendingCopy, cancel_copy, copy_finished, copy_log_fields, count_pending, outcome_reply, take_batch, take_copy
 from .engines.base import Engine
 from .errors import ConnectionClosed, NotFound, PriodError, ProtocolError, RequestError
 from .gates import EventTable
@@ -399,15 +399,9 @@ class Session:
         shared = self.shared
         if self.pending.get(p.client_id) is req:
             del self.pending[p.client_id]
-            self.queued_bytes -= req.nbytes
-            tally = self.holdings.tally
-            tally.queued_requests -= 1
-            tally.queued_bytes -= req.nbytes
-            if p.segments is not None:
-                self.queued_segments -= len(p.segments)
-                tally.queued_segments -= len(p.segments)
+            count_pending(self, req.nbytes, p.segments, -1)
             if self.closed:
-                shared.regions.forget_if_unused(tally)
+                shared.regions.forget_if_unused(self.holdings.tally)
         shared.regions.copy_ended(req.id, p.dst, p.src)
         end = req.last_done if req.last_done is not None else time.perf_counter()
         first = req.first_submit if req.first_submit is not None else end

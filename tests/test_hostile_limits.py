@@ -40,7 +40,7 @@ import pytest
 
 import priod
 from priod.protocol import encode
-from priod.testing import DaemonProcess, daemon_process
+from priod.testing import DaemonProcess, daemon_process, wait_until
 from priod.testing.procfs import memory_and_fds, open_fds
 from priod.transport import BlockingFramedSocket
 
@@ -162,15 +162,6 @@ def raw_as(uid: int, path: str, n: int = 1, hello: bool = True) -> Iterator[list
             c.close()
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "the condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not hold within {timeout} s")
-
-
 def root_status(path: str) -> dict[str, Any]:
     with priod.SyncClient(path, timeout=30) as c:
         return c.status()
@@ -221,7 +212,7 @@ def test_idle_connections_of_one_uid_cannot_lock_others_out() -> None:
                     assert c.at_eof(5)
                 assert 4.0 <= time.monotonic() - t0 < 9.0
                 others[0].ok("ping")  # the connections that said hello are untouched
-                wait_for(lambda: serving(d, 2), what="the expired connections leaving")
+                wait_until(lambda: serving(d, 2), timeout=10.0, what="the expired connections leaving")
                 with raw_as(STRANGER, path) as (late,):  # their slots are free again
                     late.ok("ping")
         finally:
@@ -298,7 +289,7 @@ async def test_limits_per_uid_hold_over_all_its_connections() -> None:
                 f"region {shared} is shared with 2 uids already ([limits] max_shares_per_region = 2)",
             )
             a1.close()  # its 3 MiB host region goes back to the uid's budget
-            wait_for(lambda: a2.request("alloc_host", nbytes=3 * MiB)["ok"], what=f"uid {NOBODY}'s budget coming back")
+            wait_until(lambda: a2.request("alloc_host", nbytes=3 * MiB)["ok"], timeout=10.0, what=f"uid {NOBODY}'s budget coming back")
             st = root_status(path)
             mine = {u["uid"]: u for u in st["uids"]}
             assert (mine[NOBODY]["regions"], mine[NOBODY]["pinned_bytes"], mine[NOBODY]["device_bytes"]) == (3, 3 * MiB + 4096, 3 * MiB)
@@ -373,7 +364,7 @@ def test_daemon_wide_caps_bind_every_uid() -> None:
                 "device_cap": 6 * MiB,
             }
             a.close()
-            wait_for(lambda: root.status()["holdings"]["regions"] == 2, what="the leaver's regions being released")
+            wait_until(lambda: root.status()["holdings"]["regions"] == 2, timeout=10.0, what="the leaver's regions being released")
             root.alloc_host(4 * MiB)
     assert d.proc.returncode == 0, d.log()[-4000:]
 
@@ -429,7 +420,7 @@ async def test_regions_cannot_use_up_the_daemons_fds(few_fds_daemon: DaemonProce
             finally:
                 os.close(fd)
     with priod.SyncClient(d.socket_path, timeout=30) as later:
-        wait_for(lambda: later.status()["holdings"]["regions"] == 0, what="the hog's regions being released")
+        wait_until(lambda: later.status()["holdings"]["regions"] == 0, timeout=10.0, what="the hog's regions being released")
         later.alloc_device(4096)
 
 
@@ -630,3 +621,80 @@ def test_a_uids_request_rate_is_capped_over_its_connections_and_others_are_not()
     floor = (2 * per_conn - burst) / rate  # 0.9 s at the cap
     assert elapsed >= 0.8 * floor, f"{2 * per_conn} pings of one uid answered in {elapsed:.2f} s: faster than the cap allows ({floor:.2f} s)"
     assert max(waits) < 0.25, f"another uid's pings waited up to {max(waits) * 1e3:.0f} ms behind the capped flood"
+
+
+def test_another_uids_batches_cannot_touch_or_slow_an_honest_client() -> None:
+    """copy_batch from a hostile uid: naming another uid's regions is refused; malformed,
+    out-of-bounds, overflowing, overlapping and over-cap segment tables are refused with
+    ``bad_request`` and the connection goes on; a pipelined flood of large valid batches on its
+    own regions, never read, leaves root's batch and urgent copy correct and prompt."""
+    from priod.batch import MAX_SEGMENTS
+
+    rng = np.random.default_rng(11)
+    with daemon_process(OPEN, socket_path=socket_path()) as d, priod.SyncClient(d.socket_path, timeout=30) as honest:
+        h, dv = honest.alloc_host(MiB), honest.alloc_device(MiB)
+        assert h.array is not None and dv.array is not None
+        with raw_as(NOBODY, d.socket_path) as (bad,):
+            hid, did = bad.ok("alloc_host", nbytes=64 * 1024)["region"], bad.ok("alloc_device", nbytes=64 * 1024)["region"]
+
+            def table(rows: list[tuple[int, int, int]]) -> bytes:
+                return np.asarray(rows, dtype="<u8").tobytes()
+
+            code, _ = bad.error("copy_batch", dst=dv.id, src=h.id, segments=table([(0, 0, 4096)]))
+            assert code in ("not_found", "permission"), code
+            for segments in (
+                b"\x01" * 7,  # not whole triples
+                table([(64 * 1024, 0, 1)]),  # past the region's end
+                table([(2**63, 0, 16)]),  # offsets that overflow
+                table([(0, 0, 0)]),  # an empty segment
+                table([(0, 0, 4096), (1024, 8192, 4096)]),  # a destination byte written twice
+                table([(16 * i % 65536, 0, 1) for i in range(MAX_SEGMENTS + 1)]),  # past the cap
+            ):
+                assert bad.error("copy_batch", dst=did, src=hid, segments=segments)[0] == "bad_request"
+            bad.ok("ping")
+            # A flood of valid batches at the segment cap on its own regions, sent and never read.
+            flood = table([(16 * i, 16 * i, 16) for i in range(4096)])
+            bad.sock.sendall(b"".join(encode({"id": 5000 + i, "op": "copy_batch", "dst": did, "src": hid, "segments": flood}) for i in range(64)))
+            waits = []
+            for _ in range(5):
+                h.array[:] = rng.integers(0, 256, MiB, dtype=np.uint8)
+                blocks = rng.choice(MiB // 4096, 64, replace=False) * 4096
+                t = time.monotonic()
+                honest.copy_batch(dv, h, [(int(b), int(b), 4096) for b in blocks], priority="urgent")
+                honest.copy(dv, h, 65536, priority="urgent")
+                waits.append(time.monotonic() - t)
+                idx = np.concatenate([np.arange(b, b + 4096) for b in blocks] + [np.arange(65536)])
+                assert np.array_equal(dv.array[idx], h.array[idx])
+            assert max(waits) < 2.0, f"root's urgent batch and copy took up to {max(waits):.2f} s beside another uid's batch flood"
+            replies = [bad.frame() for _ in range(64)]
+            assert sorted(r["id"] for r in replies) == list(range(5000, 5064)) and all(r["ok"] for r in replies)
+
+
+def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> None:
+    """wait_event from a hostile uid: an event naming another uid's region is refused; copies
+    held on its own events that never complete (a pipeline of them) delay no one else's copy,
+    and they go away with the connection."""
+    from priod.ipc_event import sim_handle
+
+    with daemon_process(OPEN, socket_path=socket_path()) as d, priod.SyncClient(d.socket_path, timeout=30) as honest:
+        h, dv = honest.alloc_host(MiB), honest.alloc_device(MiB)
+        assert h.array is not None and dv.array is not None
+        with raw_as(NOBODY, d.socket_path) as (bad,):
+            hid, did = bad.ok("alloc_host", nbytes=64 * 1024)["region"], bad.ok("alloc_device", nbytes=64 * 1024)["region"]
+            code, _ = bad.error("copy", dst=did, src=hid, nbytes=4096, wait_event=sim_handle(dv.id, 0))
+            assert code in ("not_found", "permission"), code
+            bad.sock.sendall(
+                b"".join(
+                    encode({"id": 7000 + i, "op": "copy", "dst": did, "src": hid, "nbytes": 4096, "priority": "urgent", "wait_event": sim_handle(did, 60_000 + i)})
+                    for i in range(32)
+                )
+            )
+            wait_until(lambda: root_status(d.socket_path)["held_copies"] == 32, timeout=10.0, what="32 copies held on events that never complete")
+            for _ in range(5):
+                h.array[:] = np.random.default_rng().integers(0, 256, MiB, dtype=np.uint8)
+                t = time.monotonic()
+                honest.copy(dv, h, MiB, priority="urgent")
+                assert time.monotonic() - t < 2.0
+                assert np.array_equal(dv.array, h.array)
+            assert not bad.pending(0.2), "a copy held on an event that never completed was answered"
+        wait_until(lambda: root_status(d.socket_path)["held_copies"] == 0, timeout=10.0, what="the held copies dropped with their connection")

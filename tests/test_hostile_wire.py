@@ -34,7 +34,7 @@ from priod.client import Client, SyncClient
 from priod.errors import ConnectionClosed, PermissionDenied, PriodError, ProtocolError
 from priod.protocol import HEADER, REQUEST_LIMITS, FrameDecoder, encode
 from priod.server import bind_unix_socket
-from priod.testing import DaemonProcess, daemon_process, framed_pair, memory_and_fds, wait_for_socket
+from priod.testing import DaemonProcess, daemon_process, framed_pair, memory_and_fds, wait_for_socket, wait_until
 from priod.transport import BlockingFramedSocket
 
 T = TypeVar("T")
@@ -42,15 +42,6 @@ LINGER_S = 5
 QUIET = {"PRIOD_LOG__LEVEL": '"warning"'}
 
 
-def wait_until(check: Callable[[], T | None], timeout: float = 30.0, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- helpers -----------------------------------------------------------------------------------

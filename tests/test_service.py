@@ -17,10 +17,8 @@ import socket
 import stat
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -28,28 +26,17 @@ import priod
 from priod import systemd
 from priod.client import Client, SyncClient
 from priod.gpus import sim_uuid
-from priod.testing import DaemonProcess, daemon_process
+from priod.testing import DaemonProcess, daemon_process, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "config" / "systemd"
 MiB = 1 << 20
-T = TypeVar("T")
 
 # A slow link keeps queued work queued for as long as a test needs it: 64 MB/s moves a 4 MiB
 # copy in about 65 ms, so a few dozen queued ones outlast any round trip to the daemon.
 SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SIM__D2H_GBPS": "0.064", "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536"}
 
 
-def wait_until(check: Callable[[], T | None], timeout: float = 30.0, what: str = "condition") -> T:
-    """Poll ``check`` until it returns something truthy; generous timeouts, never fixed sleeps."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def log_lines(d: DaemonProcess) -> list[dict[str, Any]]:

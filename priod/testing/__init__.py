@@ -16,7 +16,7 @@ Every public name is importable from ``priod.testing`` itself.
 
 from __future__ import annotations
 
-from .daemon import DaemonProcess, daemon_pid, daemon_process, wait_for_socket
+from .daemon import DaemonProcess, daemon_pid, daemon_process, wait_for_socket, wait_until
 from .fakes import (
     ManualChunk,
     ManualDeviceMemory,
@@ -77,4 +77,5 @@ __all__ = [
     "urgent_copies",
     "urgent_probe",
     "wait_for_socket",
+    "wait_until",
 ]

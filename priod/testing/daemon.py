@@ -10,14 +10,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..transport import peer_credentials
 
-__all__ = ["DaemonProcess", "daemon_pid", "daemon_process", "wait_for_socket"]
+__all__ = ["DaemonProcess", "daemon_pid", "daemon_process", "wait_for_socket", "wait_until"]
+
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T | None], timeout: float = 30.0, what: str = "condition") -> T:
+    """Poll ``check`` until it returns something truthy, and return that; AssertionError naming
+    ``what`` after ``timeout`` seconds. Tests wait with this, never with fixed sleeps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
 
 
 def wait_for_socket(path: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
