@@ -302,9 +302,10 @@ class Client:
         self._recorded.clear()  # their handles see the copy's future fail
 
     def _send(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> tuple[int, asyncio.Future[Reply]]:
-        if self._closed_exc is not None:
-            raise self._closed_exc
-        if self._sock is None or self._sock.closed:
+        if self._closed_exc is not None or self._sock is None or self._sock.closed:
+            close_fds(list(fds))  # they are ours to close from here on, sent or not
+            if self._closed_exc is not None:
+                raise self._closed_exc
             raise ConnectionClosed("not connected; use priod.connect() or reconnect()")
         req_id = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -366,9 +367,11 @@ class Client:
 
     async def register_device(self, obj: Any) -> Region:
         """Share your own GPU buffer: a CUDA tensor of any dtype (PyTorch's caching allocator in
-        its default mode), or anything with ``__cuda_array_interface__``. The region holds a
+        its default mode, or with expandable segments: then the buffer must lie within one of
+        its pages), or anything with ``__cuda_array_interface__``. The region holds a
         reference to it until `free`; tensors viewing it then name it in `copy_tensor`."""
-        return self._region(await self._request(cuda_register_request(obj))).holding(obj)
+        req, fds = cuda_register_request(obj)  # the fd of cuMemCreate memory: closed once sent
+        return self._region(await self._request(req, fds)).holding(obj)
 
     async def free(self, region: Region) -> None:
         self._check_region(region)

@@ -279,13 +279,24 @@ def batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions
     return CopyBatch(dst.id, src.id, raw, **_with_handles(options))
 
 
-def cuda_register_request(obj: Any) -> RegisterDevice:
-    from .cuda_ipc import export_cuda_array, gpu_uuid
+def cuda_register_request(obj: Any) -> tuple[RegisterDevice, tuple[int, ...]]:
+    """The register_device request for a CUDA buffer, and the fds to send beside it (the
+    allocation's POSIX fd for ``cuMemCreate`` memory, which the caller then owns)."""
+    from .cuda_ipc import export_device_buffer, gpu_uuid
 
-    handle, offset, nbytes, device = export_cuda_array(obj)
-    # ``device`` is this process's ordinal; the UUID is what the daemon goes by (its ordinals
-    # may differ). The ordinal still goes along for a daemon that predates UUIDs.
-    return RegisterDevice(handle=handle, nbytes=nbytes, offset=offset, device=device, device_uuid=gpu_uuid(device))
+    buf = export_device_buffer(obj)
+    try:
+        # ``device`` is this process's ordinal; the UUID is what the daemon goes by (its ordinals
+        # may differ). The ordinal still goes along for a daemon that predates UUIDs.
+        uuid = gpu_uuid(buf.device)
+    except BaseException:
+        if buf.fd >= 0:
+            os.close(buf.fd)
+        raise
+    if buf.kind == "vmm_fd":
+        req = RegisterDevice(b"", buf.nbytes, buf.offset, buf.device, uuid, kind="vmm_fd", size=buf.size)
+        return req, (buf.fd,)
+    return RegisterDevice(handle=buf.handle, nbytes=buf.nbytes, offset=buf.offset, device=buf.device, device_uuid=uuid), ()
 
 
 def alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:

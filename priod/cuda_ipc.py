@@ -17,6 +17,7 @@ may number the GPUs differently (CUDA_VISIBLE_DEVICES, containers).
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any, NamedTuple, Self
 
@@ -55,7 +56,8 @@ class DeviceBuffer(NamedTuple):
     """A client's device buffer as the daemon needs it (`export_device_buffer`)."""
 
     handle: bytes
-    """The IPC handle of the whole allocation the buffer lives in (its base, not the buffer)."""
+    """The IPC handle of the whole allocation the buffer lives in (its base, not the buffer);
+    empty for ``vmm_fd``."""
     offset: int
     """The buffer's offset into that allocation."""
     nbytes: int
@@ -63,6 +65,13 @@ class DeviceBuffer(NamedTuple):
     """This process's ordinal of the buffer's GPU."""
     pointer: int
     """The buffer's address in this process (``tensor.data_ptr()``)."""
+    kind: str = "cuda_ipc"
+    """``cuda_ipc`` (``handle`` names ``cudaMalloc`` memory) or ``vmm_fd`` (``fd`` names a
+    ``cuMemCreate`` allocation of ``size`` bytes)."""
+    fd: int = -1
+    """For ``vmm_fd``: the allocation's POSIX fd, the caller's to pass along and close."""
+    size: int = 0
+    """For ``vmm_fd``: the whole allocation's size (the daemon maps all of it)."""
 
 
 def device_span(obj: object) -> tuple[int, int]:
@@ -124,8 +133,10 @@ POOL_HINT = (
     "PYTORCH_CUDA_ALLOC_CONF=backend:native), or allocate the buffer with priod's alloc_device and view it with Region.torch()"
 )
 VMM_HINT = (
-    "it was mapped with cuMemCreate (virtual memory management; in PyTorch PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), "
-    "which CUDA IPC handles cannot share: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False for this process, "
+    "it was mapped with cuMemCreate (virtual memory management; in PyTorch PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) "
+    "without a POSIX file descriptor handle type (CUmemAllocationProp.requestedHandleTypes lacks "
+    "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; PyTorch picks fabric handles where the system grants them), "
+    "so priod cannot share it: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False for this process, "
     "or allocate the buffer with priod's alloc_device and view it with Region.torch()"
 )
 
@@ -168,7 +179,9 @@ def export_device_buffer(obj: object) -> DeviceBuffer:
     check(drv.cuInit(0))
     device = int(check(drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)))
     with DeviceScope(device):
-        if (why := _unshareable(drv, pointer)) is not None:
+        if (why := _unshareable(drv, pointer)) is VMM_HINT:
+            return _export_vmm(drv, pointer, nbytes, device)
+        if why is not None:
             raise EngineError(f"this buffer's memory cannot be registered with priod: {why}")
         base, _size = check(drv.cuMemGetAddressRange(pointer))
         base = int(base)
@@ -185,9 +198,80 @@ def export_device_buffer(obj: object) -> DeviceBuffer:
     return DeviceBuffer(handle_to_bytes(handle), pointer - base, nbytes, device, pointer)
 
 
+def _export_vmm(drv: Any, pointer: int, nbytes: int, device: int) -> DeviceBuffer:
+    """Describe a buffer in ``cuMemCreate`` memory by a POSIX fd of its allocation.
+
+    The buffer must lie within one allocation: PyTorch's expandable segments map many (2 MiB
+    pages in the small pool, 20 MiB in the large) side by side in one address range, and the
+    daemon maps what one fd names, whole. The allocation's extent is where the retained handle
+    stays the pointer's (the driver returns the very handle value that was mapped): first the
+    ends of ``cuMemGetAddressRange``'s range, and where those are another allocation's, a walk
+    in steps of the allocation granularity (every mapping starts and ends on one).
+    """
+    retained: list[Any] = []
+
+    def retain(address: int) -> int | None:
+        try:
+            handle = check(drv.cuMemRetainAllocationHandle(address))
+        except CudaError:
+            return None  # not cuMemMap-ed there
+        retained.append(handle)
+        return int(handle)
+
+    try:
+        handle = retain(pointer)
+        if handle is None:
+            # Neither IPC-capable nor from a pool, nor cuMemMap-ed: the driver did not say why.
+            raise EngineError(f"this buffer's memory cannot be registered with priod: {VMM_HINT}")
+        prop = check(drv.cuMemGetAllocationPropertiesFromHandle(retained[0]))
+        posix_fd = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        try:
+            requested = int(prop.requestedHandleTypes)
+        except ValueError:  # a mask of several types is no member of the bindings' enum: let the export decide
+            requested = int(posix_fd)
+        if not requested & int(posix_fd):
+            raise EngineError(f"this buffer's memory cannot be registered with priod: {VMM_HINT}")
+        base, size = check(drv.cuMemGetAddressRange(pointer))
+        base, size = int(base), int(size)
+        last = pointer + nbytes - 1
+        if last >= base + size or retain(last) != handle:
+            raise EngineError(
+                f"this buffer ({nbytes} bytes at 0x{pointer:x}) spans several cuMemCreate allocations (PyTorch's expandable segments "
+                "map one per 2 MiB or 20 MiB page), and priod registers one allocation per region: register smaller pieces, each "
+                "within one page, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or allocate it with priod's alloc_device "
+                "and view it with Region.torch()"
+            )
+        if retain(base) != handle or retain(base + size - 1) != handle:
+            step = int(check(drv.cuMemGetAllocationGranularity(prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+            lo, hi = pointer - pointer % step, last - last % step + step
+            while lo - step >= base and retain(lo - step) == handle:
+                lo -= step
+            while hi < base + size and retain(hi) == handle:
+                hi += step
+            base, size = lo, hi - lo
+        try:
+            fd = int(check(drv.cuMemExportToShareableHandle(retained[0], posix_fd, 0)))
+        except CudaError as exc:
+            raise EngineError(f"this buffer's memory cannot be registered with priod: cuMemExportToShareableHandle refused it ({exc}); {VMM_HINT}") from exc
+    finally:
+        # A retain counts a reference like cuMemCreate's; the mapping keeps the memory alive.
+        for h in retained:
+            drv.cuMemRelease(h)
+    return DeviceBuffer(b"", pointer - base, nbytes, device, pointer, "vmm_fd", fd, size)
+
+
 def export_cuda_array(obj: object) -> tuple[bytes, int, int, int]:
-    """``(ipc_handle, offset, nbytes, device)`` of `export_device_buffer` (its first four fields)."""
+    """``(ipc_handle, offset, nbytes, device)`` of `export_device_buffer` (its first four
+    fields), for memory CUDA IPC handles share; ``cuMemCreate`` memory needs the fd of
+    `export_device_buffer` and is refused here.
+
+    Raises:
+        EngineError: the buffer is ``cuMemCreate`` memory, or as `export_device_buffer`.
+    """
     buf = export_device_buffer(obj)
+    if buf.kind != "cuda_ipc":
+        os.close(buf.fd)
+        raise EngineError("this buffer is cuMemCreate memory, which has no CUDA IPC handle: use export_device_buffer (its kind 'vmm_fd' and fd)")
     return buf.handle, buf.offset, buf.nbytes, buf.device
 
 

@@ -42,6 +42,7 @@ from .replies import (
 __all__ = [
     "PROGRESS_SIGNAL_RECORDED",
     "PROTOCOL_VERSION",
+    "REGISTER_KINDS",
     "REQUEST_TYPES",
     "AllocDevice",
     "AllocHost",
@@ -82,7 +83,8 @@ MAX_DEADLINE_MS = 3_600_000
 class _Request(Wire):
     __slots__ = ()
     takes_fds: ClassVar[int] = 0
-    """How many fds must come with this request (only register_host takes one)."""
+    """How many fds must come with this request (register_host takes one; register_device of
+    kind vmm_fd one, `decode_request`)."""
 
     @classmethod
     def decode(cls, msg: Message) -> Self:
@@ -167,9 +169,20 @@ class AllocDevice(_Request):
         _need_uuid(self.device_uuid)
 
 
+REGISTER_KINDS = ("cuda_ipc", "vmm_fd")
+"""How a register_device request names the client's allocation: a legacy CUDA IPC handle
+(``cudaMalloc`` memory), or a POSIX fd of a ``cuMemCreate`` allocation passed beside the frame."""
+
+
 @dataclass(frozen=True, slots=True)
 class RegisterDevice(_Request):
-    """``device_uuid``, when given, names the GPU and ``device`` (the daemon's ordinal) is ignored."""
+    """``device_uuid``, when given, names the GPU and ``device`` (the daemon's ordinal) is ignored.
+
+    ``kind`` ``cuda_ipc`` (the default, also when absent): ``handle`` is the allocation's
+    ``cudaIpcMemHandle_t``. ``vmm_fd``: one fd comes beside the frame, the allocation's
+    ``cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)``; ``size`` is the whole allocation's
+    size (the daemon maps all of it) and ``handle`` is empty.
+    """
 
     op: ClassVar[str] = "register_device"
     handle: bytes
@@ -177,11 +190,20 @@ class RegisterDevice(_Request):
     offset: int = 0
     device: int = 0
     device_uuid: str | None = None
+    kind: str | None = None
+    size: int | None = None
 
     def check(self) -> None:
         _need_size(self.nbytes, "a region holds")
         _need_offset("offset", self.offset)
         _need_uuid(self.device_uuid)
+        if self.kind is not None and self.kind not in REGISTER_KINDS:
+            raise InvalidRequest(f"kind = {self.kind!r} is invalid; register_device takes kind {' or '.join(map(repr, REGISTER_KINDS))}")
+        if self.kind == "vmm_fd":
+            if self.size is None or self.size < 1:
+                raise InvalidRequest(f"size = {self.size} is invalid; kind 'vmm_fd' needs the whole allocation's size in bytes (at least 1)")
+            if self.offset + self.nbytes > self.size:
+                raise InvalidRequest(f"offset {self.offset} + nbytes {self.nbytes} is past the allocation's size {self.size}; the buffer must lie within it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +361,12 @@ def decode_request(msg: Message, *, greeted: bool = True, fds: int = 0) -> Reque
         raise InvalidRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(REQUEST_TYPES))}")
     if not greeted and kind is not Hello:
         raise InvalidRequest("send 'hello' with your protocol version before any other request")
-    if fds != kind.takes_fds:
+    # Before decoding, so that fds where none belong are named whatever else is wrong; for
+    # register_device its kind says (one fd with kind vmm_fd).
+    vmm_fd = kind is RegisterDevice and msg.get("kind") == "vmm_fd"
+    if fds != (1 if vmm_fd else kind.takes_fds):
+        if vmm_fd:
+            raise InvalidRequest(f"'{op}' of kind 'vmm_fd' takes exactly one fd (the allocation's POSIX fd) with the frame, got {fds}")
         if kind.takes_fds:
             raise InvalidRequest(f"'{op}' takes exactly one memfd with the frame, got {fds}")
         raise InvalidRequest(f"'{op}' takes no file descriptors, but {fds} came with it; they were closed")

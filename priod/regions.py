@@ -415,6 +415,19 @@ class RegionTable:
             self._unclaim(holder.tally, "device", nbytes)
             raise
 
+    async def register_device_fd(self, holder: Holdings, fd: int, size: int, offset: int, nbytes: int, device: int) -> Region:
+        """The client's own ``cuMemCreate`` memory, imported from its POSIX fd and mapped whole
+        (``size`` bytes), the region being ``nbytes`` at ``offset``. The caller keeps and
+        closes ``fd``."""
+        self._claim(holder, "device", nbytes)
+        try:
+            loop = asyncio.get_running_loop()
+            mem = await loop.run_in_executor(None, self.engine.import_device_fd, fd, size, offset, nbytes, device)
+            return self._add(holder, "device", nbytes, mem, device)
+        except BaseException:
+            self._unclaim(holder.tally, "device", nbytes)
+            raise
+
     def _add(self, holder: Holdings, kind: str, nbytes: int, mem: Memory, device: int | None) -> Region:
         region = Region(next(self._ids), holder, kind, nbytes, mem, device)
         if holder.closed:  # the client left while we were mapping: undo at once

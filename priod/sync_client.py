@@ -281,7 +281,12 @@ class SyncClient:
 
     def register_device(self, obj: Any) -> Region:
         """See `Client.register_device`."""
-        return self._region(self._request(cuda_register_request(obj))).holding(obj)
+        req, fds = cuda_register_request(obj)
+        try:
+            reply = self._request(req, fds)
+        finally:
+            close_fds(list(fds))  # the daemon got its own copy of a cuMemCreate allocation's fd
+        return self._region(reply).holding(obj)
 
     def free(self, region: Region) -> None:
         self._request(Free(region.id))

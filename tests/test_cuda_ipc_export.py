@@ -1,10 +1,13 @@
 """The client's CUDA IPC export (priod.cuda_ipc) against a fake driver, so it runs without a GPU:
-a caching allocator's piece of a segment is named by the segment's handle and its offset, and
-memory CUDA IPC cannot share is refused with the allocator setting to change."""
+a caching allocator's piece of a segment is named by the segment's handle and its offset,
+cuMemCreate memory (PyTorch's expandable segments) by a POSIX fd of its allocation, and memory
+neither can share is refused with the allocator setting to change. Also the daemon's side of
+cuMemCreate memory (priod.engines.cuda.memory): import, map, access, and the undo on each error."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,7 +15,8 @@ import pytest
 
 import priod.cuda_ipc as cuda_ipc
 from priod.cuda_ipc import POOL_HINT, VMM_HINT, _unshareable, export_device_buffer
-from priod.errors import CudaError, EngineError
+from priod.engines.cuda import memory
+from priod.errors import CudaError, EngineError, InvalidRequest
 
 
 class _FakeDriver:
@@ -62,6 +66,14 @@ class _FakeCuda:
             CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL="ordinal", CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE="ipc", CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE="pool"
         )
         self.handle_of: int | None = None
+        self.pages: dict[tuple[int, int], int] = {}
+        """(start, size) -> handle of each cuMemMap-ed page."""
+        self.handle_types = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self.range_is_segment = False
+        """cuMemGetAddressRange answers the whole segment (all pages) instead of the page."""
+        self.retains = self.releases = 0
+        self.exported: list[int] = []
+        self.fds: list[int] = []
 
     def cuInit(self, flags: int) -> tuple[Any]:
         return (self.OK,)
@@ -76,6 +88,54 @@ class _FakeCuda:
     def cudaIpcGetMemHandle(self, base: int) -> tuple[Any, Any]:
         self.handle_of = base
         return (self.OK, b"h" * 64) if self.handle_ok else (self.BAD, None)
+
+    # -- cuMemCreate memory (set up by `_vmm`), as expandable segments map it
+    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
+    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+
+    def _page(self, address: int) -> tuple[int, int] | None:
+        return next((p for p in self.pages if p[0] <= address < p[0] + p[1]), None)
+
+    def cuMemRetainAllocationHandle(self, address: int) -> tuple[Any, Any]:
+        page = self._page(address)
+        if page is None:
+            return (self.BAD, None)
+        self.retains += 1
+        return (self.OK, self.pages[page])
+
+    def cuMemRelease(self, handle: int) -> tuple[Any]:
+        self.releases += 1
+        return (self.OK,)
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle: int) -> tuple[Any, Any]:
+        return (self.OK, SimpleNamespace(requestedHandleTypes=self.handle_types))
+
+    def cuMemGetAllocationGranularity(self, prop: Any, option: int) -> tuple[Any, int]:
+        return (self.OK, 2 << 20)
+
+    def cuMemExportToShareableHandle(self, handle: int, kind: int, flags: int) -> tuple[Any, int]:
+        assert kind == 1 and flags == 0
+        self.exported.append(handle)
+        self.fds.append(os.open(os.devnull, os.O_RDONLY))
+        return (self.OK, self.fds[-1])
+
+
+def _vmm(fake: _FakeCuda, pages: list[int], range_is_segment: bool = False) -> None:
+    """Make ``fake``'s segment cuMemCreate memory: pages of these sizes side by side from its
+    base, handles 100, 101, ..."""
+    fake.capable, fake.range_is_segment, fake.exported, fake.fds = False, range_is_segment, [], []
+    fake.pages, start = {}, fake.base
+    for i, size in enumerate(pages):
+        fake.pages[(start, size)] = 100 + i
+        start += size
+    fake.size = start
+
+    def address_range(pointer: int) -> tuple[Any, int, int]:
+        page = fake._page(pointer)
+        assert page is not None
+        return (fake.OK, fake.base, fake.size) if fake.range_is_segment else (fake.OK, *page)
+
+    fake.cuMemGetAddressRange = address_range  # type: ignore[method-assign]
 
 
 class _Cai:
@@ -103,16 +163,201 @@ def test_a_buffer_inside_a_segment_exports_the_segment_handle_and_its_offset(fak
     the piece's offset in it (what the daemon opens once per segment)."""
     buf = export_device_buffer(_Cai(fake_cuda.base + 12288, 4096))
     assert fake_cuda.handle_of == fake_cuda.base
-    assert buf == (b"h" * 64, 12288, 4096, 0, fake_cuda.base + 12288)
+    assert buf[:5] == (b"h" * 64, 12288, 4096, 0, fake_cuda.base + 12288) and buf.kind == "cuda_ipc" and buf.fd == -1
 
 
 def test_memory_ipc_cannot_share_fails_before_the_handle_call(fake_cuda: Any) -> None:
     """Memory the driver calls not IPC-capable is refused with the setting to change, without
     asking for a handle; a handle call that fails anyway names both PyTorch settings."""
-    fake_cuda.capable = False
+    fake_cuda.capable = False  # and not cuMemMap-ed either (no pages): the driver does not say why
     with pytest.raises(EngineError, match=r"^this buffer's memory cannot be registered with priod: it was mapped with cuMemCreate .*expandable_segments:False"):
         export_device_buffer(_Cai(fake_cuda.base, 4096))
     assert fake_cuda.handle_of is None
     fake_cuda.capable, fake_cuda.handle_ok = True, False
     with pytest.raises(EngineError, match=r"^this buffer's memory cannot be registered with priod: cudaIpcGetMemHandle refused it .*expandable_segments:False.*backend:native"):
         export_device_buffer(_Cai(fake_cuda.base, 4096))
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("range_is_segment", [False, True], ids=["range-is-the-page", "range-is-the-segment"])
+def test_a_buffer_in_cumemcreate_memory_exports_its_allocation_fd(fake_cuda: Any, range_is_segment: bool) -> None:
+    """A buffer in an expandable segment's second 20 MiB page is named by that page's POSIX fd,
+    its offset in the page and the page's size, whether the driver's address range is the page
+    or the whole segment (then the page is found by its handle, 2 MiB at a time); every
+    retained handle is released."""
+    _vmm(fake_cuda, [20 * MiB, 20 * MiB, 20 * MiB], range_is_segment)
+    pointer = fake_cuda.base + 20 * MiB + 3 * MiB
+    buf = export_device_buffer(_Cai(pointer, 4 * MiB))
+    try:
+        assert (buf.kind, buf.handle, buf.offset, buf.nbytes, buf.size, buf.pointer) == ("vmm_fd", b"", 3 * MiB, 4 * MiB, 20 * MiB, pointer)
+        assert fake_cuda.exported == [101] and os.fstat(buf.fd)
+    finally:
+        os.close(buf.fd)
+    assert fake_cuda.retains == fake_cuda.releases > 0
+
+
+def test_cumemcreate_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -> None:
+    """A buffer over two pages (two allocations) is refused naming the page sizes; an allocation
+    made without a POSIX fd handle type (fabric only) names the setting; no fd is made for
+    either and every retained handle is released."""
+    _vmm(fake_cuda, [2 * MiB, 2 * MiB])
+    with pytest.raises(EngineError, match=r"spans several cuMemCreate allocations .*expandable_segments:False"):
+        export_device_buffer(_Cai(fake_cuda.base + MiB, 2 * MiB))
+    fake_cuda.handle_types = 8  # CU_MEM_HANDLE_TYPE_FABRIC
+    with pytest.raises(EngineError, match=r"without a POSIX file descriptor handle type .*expandable_segments:False"):
+        export_device_buffer(_Cai(fake_cuda.base, 4096))
+    assert fake_cuda.exported == [] and fake_cuda.retains == fake_cuda.releases > 0
+
+
+def test_register_request_of_cumemcreate_memory_carries_the_fd(fake_cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """register_device of cuMemCreate memory: kind vmm_fd, the allocation's size, and its fd to
+    send beside the frame; export_cuda_array (IPC handles only) refuses it and closes the fd."""
+    from priod.client_base import cuda_register_request
+
+    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-00000000-0000-0000-0000-000000000000")
+    _vmm(fake_cuda, [2 * MiB])
+    req, fds = cuda_register_request(_Cai(fake_cuda.base + 4096, 8192))
+    try:
+        assert (req.kind, req.size, req.offset, req.nbytes, req.handle, len(fds)) == ("vmm_fd", 2 * MiB, 4096, 8192, b"", 1)
+        req.check()
+    finally:
+        os.close(fds[0])
+    with pytest.raises(EngineError, match="use export_device_buffer"):
+        cuda_ipc.export_cuda_array(_Cai(fake_cuda.base, 4096))
+    with pytest.raises(OSError):
+        os.fstat(fake_cuda.fds[-1])  # the fd it was given is closed
+
+
+# -- the daemon's side: priod.engines.cuda.memory ---------------------------------------------
+
+
+class _FakeVmmDriver:
+    """The driver calls of a cuMemCreate import, logged in order; ``fail`` names one that errs."""
+
+    OK = object()
+    BAD = SimpleNamespace(name="CUDA_ERROR_INVALID_VALUE")
+
+    def __init__(self, fail: str = "", granularity: int = 2 * MiB) -> None:
+        self.fail, self.granularity = fail, granularity
+        self.calls: list[tuple[Any, ...]] = []
+        self.access: list[Any] = []
+        self.CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR="posix_fd")
+        self.CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM="minimum")
+        self.CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE="device")
+        self.CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw")
+
+    def CUmemAccessDesc(self) -> Any:
+        return SimpleNamespace(location=SimpleNamespace(type=None, id=None), flags=None)
+
+    def _call(self, name: str, *args: Any, value: Any = None) -> tuple[Any, ...]:
+        self.calls.append((name, *args))
+        if name == self.fail:
+            return (self.BAD,) if value is None else (self.BAD, None)
+        return (self.OK,) if value is None else (self.OK, value)
+
+    def cuMemImportFromShareableHandle(self, fd: int, kind: str) -> tuple[Any, ...]:
+        return self._call("import", fd, kind, value=77)
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle: int) -> tuple[Any, ...]:
+        return self._call("props", handle, value="prop")
+
+    def cuMemGetAllocationGranularity(self, prop: str, option: str) -> tuple[Any, ...]:
+        return self._call("granularity", prop, option, value=self.granularity)
+
+    def cuMemAddressReserve(self, size: int, alignment: int, addr: int, flags: int) -> tuple[Any, ...]:
+        return self._call("reserve", size, alignment, addr, flags, value=0x7000_0000_0000)
+
+    def cuMemMap(self, ptr: int, size: int, offset: int, handle: int, flags: int) -> tuple[Any, ...]:
+        return self._call("map", ptr, size, offset, handle, flags)
+
+    def cuMemSetAccess(self, ptr: int, size: int, desc: list[Any], count: int) -> tuple[Any, ...]:
+        self.access = [(d.location.type, d.location.id, d.flags) for d in desc]
+        return self._call("access", ptr, size, count)
+
+    def cuMemUnmap(self, ptr: int, size: int) -> tuple[Any, ...]:
+        return self._call("unmap", ptr, size)
+
+    def cuMemAddressFree(self, ptr: int, size: int) -> tuple[Any, ...]:
+        return self._call("free", ptr, size)
+
+    def cuMemRelease(self, handle: int) -> tuple[Any, ...]:
+        return self._call("release", handle)
+
+
+@pytest.fixture
+def daemon_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """memory.py's driver calls answered by a `_FakeVmmDriver` (replace it with ``.use(...)``)."""
+    from priod.engines.cuda import _driver
+
+    holder = SimpleNamespace(drv=_FakeVmmDriver())
+    monkeypatch.setattr(_driver, "_DRV_OK", _FakeVmmDriver.OK)
+    monkeypatch.setattr(_driver, "_RT_OK", object())
+    monkeypatch.setattr(_driver, "_rt", SimpleNamespace(cudaError_t=type(None)))
+    monkeypatch.setattr(memory, "bindings", lambda: (None, holder.drv))
+
+    def use(drv: _FakeVmmDriver) -> _FakeVmmDriver:
+        holder.drv = drv
+        return drv
+
+    holder.use = use
+    return holder
+
+
+BASE = 0x7000_0000_0000
+
+
+def test_daemon_maps_an_imported_allocation_whole_and_unmaps_it(daemon_driver: Any) -> None:
+    """The fd is imported, the whole allocation mapped at a reserved range aligned to its
+    granularity, read/write for the region's GPU and its peers; the region starts at its offset. Release
+    unmaps, frees the range and releases the handle, in that order. The fd is not closed here."""
+    drv = daemon_driver.drv
+    used: list[int] = []
+    regions = memory.Regions(used.append)
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        mem = regions.import_device_fd(fd, 20 * MiB, 3 * MiB, 4 * MiB, 1, [0])  # gpu0 reaches gpu1 by a peer lane
+        os.fstat(fd)  # still open: the session closes it
+    finally:
+        os.close(fd)
+    assert used == [1] and (mem.pointer, mem.nbytes, mem.device, mem.owned) == (BASE + 3 * MiB, 4 * MiB, 1, False)
+    assert drv.calls == [
+        ("import", fd, "posix_fd"),
+        ("props", 77),
+        ("granularity", "prop", "minimum"),
+        ("reserve", 20 * MiB, 2 * MiB, 0, 0),
+        ("map", BASE, 20 * MiB, 0, 77, 0),
+        ("access", BASE, 20 * MiB, 2),
+    ]
+    assert drv.access == [("device", 1, "rw"), ("device", 0, "rw")]
+    drv.calls.clear()
+    regions.release_device(mem)
+    regions.release_device(mem)  # idempotent
+    assert drv.calls == [("unmap", BASE, 20 * MiB), ("free", BASE, 20 * MiB), ("release", 77)]
+    assert regions.device_mems == {}
+
+
+@pytest.mark.parametrize(
+    ("fail", "granularity", "error", "undo"),
+    [
+        ("import", 2 * MiB, InvalidRequest, []),
+        ("", 3 * MiB, InvalidRequest, [("release", 77)]),
+        ("map", 2 * MiB, InvalidRequest, [("free", BASE, 20 * MiB), ("release", 77)]),
+        ("access", 2 * MiB, CudaError, [("unmap", BASE, 20 * MiB), ("free", BASE, 20 * MiB), ("release", 77)]),
+    ],
+    ids=["not-a-cuda-fd", "size-off-granularity", "size-too-large", "access-refused"],
+)
+def test_daemon_import_errors_undo_what_was_done(daemon_driver: Any, fail: str, granularity: int, error: type[Exception], undo: list[tuple[Any, ...]]) -> None:
+    """A fd that does not import, or a size that does not map, is the client's mistake
+    (InvalidRequest: bad_request, naming what to send); whatever fails, what was done is undone
+    in reverse and nothing is left registered."""
+    drv = daemon_driver.use(_FakeVmmDriver(fail, granularity))
+    regions = memory.Regions(lambda device: None)
+    with pytest.raises(error) as info:
+        regions.import_device_fd(5, 20 * MiB, 0, 4096, 0)
+    if error is InvalidRequest:
+        assert "cuMemExportToShareableHandle" in str(info.value)
+    done = [c[0] for c in drv.calls]
+    assert drv.calls[len(done) - len(undo) :] == undo if undo else done == ["import"]
+    assert regions.device_mems == {}

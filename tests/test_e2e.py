@@ -141,6 +141,35 @@ async def test_register_host_memfd(daemon: DaemonProcess) -> None:
         os.close(fd)
 
 
+def test_register_device_vmm_fd_on_sim_is_refused_and_its_fd_closed(daemon: DaemonProcess) -> None:
+    """cuMemCreate memory by fd (kind vmm_fd) needs the cuda engine: the sim refuses it with
+    bad_request naming the alternative, and the fd that came with it is closed in the daemon."""
+    from priod.messages import RegisterDevice
+
+    fd = os.memfd_create("priod-vmm-fd-test")
+    try:
+        with priod.SyncClient(daemon.socket_path) as c:
+            with pytest.raises(priod.InvalidRequest, match=r"^register_device of cuMemCreate memory \(kind 'vmm_fd'\) needs the cuda engine; .*alloc_device"):
+                c._request(RegisterDevice(b"", 4096, 0, kind="vmm_fd", size=2 << 20), (fd,))
+            c.ping()
+    finally:
+        os.close(fd)
+
+    def held() -> bool:
+        for link in Path(f"/proc/{daemon.proc.pid}/fd").iterdir():
+            try:
+                if "priod-vmm-fd-test" in os.readlink(link):
+                    return True
+            except FileNotFoundError:
+                pass  # closed meanwhile
+        return False
+
+    deadline = time.monotonic() + 10
+    while held() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not held(), "the daemon kept the fd that came with a refused register_device"
+
+
 async def test_dead_client_regions_released(daemon: DaemonProcess) -> None:
     """A client killed mid-transfer: its regions and queued copies go, others are untouched."""
     async with priod.connect(daemon.socket_path) as watcher:

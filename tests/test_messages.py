@@ -121,6 +121,21 @@ def test_an_error_reply_keeps_a_batch_s_progress_whatever_its_code() -> None:
         ({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": math.nan}, 0, True, r"^deadline_ms = nan is invalid; give a finite number"),
         ({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": -math.inf}, 0, True, r"^deadline_ms = -inf is invalid"),
         ({"id": 1, "op": "alloc_device", "nbytes": 4096, "device": "0"}, 0, True, r"^field 'device' must be int, got str$"),
+        (
+            {"id": 1, "op": "register_device", "handle": b"", "nbytes": 4096, "kind": "vmm_fd", "size": 2 << 20},
+            0,
+            True,
+            r"^'register_device' of kind 'vmm_fd' takes exactly one fd \(the allocation's POSIX fd\) with the frame, got 0$",
+        ),
+        ({"id": 1, "op": "register_device", "handle": b"h" * 64, "nbytes": 4096}, 1, True, r"^'register_device' takes no file descriptors, but 1 came"),
+        ({"id": 1, "op": "register_device", "handle": b"", "nbytes": 1, "kind": "dmabuf"}, 0, True, r"^kind = 'dmabuf' is invalid; register_device takes kind 'cuda_ipc' or"),
+        ({"id": 1, "op": "register_device", "handle": b"", "nbytes": 4096, "kind": "vmm_fd"}, 1, True, r"^size = None is invalid; kind 'vmm_fd' needs the whole allocation's size"),
+        (
+            {"id": 1, "op": "register_device", "handle": b"", "nbytes": 4096, "offset": 4096, "kind": "vmm_fd", "size": 4096},
+            1,
+            True,
+            r"^offset 4096 \+ nbytes 4096 is past the allocation's size 4096; the buffer must lie within it$",
+        ),
     ],
 )
 def test_bad_requests_are_refused_with_the_fix(msg: dict[str, object], fds: int, greeted: bool, error: str) -> None:
@@ -131,3 +146,12 @@ def test_bad_requests_are_refused_with_the_fix(msg: dict[str, object], fds: int,
 def test_a_whole_number_deadline_is_a_float_and_none_means_no_deadline() -> None:
     assert decode_request({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": 5}) == Copy(1, 2, 4, deadline_ms=5.0)
     assert decode_request({"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": None}) == Copy(1, 2, 4)
+
+
+def test_register_device_of_a_vmm_allocation_takes_its_fd() -> None:
+    """kind vmm_fd comes with one fd and the allocation's size; the default kind with none (and a
+    frame without kind or size, from an older client, is that default)."""
+    req = decode_request({"id": 1, "op": "register_device", "handle": b"", "nbytes": 4096, "offset": 8192, "kind": "vmm_fd", "size": 2 << 20}, fds=1)
+    assert req == RegisterDevice(b"", 4096, 8192, kind="vmm_fd", size=2 << 20)
+    assert "kind" not in RegisterDevice(b"h" * 64, 4096).encode(1)
+    assert decode_request({"id": 1, "op": "register_device", "handle": b"h" * 64, "nbytes": 4096}) == RegisterDevice(b"h" * 64, 4096)

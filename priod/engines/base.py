@@ -257,6 +257,14 @@ class Engine(ABC):
     def import_device(self, ipc_handle: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
         """Open client-owned device memory from its IPC handle (cuda only)."""
 
+    def import_device_fd(self, fd: int, size: int, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        """Import and map client-owned ``cuMemCreate`` memory from its POSIX fd (``size``: the
+        whole allocation) and take ``nbytes`` at ``offset`` (cuda only). ``fd`` stays the caller's."""
+        raise InvalidRequest(
+            f"register_device of cuMemCreate memory (kind 'vmm_fd') needs the cuda engine; this daemon runs the {self.name} engine: "
+            "use alloc_device and view it with Region.torch()"
+        )
+
     @abstractmethod
     def release_device(self, mem: DeviceMemory) -> None:
         """Free (or close the imported handle of) device memory. Nothing is in flight on it."""

@@ -183,6 +183,17 @@ class CudaEngine(Engine):
         self._device(device)
         return self._regions.import_device(ipc_handle, offset, nbytes, device)
 
+    def import_device_fd(self, fd: int, size: int, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        self._check_open()
+        if nbytes <= 0 or offset < 0 or offset + nbytes > size:
+            raise InvalidRequest(f"bad device region: offset {offset}, {nbytes} bytes, in an allocation of {size}")
+        self._device(device)
+        # cuMemMap-ed memory is reached only by the GPUs given access to it (peer access, which
+        # cudaMalloc memory gets from cudaDeviceEnablePeerAccess, does not extend to it): its own,
+        # and each GPU whose peer lane to it copies directly.
+        peers = [other for other, dev in self._devices.items() if other != device and (lane := dev.peers.get(device)) is not None and lane.peer_access]
+        return self._regions.import_device_fd(fd, size, offset, nbytes, device, peers)
+
     def release_device(self, mem: DeviceMemory) -> None:
         self._regions.release_device(mem)
 

@@ -9,6 +9,9 @@
   IPC handle in its `DeviceExport`) or imported from a client's IPC handle. Imports go through
   the daemon-side `IpcTable`, which opens each client allocation once however many regions
   point into it.
+- A client's ``cuMemCreate`` memory (PyTorch's expandable segments, vLLM's CuMemAllocator)
+  comes as a POSIX fd instead (`import_device_fd`): imported, mapped whole at an address range
+  reserved here, and given read/write access for the region's GPU; each region maps its own.
 
 `Regions` keeps what one engine holds, so that close frees it all, and the registration times
 that ``priod status`` shows. Its methods run on the daemon's executor threads, since they take
@@ -22,14 +25,15 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from priod.engines.base import DeviceExport, DeviceMemory, HostMemory
-from priod.errors import CudaError
+from priod.errors import CudaError, InvalidRequest
 
 from ._driver import IpcTable, bindings, check, handle_to_bytes
 
-__all__ = ["CudaDeviceMemory", "CudaHostMemory", "Regions"]
+__all__ = ["CudaDeviceMemory", "CudaHostMemory", "Regions", "VmmMapping", "vmm_import", "vmm_map", "vmm_unmap"]
 
 
 class CudaHostMemory(HostMemory):
@@ -65,7 +69,18 @@ class CudaDeviceMemory(DeviceMemory):
         self.export = export
         self.ipc_handle = ipc_handle
         """For imported memory, the handle it was opened from (to close it)."""
+        self.vmm: VmmMapping | None = None
+        """For memory imported from a POSIX fd, its mapping (to unmap and release it)."""
         self.released = False
+
+
+class VmmMapping(NamedTuple):
+    """An imported ``cuMemCreate`` allocation mapped here: ``size`` bytes at ``base``."""
+
+    handle: Any
+    """The imported ``CUmemGenericAllocationHandle``, released after the unmap."""
+    base: int
+    size: int
 
 
 class Regions:
@@ -152,6 +167,25 @@ class Regions:
         self.device_mems[id(mem)] = mem
         return mem
 
+    def import_device_fd(self, fd: int, size: int, offset: int, nbytes: int, device: int, peers: Sequence[int] = ()) -> CudaDeviceMemory:
+        """Import a client's ``cuMemCreate`` allocation from its POSIX fd, map all ``size``
+        bytes of it here with read/write access for ``device`` (and ``peers``), and take
+        ``nbytes`` at ``offset``. ``fd`` stays the caller's: the imported handle keeps the
+        allocation alive.
+
+        Raises:
+            InvalidRequest: the fd is not a CUDA allocation's POSIX export, or ``size`` is not
+                the allocation's (the client's fault, named; never an internal error).
+        """
+        _, drv = bindings()
+        self._use(device)
+        handle = vmm_import(drv, fd)
+        mapping = vmm_map(drv, handle, size, [device, *peers])
+        mem = CudaDeviceMemory(mapping.base + offset, nbytes, device, owned=False)
+        mem.vmm = mapping
+        self.device_mems[id(mem)] = mem
+        return mem
+
     def release_device(self, mem: DeviceMemory) -> None:
         """Free an allocation, or drop an import's reference to its handle. Idempotent."""
         if self.device_mems.pop(id(mem), None) is None:
@@ -162,6 +196,8 @@ class Regions:
         self._use(mem.device)
         if mem.owned:
             check(rt.cudaFree(mem.pointer))
+        elif mem.vmm is not None:
+            vmm_unmap(mem.vmm)
         elif mem.ipc_handle is not None:
             self.ipc.release(mem.ipc_handle, mem.device)
 
@@ -195,3 +231,69 @@ class Regions:
             "host_regions": len(self.hosts),
             "device_regions": len(self.device_mems),
         }
+
+
+VMM_FD_HINT = (
+    "pass the fd that cuMemExportToShareableHandle(handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) gave for the "
+    "allocation (priod.cuda_ipc.export_device_buffer does), with size the whole allocation's"
+)
+
+
+def vmm_import(drv: Any, fd: int) -> Any:
+    """``cuMemImportFromShareableHandle`` of a POSIX fd; a fd that is not a CUDA allocation's
+    export is the client's mistake (InvalidRequest), whatever the driver calls it."""
+    kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    try:
+        return check(drv.cuMemImportFromShareableHandle(fd, kind))
+    except CudaError as exc:
+        raise InvalidRequest(f"the fd passed with register_device (kind 'vmm_fd') does not import as a CUDA allocation ({exc}): {VMM_FD_HINT}") from exc
+
+
+def vmm_map(drv: Any, handle: Any, size: int, devices: Sequence[int]) -> VmmMapping:
+    """Map all ``size`` bytes of the imported ``handle`` at a new address range and give
+    ``devices`` read/write access; on any failure undo what was done and release ``handle``."""
+    base = 0
+    mapped = False
+    try:
+        prop = check(drv.cuMemGetAllocationPropertiesFromHandle(handle))
+        granularity = int(check(drv.cuMemGetAllocationGranularity(prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        if granularity <= 0 or size % granularity:
+            raise InvalidRequest(f"size = {size} is not a multiple of the allocation's granularity ({granularity} bytes): {VMM_FD_HINT}")
+        base = int(check(drv.cuMemAddressReserve(size, granularity, 0, 0)))
+        try:
+            check(drv.cuMemMap(base, size, 0, handle, 0))
+        except CudaError as exc:
+            # The driver's one complaint about a size larger than the allocation.
+            raise InvalidRequest(f"the allocation does not map with size = {size} ({exc}): {VMM_FD_HINT}") from exc
+        mapped = True
+        descs = []
+        for device in devices:
+            access = drv.CUmemAccessDesc()
+            access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = device
+            access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs.append(access)
+        check(drv.cuMemSetAccess(base, size, descs, len(descs)))
+    except BaseException:
+        # Best effort, in the reverse order; the error that got us here is the one to report.
+        if mapped:
+            drv.cuMemUnmap(base, size)
+        if base:
+            drv.cuMemAddressFree(base, size)
+        drv.cuMemRelease(handle)
+        raise
+    return VmmMapping(handle, base, size)
+
+
+def vmm_unmap(mapping: VmmMapping) -> None:
+    """Unmap, free the address range, release the imported handle (each tried, the first error
+    raised): the client's allocation is freed once it, too, lets go. Nothing may be in flight
+    on it (cuMemUnmap does not wait for the device)."""
+    _, drv = bindings()
+    results = (
+        drv.cuMemUnmap(mapping.base, mapping.size),
+        drv.cuMemAddressFree(mapping.base, mapping.size),
+        drv.cuMemRelease(mapping.handle),
+    )
+    for result in results:
+        check(result)
