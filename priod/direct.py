@@ -142,6 +142,25 @@ class DirectPair:
             owner._run(self._device, self._slot, self.dst + dst_offset, self.src + src_offset, n)
         return n
 
+    def copy_batch(self, segments: object) -> int:
+        """Copy many blocks between the two buffers as one urgent unit: ``segments`` is an
+        (N, 3) integer array (or a sequence of triples) of ``(dst_offset, src_offset, nbytes)``,
+        as for `priod.Client.copy_batch`. One hold, one ``cuMemcpyBatchAsync`` where the driver
+        has it (else one ``cudaMemcpyAsync`` per block), one wait. Returns the bytes copied."""
+        table = np.asarray(segments)
+        if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or not np.issubdtype(table.dtype, np.integer):
+            raise InvalidRequest(f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}")
+        if (table < 0).any() or (table[:, 2] == 0).any():
+            raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1")
+        rows = table.astype(np.uint64)
+        dst_offs, src_offs, sizes = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
+        if (dst_offs + sizes > self.dst_bytes).any() or (src_offs + sizes > self.src_bytes).any():
+            raise InvalidRequest(f"a segment does not fit the buffers ({self.dst_bytes} bytes of destination, {self.src_bytes} of source)")
+        owner = self._owner
+        with DeviceScope(self._device):
+            owner._run_batch(self._device, self._slot, self.dst, self.src, dst_offs, src_offs, sizes)
+        return int(sizes.sum())
+
 
 class DirectCopies:
     """Urgent copies by this process's own DMA, announced on a `HoldPage`.
@@ -159,6 +178,8 @@ class DirectCopies:
         self._default = self._rt.cudaMemcpyKind.cudaMemcpyDefault
         self._streams: dict[int, Any] = {}
         self._uuids: dict[int, str] = {}
+        self._batched: Any = None
+        """`BatchedDma`, made on the first batch."""
         self._lock = threading.Lock()
 
     def copy(self, dst: object, src: object, nbytes: int | None = None) -> int:
@@ -190,6 +211,21 @@ class DirectCopies:
         page.begin(slot)
         try:
             check(rt.cudaMemcpyAsync(dst, src, n, self._default, stream))
+            self._wait(stream)
+        finally:
+            page.end(slot)
+
+    def _run_batch(self, device: int, slot: int, dst: int, src: int, dst_offs: Any, src_offs: Any, sizes: Any) -> None:
+        """A batch on ``device`` (current): announced once, enqueued in one call, waited for."""
+        stream = self._streams.get(device) or self._stream(device)
+        if self._batched is None:
+            from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
+
+            self._batched = BatchedDma()
+        page = self.page
+        page.begin(slot)
+        try:
+            self._batched.copy(dst, src, dst_offs, src_offs, sizes, self._default, stream)
             self._wait(stream)
         finally:
             page.end(slot)

@@ -17,12 +17,13 @@ import errno
 import fcntl
 import os
 import time
+from typing import cast
 
 import numpy as np
 import pytest
 
 import priod
-from priod.direct import HoldPage
+from priod.direct import DirectCopies, DirectPair, HoldPage
 from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.errors import InvalidRequest
 from priod.holds import PAGE_BYTES, Holds
@@ -120,6 +121,15 @@ def test_the_page_cannot_be_resized_and_one_connection_gets_one() -> None:
         holds.open(1, 0, [H2D], 0.0)
     holds.close(1)
     assert not holds.pages and holds.scan(1.0).held == frozenset()
+
+
+def test_a_direct_batch_table_is_checked_before_anything_moves() -> None:
+    pair = DirectPair(cast(DirectCopies, None), 1 << 40, 4096, 1 << 41, 8192, 0, 0)  # no CUDA is reached
+    for bad in ([[0, 0, 8192]], [[0, 4096, 4097]], [[0, 0, 0]], [[-1, 0, 16]], [[0, 0]], [], np.zeros((2, 3), dtype=np.float32)):
+        with pytest.raises(InvalidRequest):
+            pair.copy_batch(bad)
+    with pytest.raises(InvalidRequest, match="do not fit"):
+        pair.copy(4097)
 
 
 # -- the scheduler ----------------------------------------------------------------------------

@@ -97,6 +97,33 @@ def test_direct_copies_under_daemon_bulk_keep_both_copies_whole(gpu_daemon: Daem
         direct.close()
 
 
+def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: DaemonProcess) -> None:
+    import cupy as cp
+
+    rng = np.random.default_rng(13)
+    blocks, block = 256, 64 << 10
+    n = 2 * blocks * block
+    host_mem, back_mem = cp.cuda.alloc_pinned_memory(n), cp.cuda.alloc_pinned_memory(n)
+    host = np.frombuffer(host_mem, dtype=np.uint8, count=n)
+    back = np.frombuffer(back_mem, dtype=np.uint8, count=n)
+    host[:] = rng.integers(0, 256, n, dtype=np.uint8)
+    dev = cp.zeros(n, dtype=cp.uint8)
+    table = np.stack([rng.choice(2 * blocks, blocks, replace=False) * block, rng.choice(2 * blocks, blocks, replace=False) * block, np.full(blocks, block)], axis=1)
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        direct = DirectCopies(c.hold_page())
+        assert direct.pair(dev, host).copy_batch(table) == blocks * block
+        back_table = table[:, [1, 0, 2]]  # each block back to where it came from
+        back[:] = 0
+        assert direct.pair(back, dev).copy_batch(back_table) == blocks * block
+        on_gpu = cp.asnumpy(dev)
+        for d_off, s_off, size in table.tolist():
+            assert np.array_equal(on_gpu[d_off : d_off + size], host[s_off : s_off + size])
+            assert np.array_equal(back[s_off : s_off + size], host[s_off : s_off + size])
+        with pytest.raises(InvalidRequest, match="does not fit"):
+            direct.pair(dev, host).copy_batch([[n - 10, 0, 64]])
+        direct.close()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_torch_tensors_of_any_dtype_copy_directly(gpu_daemon: DaemonProcess, dtype: str) -> None:
     torch = pytest.importorskip("torch")
