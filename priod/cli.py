@@ -166,6 +166,11 @@ def format_status(st: dict[str, Any]) -> str:
             f"{ln['lane']:<16} {ln['bandwidth_gbps']:>7.2f} {_mib(ln['chunk_bytes']):>11} {_mib(ln['inflight_bound']):>11} "
             f"{_mib(ln['inflight_bytes'] + ln['strict_inflight_bytes']):>11} {_mib(ln['express_inflight_bytes']):>11}  {queued}"
         )
+    direct = st.get("direct")
+    if direct and (direct["pages"] or direct["copies"]):
+        copies = " ".join(f"{lane}={n}" for lane, n in direct["copies"].items()) or "-"
+        cut = " ".join(f"{lane}={n}" for lane, n in direct["cut"].items()) or "-"
+        lines += ["", f"direct copies: hold pages {direct['pages']}  held now {', '.join(direct['held']) or '-'}  copies {copies}  holds cut {cut}"]
     clients = st.get("clients_total", len(st["clients"]))  # a non-root viewer sees only its own lines
     lines += ["", f"clients: {clients}   copies: {st['totals']['copies']}   bytes: {st['totals']['bytes'] / 1e9:.3f} GB   deadline misses: {st['deadline_misses']}"]
     for c in st["clients"]:

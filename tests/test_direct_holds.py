@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import priod
+from priod.cli import format_status
 from priod.direct import DirectCopies, DirectPair, HoldPage
 from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.errors import InvalidRequest
@@ -178,8 +179,10 @@ async def test_bulk_waits_while_a_direct_copy_is_announced_and_lands_whole_after
             await asyncio.wait_for(copy, 10)
             await bulk.copy(back, dev, priority="bulk")
             assert np.array_equal(back.array, host.array)
-        st = urgent.status()["direct"]
+        full = urgent.status()
+        st = full["direct"]
         assert st["copies"] == {"gpu0/h2d": 1} and st["held"] == [] and st["pages"] == 1
+        assert "direct copies: hold pages 1  held now -  copies gpu0/h2d=1  holds cut -" in format_status(full)
         page.close()
 
 
