@@ -368,9 +368,11 @@ class Client:
     async def register_device(self, obj: Any) -> Region:
         """Share your own GPU buffer: a CUDA tensor of any dtype (PyTorch's caching allocator in
         its default mode, or with expandable segments: then the buffer must lie within one of
-        its pages), or anything with ``__cuda_array_interface__``. The region holds a
-        reference to it until `free`; tensors viewing it then name it in `copy_tensor`."""
-        req, fds = cuda_register_request(obj)  # the fd of cuMemCreate memory: closed once sent
+        its pages), or anything with ``__cuda_array_interface__``, also memory of a
+        stream-ordered pool created with POSIX fd handles (``cudaMallocAsync`` from a
+        shareable pool; a device's default pool is not). The region holds a reference to it
+        until `free`; tensors viewing it then name it in `copy_tensor`."""
+        req, fds = cuda_register_request(obj)  # the fd of cuMemCreate or pool memory: closed once sent
         return self._region(await self._request(req, fds)).holding(obj)
 
     async def free(self, region: Region) -> None:

@@ -281,7 +281,8 @@ def batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions
 
 def cuda_register_request(obj: Any) -> tuple[RegisterDevice, tuple[int, ...]]:
     """The register_device request for a CUDA buffer, and the fds to send beside it (the
-    allocation's POSIX fd for ``cuMemCreate`` memory, which the caller then owns)."""
+    allocation's POSIX fd for ``cuMemCreate`` memory, the pool's for a stream-ordered pool's,
+    which the caller then owns)."""
     from .cuda_ipc import export_device_buffer, gpu_uuid
 
     buf = export_device_buffer(obj)
@@ -293,8 +294,8 @@ def cuda_register_request(obj: Any) -> tuple[RegisterDevice, tuple[int, ...]]:
         if buf.fd >= 0:
             os.close(buf.fd)
         raise
-    if buf.kind == "vmm_fd":
-        req = RegisterDevice(b"", buf.nbytes, buf.offset, buf.device, uuid, kind="vmm_fd", size=buf.size)
+    if buf.kind != "cuda_ipc":  # vmm_fd (handle empty) or pool_fd (handle: the allocation's export data)
+        req = RegisterDevice(buf.handle, buf.nbytes, buf.offset, buf.device, uuid, kind=buf.kind, size=buf.size)
         return req, (buf.fd,)
     return RegisterDevice(handle=buf.handle, nbytes=buf.nbytes, offset=buf.offset, device=buf.device, device_uuid=uuid), ()
 

@@ -1,8 +1,9 @@
 """Client side of CUDA IPC: share device memory with the daemon, open what the daemon shares.
 
-`export_cuda_array` describes a client's CUDA array (CuPy, PyTorch) by the IPC handle of its
-allocation, for ``register_device``; `open_device_export` opens a device region the daemon
-allocated, as a `CudaBuffer` that CuPy and PyTorch view without a copy.
+`export_device_buffer` describes a client's CUDA array (CuPy, PyTorch) for ``register_device``:
+by the IPC handle of its allocation, or where IPC handles cannot share it by a POSIX fd
+(``cuMemCreate`` memory, stream-ordered pools created shareable); `open_device_export` opens a
+device region the daemon allocated, as a `CudaBuffer` that CuPy and PyTorch view without a copy.
 
 This is what the client library uses, and it never imports the engine: its only CUDA access is
 `priod.engines.cuda._driver`, which loads cuda-bindings on first use (importing this module
@@ -57,7 +58,7 @@ class DeviceBuffer(NamedTuple):
 
     handle: bytes
     """The IPC handle of the whole allocation the buffer lives in (its base, not the buffer);
-    empty for ``vmm_fd``."""
+    for ``pool_fd`` the allocation's 64-byte ``CUmemPoolPtrExportData``; empty for ``vmm_fd``."""
     offset: int
     """The buffer's offset into that allocation."""
     nbytes: int
@@ -66,12 +67,15 @@ class DeviceBuffer(NamedTuple):
     pointer: int
     """The buffer's address in this process (``tensor.data_ptr()``)."""
     kind: str = "cuda_ipc"
-    """``cuda_ipc`` (``handle`` names ``cudaMalloc`` memory) or ``vmm_fd`` (``fd`` names a
-    ``cuMemCreate`` allocation of ``size`` bytes)."""
+    """``cuda_ipc`` (``handle`` names ``cudaMalloc`` memory), ``vmm_fd`` (``fd`` names a
+    ``cuMemCreate`` allocation of ``size`` bytes) or ``pool_fd`` (``fd`` names the
+    stream-ordered pool, ``handle`` the allocation of ``size`` bytes in it)."""
     fd: int = -1
-    """For ``vmm_fd``: the allocation's POSIX fd, the caller's to pass along and close."""
+    """For ``vmm_fd`` and ``pool_fd``: the allocation's (the pool's) POSIX fd, the caller's to
+    pass along and close."""
     size: int = 0
-    """For ``vmm_fd``: the whole allocation's size (the daemon maps all of it)."""
+    """For ``vmm_fd`` and ``pool_fd``: the whole allocation's size (for ``vmm_fd`` the daemon
+    maps all of it)."""
 
 
 def device_span(obj: object) -> tuple[int, int]:
@@ -128,8 +132,11 @@ def _is_torch_tensor(obj: object) -> bool:
 
 
 POOL_HINT = (
-    "it comes from a stream-ordered pool (cudaMallocAsync; in PyTorch PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), "
-    "which CUDA IPC handles cannot share: run PyTorch with its native allocator (leave backend unset, or "
+    "it comes from a stream-ordered pool (cudaMallocAsync; in PyTorch PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync) "
+    "that was not created shareable (a device's default pool, which PyTorch's cudaMallocAsync backend uses, never is), "
+    "so priod cannot share it: allocate the buffer from a pool created with a POSIX file descriptor handle type "
+    "(cudaMemPoolCreate with handleTypes = cudaMemHandleTypePosixFileDescriptor; in the driver API CUmemPoolProps.handleTypes = "
+    "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), or run PyTorch with its native allocator (leave backend unset, or "
     "PYTORCH_CUDA_ALLOC_CONF=backend:native), or allocate the buffer with priod's alloc_device and view it with Region.torch()"
 )
 VMM_HINT = (
@@ -143,8 +150,10 @@ VMM_HINT = (
 
 def _unshareable(drv: Any, pointer: int) -> str | None:
     """Why ``pointer``'s memory cannot be shared by ``cudaIpcGetMemHandle``, or None if it can
-    (or the driver cannot say). Asked first, because the handle call itself fails with a bare
-    ``cudaErrorInvalidValue`` that names neither cause nor fix."""
+    (or the driver cannot say): `POOL_HINT` for a stream-ordered pool's memory, `VMM_HINT` for
+    other memory (``cuMemCreate``'s). Asked first, because the handle call itself fails with a
+    bare ``cudaErrorInvalidValue`` that names neither cause nor fix; the caller then tries the
+    fd export of that kind of memory, whose failure is what the hint explains."""
     attr = drv.CUpointer_attribute
     try:
         capable = check(drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, pointer))
@@ -169,18 +178,26 @@ def export_device_buffer(obj: object) -> DeviceBuffer:
     alive while the daemon uses it, and make sure the producer's stream has finished writing it
     before a copy starts.
 
+    Memory that CUDA IPC handles cannot share goes by a POSIX fd instead (the caller's to send
+    and close): ``cuMemCreate`` memory by its allocation's (`_export_vmm`), a stream-ordered
+    pool's by the pool's with the allocation's export data (`_export_pool`).
+
     Raises:
         TypeError, ValueError: As `device_span`.
-        EngineError: The memory cannot be shared by CUDA IPC; the message says which allocator
-            setting to change (PyTorch's expandable segments, ``cudaMallocAsync`` pools).
+        EngineError: The memory cannot be shared; the message says which allocator setting to
+            change (PyTorch's expandable segments without POSIX fd handles, ``cudaMallocAsync``
+            from a pool that is not shareable, such as a device's default pool).
     """
     pointer, nbytes = device_span(obj)
     rt, drv = bindings()
     check(drv.cuInit(0))
     device = int(check(drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)))
     with DeviceScope(device):
-        if (why := _unshareable(drv, pointer)) is VMM_HINT:
+        why = _unshareable(drv, pointer)
+        if why is VMM_HINT:
             return _export_vmm(drv, pointer, nbytes, device)
+        if why is POOL_HINT:
+            return _export_pool(drv, pointer, nbytes, device)
         if why is not None:
             raise EngineError(f"this buffer's memory cannot be registered with priod: {why}")
         base, _size = check(drv.cuMemGetAddressRange(pointer))
@@ -260,18 +277,50 @@ def _export_vmm(drv: Any, pointer: int, nbytes: int, device: int) -> DeviceBuffe
     return DeviceBuffer(b"", pointer - base, nbytes, device, pointer, "vmm_fd", fd, size)
 
 
+def _export_pool(drv: Any, pointer: int, nbytes: int, device: int) -> DeviceBuffer:
+    """Describe a buffer in a stream-ordered pool's memory by a POSIX fd of the pool
+    (``cuMemPoolExportToShareableHandle``, which only a pool created with that handle type
+    gives) and the 64-byte export data of its allocation (``cuMemPoolExportPointer`` of the
+    allocation's base, ``cuMemGetAddressRange``'s), with the buffer's offset into it."""
+    pool = check(drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, pointer))
+    posix_fd = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    try:
+        fd = int(check(drv.cuMemPoolExportToShareableHandle(pool, posix_fd, 0)))
+    except CudaError as exc:
+        raise EngineError(f"this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool ({exc}); {POOL_HINT}") from exc
+    try:
+        base, size = check(drv.cuMemGetAddressRange(pointer))
+        base, size = int(base), int(size)
+        if pointer + nbytes > base + size:
+            raise EngineError(
+                f"this buffer ({nbytes} bytes at 0x{pointer:x}) runs past the end of its pool allocation (0x{base:x}, {size} bytes), "
+                "and priod registers one allocation per region: register the part within each allocation separately"
+            )
+        try:
+            export = handle_to_bytes(check(drv.cuMemPoolExportPointer(base)))
+        except CudaError as exc:
+            raise EngineError(f"this buffer's memory cannot be registered with priod: cuMemPoolExportPointer refused its allocation ({exc}); {POOL_HINT}") from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return DeviceBuffer(export, pointer - base, nbytes, device, pointer, "pool_fd", fd, size)
+
+
 def export_cuda_array(obj: object) -> tuple[bytes, int, int, int]:
     """``(ipc_handle, offset, nbytes, device)`` of `export_device_buffer` (its first four
-    fields), for memory CUDA IPC handles share; ``cuMemCreate`` memory needs the fd of
-    `export_device_buffer` and is refused here.
+    fields), for memory CUDA IPC handles share; ``cuMemCreate`` and pool memory need the fd of
+    `export_device_buffer` and are refused here.
 
     Raises:
-        EngineError: the buffer is ``cuMemCreate`` memory, or as `export_device_buffer`.
+        EngineError: the buffer is ``cuMemCreate`` or pool memory, or as `export_device_buffer`.
     """
     buf = export_device_buffer(obj)
     if buf.kind != "cuda_ipc":
         os.close(buf.fd)
-        raise EngineError("this buffer is cuMemCreate memory, which has no CUDA IPC handle: use export_device_buffer (its kind 'vmm_fd' and fd)")
+        raise EngineError(
+            f"this buffer is {'stream-ordered pool' if buf.kind == 'pool_fd' else 'cuMemCreate'} memory, which has no CUDA IPC handle: "
+            f"use export_device_buffer (its kind {buf.kind!r} and fd)"
+        )
     return buf.handle, buf.offset, buf.nbytes, buf.device
 
 

@@ -40,8 +40,10 @@ from .replies import (
 
 
 __all__ = [
+    "POOL_EXPORT_BYTES",
     "PROGRESS_SIGNAL_RECORDED",
     "PROTOCOL_VERSION",
+    "REGISTER_FDS",
     "REGISTER_KINDS",
     "REQUEST_TYPES",
     "AllocDevice",
@@ -84,7 +86,7 @@ class _Request(Wire):
     __slots__ = ()
     takes_fds: ClassVar[int] = 0
     """How many fds must come with this request (register_host takes one; register_device of
-    kind vmm_fd one, `decode_request`)."""
+    kind vmm_fd or pool_fd one, `decode_request`)."""
 
     @classmethod
     def decode(cls, msg: Message) -> Self:
@@ -169,9 +171,16 @@ class AllocDevice(_Request):
         _need_uuid(self.device_uuid)
 
 
-REGISTER_KINDS = ("cuda_ipc", "vmm_fd")
+REGISTER_KINDS = ("cuda_ipc", "vmm_fd", "pool_fd")
 """How a register_device request names the client's allocation: a legacy CUDA IPC handle
-(``cudaMalloc`` memory), or a POSIX fd of a ``cuMemCreate`` allocation passed beside the frame."""
+(``cudaMalloc`` memory), a POSIX fd of a ``cuMemCreate`` allocation passed beside the frame, or a
+POSIX fd of a stream-ordered pool passed beside the frame with the allocation's export data."""
+
+REGISTER_FDS = {"vmm_fd": "the allocation's POSIX fd", "pool_fd": "the pool's POSIX fd"}
+"""The register_device kinds that take one fd beside the frame, and what that fd is."""
+
+POOL_EXPORT_BYTES = 64
+"""The size of a ``CUmemPoolPtrExportData``, the ``handle`` of kind pool_fd."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +190,10 @@ class RegisterDevice(_Request):
     ``kind`` ``cuda_ipc`` (the default, also when absent): ``handle`` is the allocation's
     ``cudaIpcMemHandle_t``. ``vmm_fd``: one fd comes beside the frame, the allocation's
     ``cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)``; ``size`` is the whole allocation's
-    size (the daemon maps all of it) and ``handle`` is empty.
+    size (the daemon maps all of it) and ``handle`` is empty. ``pool_fd``: one fd comes beside
+    the frame, the stream-ordered pool's ``cuMemPoolExportToShareableHandle(POSIX_FILE_DESCRIPTOR)``;
+    ``handle`` is the 64 bytes of the allocation's ``cuMemPoolExportPointer`` and ``size`` the
+    allocation's size.
     """
 
     op: ClassVar[str] = "register_device"
@@ -199,11 +211,16 @@ class RegisterDevice(_Request):
         _need_uuid(self.device_uuid)
         if self.kind is not None and self.kind not in REGISTER_KINDS:
             raise InvalidRequest(f"kind = {self.kind!r} is invalid; register_device takes kind {' or '.join(map(repr, REGISTER_KINDS))}")
-        if self.kind == "vmm_fd":
+        if self.kind in REGISTER_FDS:
             if self.size is None or self.size < 1:
-                raise InvalidRequest(f"size = {self.size} is invalid; kind 'vmm_fd' needs the whole allocation's size in bytes (at least 1)")
+                raise InvalidRequest(f"size = {self.size} is invalid; kind {self.kind!r} needs the whole allocation's size in bytes (at least 1)")
             if self.offset + self.nbytes > self.size:
                 raise InvalidRequest(f"offset {self.offset} + nbytes {self.nbytes} is past the allocation's size {self.size}; the buffer must lie within it")
+        if self.kind == "pool_fd" and len(self.handle) != POOL_EXPORT_BYTES:
+            raise InvalidRequest(
+                f"handle is {len(self.handle)} bytes; kind 'pool_fd' needs the allocation's {POOL_EXPORT_BYTES}-byte CUmemPoolPtrExportData "
+                "(what cuMemPoolExportPointer gives) as its handle"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,11 +379,12 @@ def decode_request(msg: Message, *, greeted: bool = True, fds: int = 0) -> Reque
     if not greeted and kind is not Hello:
         raise InvalidRequest("send 'hello' with your protocol version before any other request")
     # Before decoding, so that fds where none belong are named whatever else is wrong; for
-    # register_device its kind says (one fd with kind vmm_fd).
-    vmm_fd = kind is RegisterDevice and msg.get("kind") == "vmm_fd"
-    if fds != (1 if vmm_fd else kind.takes_fds):
-        if vmm_fd:
-            raise InvalidRequest(f"'{op}' of kind 'vmm_fd' takes exactly one fd (the allocation's POSIX fd) with the frame, got {fds}")
+    # register_device its kind says (one fd with kind vmm_fd or pool_fd).
+    fd_kind = msg.get("kind") if kind is RegisterDevice else None
+    what = REGISTER_FDS.get(fd_kind) if isinstance(fd_kind, str) else None
+    if fds != (1 if what else kind.takes_fds):
+        if what:
+            raise InvalidRequest(f"'{op}' of kind {fd_kind!r} takes exactly one fd ({what}) with the frame, got {fds}")
         if kind.takes_fds:
             raise InvalidRequest(f"'{op}' takes exactly one memfd with the frame, got {fds}")
         raise InvalidRequest(f"'{op}' takes no file descriptors, but {fds} came with it; they were closed")

@@ -46,11 +46,13 @@ class RegionRequests:
 
     async def register_device(self, req: RegisterDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
         device = self._device(req.device, req.device_uuid)
+        # An fd is the session's: it closes it (close_received) once this returns, the import
+        # keeping the allocation (the pool) alive without it.
         if req.kind == "vmm_fd":
-            # The fd is the session's: it closes it (close_received) once this returns, the
-            # import keeping the allocation alive without it.
             assert req.size is not None  # RegisterDevice.check
             region = await self.shared.regions.register_device_fd(self.holdings, fds[0], req.size, req.offset, req.nbytes, device)
+        elif req.kind == "pool_fd":
+            region = await self.shared.regions.register_device_pool(self.holdings, fds[0], req.handle, req.offset, req.nbytes, device)
         else:
             region = await self.shared.regions.register_device(self.holdings, req.handle, req.offset, req.nbytes, device)
         return self._region_reply(region), []

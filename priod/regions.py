@@ -407,22 +407,26 @@ class RegionTable:
 
     async def register_device(self, holder: Holdings, handle: bytes, offset: int, nbytes: int, device: int) -> Region:
         """The client's own device memory, opened from its IPC handle."""
-        self._claim(holder, "device", nbytes)
-        try:
-            mem = await asyncio.get_running_loop().run_in_executor(None, self.engine.import_device, handle, offset, nbytes, device)
-            return self._add(holder, "device", nbytes, mem, device)
-        except BaseException:
-            self._unclaim(holder.tally, "device", nbytes)
-            raise
+        return await self._import_device(holder, nbytes, device, self.engine.import_device, handle, offset, nbytes, device)
 
     async def register_device_fd(self, holder: Holdings, fd: int, size: int, offset: int, nbytes: int, device: int) -> Region:
         """The client's own ``cuMemCreate`` memory, imported from its POSIX fd and mapped whole
         (``size`` bytes), the region being ``nbytes`` at ``offset``. The caller keeps and
         closes ``fd``."""
+        return await self._import_device(holder, nbytes, device, self.engine.import_device_fd, fd, size, offset, nbytes, device)
+
+    async def register_device_pool(self, holder: Holdings, fd: int, export: bytes, offset: int, nbytes: int, device: int) -> Region:
+        """The client's own memory of a stream-ordered pool: the pool imported from its POSIX
+        fd, the allocation from its export data, the region being ``nbytes`` at ``offset`` in
+        it. The caller keeps and closes ``fd``."""
+        return await self._import_device(holder, nbytes, device, self.engine.import_device_pool, fd, export, offset, nbytes, device)
+
+    async def _import_device(self, holder: Holdings, nbytes: int, device: int, open_it: Callable[..., Memory], *args: object) -> Region:
+        """Count ``nbytes`` more of ``holder``'s device memory and open the client's memory
+        with ``open_it(*args)`` on an executor thread (imports take milliseconds)."""
         self._claim(holder, "device", nbytes)
         try:
-            loop = asyncio.get_running_loop()
-            mem = await loop.run_in_executor(None, self.engine.import_device_fd, fd, size, offset, nbytes, device)
+            mem = await asyncio.get_running_loop().run_in_executor(None, open_it, *args)
             return self._add(holder, "device", nbytes, mem, device)
         except BaseException:
             self._unclaim(holder.tally, "device", nbytes)

@@ -285,7 +285,7 @@ class SyncClient:
         try:
             reply = self._request(req, fds)
         finally:
-            close_fds(list(fds))  # the daemon got its own copy of a cuMemCreate allocation's fd
+            close_fds(list(fds))  # the daemon got its own copy of the allocation's (the pool's) fd
         return self._region(reply).holding(obj)
 
     def free(self, region: Region) -> None:

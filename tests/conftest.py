@@ -36,6 +36,13 @@ def daemon() -> Iterator[DaemonProcess]:
     assert d.proc.returncode == 0, d.log()[-4000:]
 
 
+@pytest.fixture(scope="module")
+def gpu_daemon() -> Iterator[DaemonProcess]:
+    """A cuda-engine daemon (express lane on) in its own process, shared by a module's gpu tests."""
+    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=120) as d:
+        yield d
+
+
 def gpu_present() -> bool:
     try:
         from priod.engines.cuda import gpu_available

@@ -1,15 +1,17 @@
 """The client's CUDA IPC export (priod.cuda_ipc) against a fake driver, so it runs without a GPU:
 a caching allocator's piece of a segment is named by the segment's handle and its offset,
-cuMemCreate memory (PyTorch's expandable segments) by a POSIX fd of its allocation, and memory
-neither can share is refused with the allocator setting to change. Also the daemon's side of
-cuMemCreate memory (priod.engines.cuda.memory): import, map, access, and the undo on each error."""
+cuMemCreate memory (PyTorch's expandable segments) by a POSIX fd of its allocation, a shareable
+stream-ordered pool's memory by the pool's POSIX fd and the allocation's export data, and memory
+none can share is refused with the allocator setting to change. Also the daemon's side of
+cuMemCreate and pool memory (priod.engines.cuda.memory): import, map, access, the counted pool
+imports, and the undo on each error."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -74,13 +76,16 @@ class _FakeCuda:
         self.retains = self.releases = 0
         self.exported: list[int] = []
         self.fds: list[int] = []
+        self.pool = 0
+        """The buffer's pool (set up by `_pool`); 0: not pool memory."""
+        self.pool_shareable = self.pointer_ok = True
 
     def cuInit(self, flags: int) -> tuple[Any]:
         return (self.OK,)
 
     def cuPointerGetAttribute(self, attr: str, pointer: int) -> tuple[Any, Any]:
         assert self.base <= pointer < self.base + self.size
-        return (self.OK, {"ordinal": 0, "ipc": self.capable, "pool": 0}[attr])
+        return (self.OK, {"ordinal": 0, "ipc": self.capable, "pool": self.pool}[attr])
 
     def cuMemGetAddressRange(self, pointer: int) -> tuple[Any, int, int]:
         return (self.OK, self.base, self.size)
@@ -119,6 +124,18 @@ class _FakeCuda:
         self.fds.append(os.open(os.devnull, os.O_RDONLY))
         return (self.OK, self.fds[-1])
 
+    # -- a stream-ordered pool's allocation (set up by `_pool`): ``base`` .. ``base + size``
+    def cuMemPoolExportToShareableHandle(self, pool: int, kind: int, flags: int) -> tuple[Any, int | None]:
+        assert pool == self.pool and kind == 1 and flags == 0
+        if not self.pool_shareable:  # a pool made without handle types: a device's default pool
+            return (self.BAD, None)
+        self.fds.append(os.open(os.devnull, os.O_RDONLY))
+        return (self.OK, self.fds[-1])
+
+    def cuMemPoolExportPointer(self, pointer: int) -> tuple[Any, bytes | None]:
+        self.exported.append(pointer)
+        return (self.OK, b"e" * 64) if self.pointer_ok else (self.BAD, None)
+
 
 def _vmm(fake: _FakeCuda, pages: list[int], range_is_segment: bool = False) -> None:
     """Make ``fake``'s segment cuMemCreate memory: pages of these sizes side by side from its
@@ -136,6 +153,11 @@ def _vmm(fake: _FakeCuda, pages: list[int], range_is_segment: bool = False) -> N
         return (fake.OK, fake.base, fake.size) if fake.range_is_segment else (fake.OK, *page)
 
     fake.cuMemGetAddressRange = address_range  # type: ignore[method-assign]
+
+
+def _pool(fake: _FakeCuda, size: int = 2 << 20) -> None:
+    """Make ``fake``'s segment an allocation of ``size`` bytes from a stream-ordered pool."""
+    fake.capable, fake.pool, fake.size, fake.exported, fake.fds = False, 0xABC, size, [], []
 
 
 class _Cai:
@@ -211,23 +233,81 @@ def test_cumemcreate_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -
     assert fake_cuda.exported == [] and fake_cuda.retains == fake_cuda.releases > 0
 
 
-def test_register_request_of_cumemcreate_memory_carries_the_fd(fake_cuda: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("kind", "handle", "memory"), [("vmm_fd", b"", "cuMemCreate"), ("pool_fd", b"e" * 64, "stream-ordered pool")])
+def test_register_request_of_fd_memory_carries_the_fd(fake_cuda: Any, monkeypatch: pytest.MonkeyPatch, kind: str, handle: bytes, memory: str) -> None:
     """register_device of cuMemCreate memory: kind vmm_fd, the allocation's size, and its fd to
-    send beside the frame; export_cuda_array (IPC handles only) refuses it and closes the fd."""
+    send beside the frame; of a pool's memory: kind pool_fd, the allocation's export data as its
+    handle and size, and the pool's fd. export_cuda_array (IPC handles only) refuses either and
+    closes the fd."""
     from priod.client_base import cuda_register_request
 
     monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-00000000-0000-0000-0000-000000000000")
-    _vmm(fake_cuda, [2 * MiB])
+    if kind == "vmm_fd":
+        _vmm(fake_cuda, [2 * MiB])
+    else:
+        _pool(fake_cuda, 2 * MiB)
     req, fds = cuda_register_request(_Cai(fake_cuda.base + 4096, 8192))
     try:
-        assert (req.kind, req.size, req.offset, req.nbytes, req.handle, len(fds)) == ("vmm_fd", 2 * MiB, 4096, 8192, b"", 1)
+        assert (req.kind, req.size, req.offset, req.nbytes, req.handle, len(fds)) == (kind, 2 * MiB, 4096, 8192, handle, 1)
         req.check()
     finally:
         os.close(fds[0])
-    with pytest.raises(EngineError, match="use export_device_buffer"):
+    with pytest.raises(EngineError, match=rf"^this buffer is {memory} memory, which has no CUDA IPC handle: use export_device_buffer \(its kind '{kind}'"):
         cuda_ipc.export_cuda_array(_Cai(fake_cuda.base, 4096))
     with pytest.raises(OSError):
         os.fstat(fake_cuda.fds[-1])  # the fd it was given is closed
+
+
+def test_a_buffer_in_a_shareable_pool_exports_the_pool_fd_and_its_allocation(fake_cuda: Any) -> None:
+    """A buffer inside a pool allocation is named by the pool's POSIX fd, the export data of the
+    allocation's base (cuMemGetAddressRange's, not the buffer's address) and its offset there."""
+    _pool(fake_cuda, 3 * MiB)
+    pointer = fake_cuda.base + 12288
+    buf = export_device_buffer(_Cai(pointer, 4096))
+    try:
+        assert (buf.kind, buf.handle, buf.offset, buf.nbytes, buf.size, buf.pointer) == ("pool_fd", b"e" * 64, 12288, 4096, 3 * MiB, pointer)
+        assert fake_cuda.exported == [fake_cuda.base] and os.fstat(buf.fd)
+    finally:
+        os.close(buf.fd)
+
+
+def test_pool_export_data_travels_as_its_64_bytes() -> None:
+    """The export data goes as the 64 bytes of cuda-python's CUmemPoolPtrExportData, read and
+    written through its address (its fields differ between releases); no GPU needed."""
+    pytest.importorskip("cuda.bindings")
+    from priod.engines.cuda._driver import handle_to_bytes, pool_export_from_bytes
+
+    data = bytes(range(64))
+    assert handle_to_bytes(pool_export_from_bytes(data)) == data
+    with pytest.raises(InvalidRequest, match="is 64 bytes, this one is 63"):
+        pool_export_from_bytes(data[:63])
+
+
+def test_pool_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -> None:
+    """A pool made without a POSIX fd handle type (a device's default pool, which PyTorch's
+    backend:cudaMallocAsync uses) is refused naming how to make one that shares and the other
+    ways out; a buffer past its allocation's end, and export data the driver refuses, too; the
+    pool's fd is closed on every refusal."""
+    _pool(fake_cuda)
+    fake_cuda.pool_shareable = False
+    with pytest.raises(
+        EngineError,
+        match=r"^this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool \(cudaErrorInvalidValue\); "
+        r"it comes from a stream-ordered pool .*backend:cudaMallocAsync.*cudaMemPoolCreate with handleTypes = cudaMemHandleTypePosixFileDescriptor.*"
+        r"backend:native.*alloc_device and view it with Region.torch\(\)$",
+    ):
+        export_device_buffer(_Cai(fake_cuda.base, 4096))
+    assert fake_cuda.fds == [] and fake_cuda.exported == []
+    fake_cuda.pool_shareable = True
+    with pytest.raises(EngineError, match=r"runs past the end of its pool allocation .*register the part within each allocation separately"):
+        export_device_buffer(_Cai(fake_cuda.base + fake_cuda.size - 4096, 8192))
+    fake_cuda.pointer_ok = False
+    with pytest.raises(EngineError, match=r"cuMemPoolExportPointer refused its allocation .*cudaMemHandleTypePosixFileDescriptor"):
+        export_device_buffer(_Cai(fake_cuda.base, 4096))
+    assert len(fake_cuda.fds) == 2
+    for fd in fake_cuda.fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
 # -- the daemon's side: priod.engines.cuda.memory ---------------------------------------------
@@ -361,3 +441,135 @@ def test_daemon_import_errors_undo_what_was_done(daemon_driver: Any, fail: str, 
     done = [c[0] for c in drv.calls]
     assert drv.calls[len(done) - len(undo) :] == undo if undo else done == ["import"]
     assert regions.device_mems == {}
+
+
+# -- the daemon's side of pool memory: PoolTable ------------------------------------------
+
+
+class _FakePoolDriver(_FakeVmmDriver):
+    """The driver calls of pool imports, logged: as the driver does, every import of the pool
+    gives one handle and counts, each cuMemPoolDestroy uncounts one (below zero is a crash), and
+    its two allocations are named by their export data."""
+
+    POOL = 900
+    ALLOCATIONS: ClassVar[dict[bytes, tuple[int, int]]] = {b"a" * 64: (0x7100_0000_0000, 4 * MiB), b"b" * 64: (0x7200_0000_0000, 2 * MiB)}
+
+    def __init__(self, fail: str = "") -> None:
+        super().__init__(fail)
+        self.imports = 0
+        """Imports of the pool not destroyed yet."""
+
+    def cuMemPoolImportFromShareableHandle(self, fd: int, kind: str, flags: int) -> tuple[Any, ...]:
+        result = self._call("import_pool", fd, kind, flags, value=self.POOL)
+        self.imports += result[0] is self.OK
+        return result
+
+    def cuMemPoolSetAccess(self, pool: int, desc: list[Any], count: int) -> tuple[Any, ...]:
+        self.access = [(d.location.type, d.location.id, d.flags) for d in desc]
+        return self._call("pool_access", pool, count)
+
+    def cuMemPoolImportPointer(self, pool: int, data: bytes) -> tuple[Any, ...]:
+        if data not in self.ALLOCATIONS:
+            self.calls.append(("import_pointer", pool, data))
+            return (self.BAD, None)
+        return self._call("import_pointer", pool, data, value=self.ALLOCATIONS[data][0])
+
+    def cuMemGetAddressRange(self, pointer: int) -> tuple[Any, ...]:
+        self.calls.append(("range", pointer))
+        return (self.OK, pointer, next(size for address, size in self.ALLOCATIONS.values() if address == pointer))
+
+    def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
+        return self._call("free_pointer", pointer)
+
+    def cuMemPoolDestroy(self, pool: int) -> tuple[Any, ...]:
+        self.imports -= 1
+        assert self.imports >= 0, "the pool was destroyed more often than imported: the process would crash on its next use"
+        return self._call("destroy_pool", pool)
+
+
+A, B = b"a" * 64, b"b" * 64
+ADDRESS_A, ADDRESS_B = _FakePoolDriver.ALLOCATIONS[A][0], _FakePoolDriver.ALLOCATIONS[B][0]
+
+
+@pytest.fixture
+def pool_driver(daemon_driver: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """memory.py's pool calls answered by a `_FakePoolDriver` (replace it with ``.use(...)``);
+    export data stays bytes."""
+    monkeypatch.setattr(memory, "pool_export_from_bytes", bytes)
+    daemon_driver.use(_FakePoolDriver())
+    return daemon_driver
+
+
+def test_daemon_imports_each_allocation_once_and_each_pool_import_goes_with_its_region(pool_driver: Any) -> None:
+    """Three regions from one pool, sent with three fds: each import of the pool gives one
+    handle, so access for the peer GPU is set once; the allocation two regions share is
+    imported once. Each region's release destroys its import of the pool, the last region of
+    an allocation frees it first; in the end every import is destroyed."""
+    drv = pool_driver.drv
+    used: list[int] = []
+    regions = memory.Regions(used.append)
+    first = regions.import_device_pool(5, A, 4096, 8192, 1, [0])  # gpu0 reaches gpu1 by a peer lane
+    again = regions.import_device_pool(6, A, 0, 4096, 1, [0])
+    other = regions.import_device_pool(7, B, 100, 1000, 1, [0])
+    assert used == [1, 1, 1] and (first.pointer, again.pointer, other.pointer) == (ADDRESS_A + 4096, ADDRESS_A, ADDRESS_B + 100)
+    assert (first.nbytes, first.device, first.owned) == (8192, 1, False)
+    assert [c[1] for c in drv.calls if c[0] == "import_pool"] == [5, 6, 7]
+    assert [c for c in drv.calls if c[0] != "import_pool"] == [
+        ("pool_access", 900, 1),
+        ("import_pointer", 900, A),
+        ("range", ADDRESS_A),
+        ("import_pointer", 900, B),
+        ("range", ADDRESS_B),
+    ]
+    assert drv.access == [("device", 0, "rw")] and regions.statistics()["pool_imports"] == 2 and drv.imports == 3
+    drv.calls.clear()
+    regions.release_device(first)
+    assert drv.calls == [("destroy_pool", 900)]  # `again` still uses allocation A
+    regions.release_device(other)
+    regions.release_device(again)
+    regions.release_device(again)  # idempotent
+    assert drv.calls == [("destroy_pool", 900), ("free_pointer", ADDRESS_B), ("destroy_pool", 900), ("free_pointer", ADDRESS_A), ("destroy_pool", 900)]
+    assert regions.device_mems == {} and len(regions.pools) == 0 and drv.imports == 0
+
+
+@pytest.mark.parametrize(
+    ("fail", "export", "offset", "error", "undo"),
+    [
+        ("import_pool", A, 0, InvalidRequest, []),
+        ("", b"c" * 64, 0, InvalidRequest, [("import_pointer", 900, b"c" * 64), ("destroy_pool", 900)]),
+        ("", A, 4 * MiB - 4095, InvalidRequest, [("free_pointer", ADDRESS_A), ("destroy_pool", 900)]),
+        ("pool_access", A, 0, CudaError, [("pool_access", 900, 1), ("destroy_pool", 900)]),
+    ],
+    ids=["not-a-pool-fd", "no-such-allocation", "past-the-allocation", "access-refused"],
+)
+def test_daemon_pool_import_errors_undo_what_was_done(
+    pool_driver: Any, fail: str, export: bytes, offset: int, error: type[Exception], undo: list[tuple[Any, ...]]
+) -> None:
+    """A fd that is no pool's, export data that names no allocation of it, or a region past the
+    allocation's end are the client's mistakes (InvalidRequest: bad_request, naming what to
+    send); whatever fails, what was imported is let go and nothing is left registered."""
+    drv = pool_driver.use(_FakePoolDriver(fail))
+    regions = memory.Regions(lambda device: None)
+    with pytest.raises(error) as info:
+        regions.import_device_pool(5, export, offset, 4096, 0, [1])
+    if error is InvalidRequest:
+        assert "cuMemPoolExportToShareableHandle" in str(info.value) and "cuMemPoolExportPointer" in str(info.value)
+    assert drv.calls[len(drv.calls) - len(undo) :] == undo if undo else [c[0] for c in drv.calls] == ["import_pool"]
+    assert regions.device_mems == {} and len(regions.pools) == 0 and drv.imports == 0
+
+
+def test_a_refused_allocation_leaves_its_pool_to_the_others_and_close_frees_all(pool_driver: Any) -> None:
+    """Export data that names nothing gives back only its own import of the pool, not the one
+    of the allocation already imported from it; closing the engine's regions frees what is
+    still imported and destroys every import left."""
+    drv = pool_driver.drv
+    regions = memory.Regions(lambda device: None)
+    regions.pools.acquire(5, A, 0)  # held without a region: only close lets go of it
+    regions.pools.acquire(6, A, 0)
+    with pytest.raises(InvalidRequest, match="names no allocation of that pool"):
+        regions.import_device_pool(7, b"c" * 64, 0, 4096, 0)
+    assert drv.imports == 2 and len(regions.pools) == 1
+    drv.calls.clear()
+    assert regions.close() == []
+    assert drv.calls == [("free_pointer", ADDRESS_A), ("destroy_pool", 900), ("destroy_pool", 900)]
+    assert len(regions.pools) == 0 and drv.imports == 0

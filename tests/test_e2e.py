@@ -141,16 +141,22 @@ async def test_register_host_memfd(daemon: DaemonProcess) -> None:
         os.close(fd)
 
 
-def test_register_device_vmm_fd_on_sim_is_refused_and_its_fd_closed(daemon: DaemonProcess) -> None:
-    """cuMemCreate memory by fd (kind vmm_fd) needs the cuda engine: the sim refuses it with
-    bad_request naming the alternative, and the fd that came with it is closed in the daemon."""
+@pytest.mark.parametrize(
+    ("kind", "handle", "memory"),
+    [("vmm_fd", b"", "cuMemCreate memory"), ("pool_fd", b"e" * 64, "stream-ordered pool memory")],
+)
+def test_register_device_by_fd_on_sim_is_refused_and_its_fd_closed(daemon: DaemonProcess, kind: str, handle: bytes, memory: str) -> None:
+    """cuMemCreate memory by fd (kind vmm_fd) and pool memory by the pool's fd (kind pool_fd)
+    need the cuda engine: the sim refuses them with bad_request naming the alternative, and the
+    fd that came with the request is closed in the daemon."""
     from priod.messages import RegisterDevice
 
-    fd = os.memfd_create("priod-vmm-fd-test")
+    name = f"priod-{kind}-test"
+    fd = os.memfd_create(name)
     try:
         with priod.SyncClient(daemon.socket_path) as c:
-            with pytest.raises(priod.InvalidRequest, match=r"^register_device of cuMemCreate memory \(kind 'vmm_fd'\) needs the cuda engine; .*alloc_device"):
-                c._request(RegisterDevice(b"", 4096, 0, kind="vmm_fd", size=2 << 20), (fd,))
+            with pytest.raises(priod.InvalidRequest, match=rf"^register_device of {memory} \(kind '{kind}'\) needs the cuda engine; .*alloc_device"):
+                c._request(RegisterDevice(handle, 4096, 0, kind=kind, size=2 << 20), (fd,))
             c.ping()
     finally:
         os.close(fd)
@@ -158,7 +164,7 @@ def test_register_device_vmm_fd_on_sim_is_refused_and_its_fd_closed(daemon: Daem
     def held() -> bool:
         for link in Path(f"/proc/{daemon.proc.pid}/fd").iterdir():
             try:
-                if "priod-vmm-fd-test" in os.readlink(link):
+                if name in os.readlink(link):
                     return True
             except FileNotFoundError:
                 pass  # closed meanwhile

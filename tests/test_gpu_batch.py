@@ -18,7 +18,7 @@ import pytest
 import priod
 from priod.batch import Segments, encode_segments
 from priod.engines.base import LOCAL_DIRECTIONS, Completion, Direction, LaneKey, Memory, Path
-from priod.testing import DaemonProcess, daemon_process
+from priod.testing import DaemonProcess
 
 pytestmark = pytest.mark.gpu
 
@@ -114,12 +114,6 @@ def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str)
             engine.release_device(mem)
         for h in (src_h, dst_h):
             h.close(engine)
-
-
-@pytest.fixture(scope="module")
-def gpu_daemon() -> Iterator[DaemonProcess]:
-    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=120) as d:
-        yield d
 
 
 @pytest.mark.parametrize("priority", ["normal", "urgent"])

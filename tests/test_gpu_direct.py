@@ -4,7 +4,6 @@ while the daemon runs bulk and holds it back for each one (priod.direct, holds.p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -12,17 +11,11 @@ import pytest
 import priod
 from priod.direct import DirectCopies
 from priod.errors import InvalidRequest
-from priod.testing import DaemonProcess, daemon_process
+from priod.testing import DaemonProcess
 
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def gpu_daemon() -> Iterator[DaemonProcess]:
-    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=120) as d:
-        yield d
 
 
 def test_direct_copies_move_the_right_bytes_both_ways_and_are_counted(gpu_daemon: DaemonProcess) -> None:

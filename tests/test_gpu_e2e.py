@@ -11,7 +11,6 @@ import multiprocessing as mp
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +23,6 @@ pytestmark = pytest.mark.gpu
 
 SIZES = [1, 4097, 64 << 10, (1 << 20) + 7, 3 << 20]
 OFFSETS = [(0, 0), (19, 35), (5, 2)]
-
-
-@pytest.fixture(scope="module")
-def gpu_daemon() -> Iterator[DaemonProcess]:
-    """A daemon on the cuda engine, express lane on."""
-    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=120) as d:
-        yield d
 
 
 @pytest.mark.parametrize("priority", ["normal", "urgent"])

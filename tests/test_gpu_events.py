@@ -11,26 +11,19 @@ are refused, and an event its client destroys early breaks nothing but that clie
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import priod
-from priod.testing import DaemonProcess, daemon_process
+from priod.testing import DaemonProcess
 
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
 SLEEP_CYCLES = 200_000_000
 """``torch.cuda._sleep``: about 0.1 s of a spinning kernel at H200 clocks, far longer than the copy."""
-
-
-@pytest.fixture(scope="module")
-def gpu_daemon() -> Iterator[DaemonProcess]:
-    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=120) as d:
-        yield d
 
 
 def _torch() -> Any:

@@ -139,6 +139,37 @@ def test_an_error_reply_keeps_a_batch_s_progress_whatever_its_code() -> None:
             True,
             r"^offset 4096 \+ nbytes 4096 is past the allocation's size 4096; the buffer must lie within it$",
         ),
+        (
+            {"id": 1, "op": "register_device", "handle": b"e" * 64, "nbytes": 4096, "kind": "pool_fd", "size": 2 << 20},
+            0,
+            True,
+            r"^'register_device' of kind 'pool_fd' takes exactly one fd \(the pool's POSIX fd\) with the frame, got 0$",
+        ),
+        (
+            {"id": 1, "op": "register_device", "handle": b"e" * 64, "nbytes": 4096, "kind": "pool_fd", "size": 2 << 20},
+            2,
+            True,
+            r"^'register_device' of kind 'pool_fd' takes exactly one fd \(the pool's POSIX fd\) with the frame, got 2$",
+        ),
+        (
+            {"id": 1, "op": "register_device", "handle": b"e" * 63, "nbytes": 4096, "kind": "pool_fd", "size": 2 << 20},
+            1,
+            True,
+            r"^handle is 63 bytes; kind 'pool_fd' needs the allocation's 64-byte CUmemPoolPtrExportData \(what cuMemPoolExportPointer gives\)",
+        ),
+        ({"id": 1, "op": "register_device", "handle": b"", "nbytes": 4096, "kind": "pool_fd", "size": 2 << 20}, 1, True, r"^handle is 0 bytes; kind 'pool_fd' needs"),
+        (
+            {"id": 1, "op": "register_device", "handle": b"e" * 64, "nbytes": 4096, "kind": "pool_fd"},
+            1,
+            True,
+            r"^size = None is invalid; kind 'pool_fd' needs the whole allocation's size",
+        ),
+        (
+            {"id": 1, "op": "register_device", "handle": b"e" * 64, "nbytes": 4096, "offset": 1, "kind": "pool_fd", "size": 4096},
+            1,
+            True,
+            r"^offset 1 \+ nbytes 4096 is past the allocation's size 4096; the buffer must lie within it$",
+        ),
     ],
 )
 def test_bad_requests_are_refused_with_the_fix(msg: dict[str, object], fds: int, greeted: bool, error: str) -> None:
@@ -156,5 +187,8 @@ def test_register_device_of_a_vmm_allocation_takes_its_fd() -> None:
     frame without kind or size, from an older client, is that default)."""
     req = decode_request({"id": 1, "op": "register_device", "handle": b"", "nbytes": 4096, "offset": 8192, "kind": "vmm_fd", "size": 2 << 20}, fds=1)
     assert req == RegisterDevice(b"", 4096, 8192, kind="vmm_fd", size=2 << 20)
+    # kind pool_fd: the pool's fd beside the frame, the allocation's 64-byte export data as handle
+    pool = RegisterDevice(bytes(range(64)), 4096, 8192, 1, "GPU-00000000-0000-0000-0000-000000000000", kind="pool_fd", size=1 << 20)
+    assert decode_request(msgpack.unpackb(msgpack.packb(pool.encode(7)), raw=False), fds=1) == pool
     assert "kind" not in RegisterDevice(b"h" * 64, 4096).encode(1)
     assert decode_request({"id": 1, "op": "register_device", "handle": b"h" * 64, "nbytes": 4096}) == RegisterDevice(b"h" * 64, 4096)

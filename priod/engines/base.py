@@ -265,6 +265,15 @@ class Engine(ABC):
             "use alloc_device and view it with Region.torch()"
         )
 
+    def import_device_pool(self, fd: int, export: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        """Import client-owned memory of a stream-ordered pool: the pool from its POSIX fd, the
+        allocation from its ``CUmemPoolPtrExportData`` bytes, and take ``nbytes`` at ``offset``
+        (cuda only). ``fd`` stays the caller's."""
+        raise InvalidRequest(
+            f"register_device of stream-ordered pool memory (kind 'pool_fd') needs the cuda engine; this daemon runs the {self.name} engine: "
+            "use alloc_device and view it with Region.torch()"
+        )
+
     @abstractmethod
     def release_device(self, mem: DeviceMemory) -> None:
         """Free (or close the imported handle of) device memory. Nothing is in flight on it."""

@@ -41,6 +41,7 @@ __all__ = [
     "handle_from_bytes",
     "handle_to_bytes",
     "local_ordinal",
+    "pool_export_from_bytes",
     "status_codes",
 ]
 
@@ -213,7 +214,8 @@ class DeviceScope:
 
 
 def handle_to_bytes(handle: Any) -> bytes:
-    """The 64 bytes of a ``cudaIpcMemHandle_t`` (through its address: works on every version)."""
+    """The 64 bytes of a ``cudaIpcMemHandle_t``, ``cudaIpcEventHandle_t`` or
+    ``CUmemPoolPtrExportData`` (through its address: works on every version)."""
     return ctypes.string_at(int(handle.getPtr()), 64)
 
 
@@ -229,6 +231,13 @@ def _ipc_handle(kind: Any, data: bytes, what: str) -> Any:
     handle = kind()
     ctypes.memmove(int(handle.getPtr()), data, 64)
     return handle
+
+
+def pool_export_from_bytes(data: bytes) -> Any:
+    """A ``CUmemPoolPtrExportData`` (what ``cuMemPoolExportPointer`` gave for a pool allocation)
+    holding ``data``; InvalidRequest unless it is 64 bytes. `handle_to_bytes` reads one back."""
+    _, drv = bindings()
+    return _ipc_handle(drv.CUmemPoolPtrExportData, data, "pool allocation's export data (CUmemPoolPtrExportData)")
 
 
 def event_handle_from_bytes(data: bytes) -> Any:

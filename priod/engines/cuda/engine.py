@@ -188,11 +188,21 @@ class CudaEngine(Engine):
         if nbytes <= 0 or offset < 0 or offset + nbytes > size:
             raise InvalidRequest(f"bad device region: offset {offset}, {nbytes} bytes, in an allocation of {size}")
         self._device(device)
-        # cuMemMap-ed memory is reached only by the GPUs given access to it (peer access, which
-        # cudaMalloc memory gets from cudaDeviceEnablePeerAccess, does not extend to it): its own,
-        # and each GPU whose peer lane to it copies directly.
-        peers = [other for other, dev in self._devices.items() if other != device and (lane := dev.peers.get(device)) is not None and lane.peer_access]
-        return self._regions.import_device_fd(fd, size, offset, nbytes, device, peers)
+        return self._regions.import_device_fd(fd, size, offset, nbytes, device, self._peers_of(device))
+
+    def import_device_pool(self, fd: int, export: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        self._check_open()
+        if nbytes <= 0 or offset < 0:
+            raise InvalidRequest(f"bad device region: offset {offset}, {nbytes} bytes")
+        self._device(device)
+        return self._regions.import_device_pool(fd, export, offset, nbytes, device, self._peers_of(device))
+
+    def _peers_of(self, device: int) -> list[int]:
+        """The GPUs besides ``device`` whose peer lane to it copies directly. cuMemMap-ed and
+        pool memory is reached only by the GPUs given access to it (peer access, which
+        cudaMalloc memory gets from cudaDeviceEnablePeerAccess, does not extend to it): its
+        own, and these."""
+        return [other for other, dev in self._devices.items() if other != device and (lane := dev.peers.get(device)) is not None and lane.peer_access]
 
     def release_device(self, mem: DeviceMemory) -> None:
         self._regions.release_device(mem)

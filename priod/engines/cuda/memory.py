@@ -12,6 +12,11 @@
 - A client's ``cuMemCreate`` memory (PyTorch's expandable segments, vLLM's CuMemAllocator)
   comes as a POSIX fd instead (`import_device_fd`): imported, mapped whole at an address range
   reserved here, and given read/write access for the region's GPU; each region maps its own.
+- A client's stream-ordered pool memory (``cudaMallocAsync`` from a pool created with POSIX fd
+  handles) comes as the pool's POSIX fd and the allocation's export data
+  (`import_device_pool`): the `PoolTable` imports the pool for each region (the driver counts
+  the imports) and each allocation once however many regions use it, and gives each back with
+  its region (the allocation with its last one).
 
 `Regions` keeps what one engine holds, so that close frees it all, and the registration times
 that ``priod status`` shows. Its methods run on the daemon's executor threads, since they take
@@ -31,9 +36,9 @@ from typing import Any, NamedTuple
 from priod.engines.base import DeviceExport, DeviceMemory, HostMemory
 from priod.errors import CudaError, InvalidRequest
 
-from ._driver import IpcTable, bindings, check, handle_to_bytes
+from ._driver import IpcTable, bindings, check, handle_to_bytes, pool_export_from_bytes
 
-__all__ = ["CudaDeviceMemory", "CudaHostMemory", "Regions", "VmmMapping", "vmm_import", "vmm_map", "vmm_unmap"]
+__all__ = ["CudaDeviceMemory", "CudaHostMemory", "PoolTable", "Regions", "VmmMapping", "vmm_import", "vmm_map", "vmm_unmap"]
 
 
 class CudaHostMemory(HostMemory):
@@ -71,6 +76,8 @@ class CudaDeviceMemory(DeviceMemory):
         """For imported memory, the handle it was opened from (to close it)."""
         self.vmm: VmmMapping | None = None
         """For memory imported from a POSIX fd, its mapping (to unmap and release it)."""
+        self.pool: PoolKey | None = None
+        """For memory imported from a pool, its allocation's key in the `PoolTable`."""
         self.released = False
 
 
@@ -83,8 +90,147 @@ class VmmMapping(NamedTuple):
     size: int
 
 
+PoolKey = tuple[int, bytes]
+"""An imported pool allocation: the imported pool's handle value and the allocation's export data."""
+
+
+class PoolTable:
+    """The clients' stream-ordered pools and pool allocations imported here, counted.
+
+    The driver counts a process's imports of one pool: every import gives the same handle, and
+    the pool lives until each import has had its ``cuMemPoolDestroy`` (measured on an H200,
+    driver 580: after one destroy of two imports the pool still imports pointers, after the
+    second a call on it crashed the process). So every registration imports the pool and its
+    release destroys that import, the last one after the allocation is freed. An allocation,
+    though, is imported once however many regions use it: imported twice it comes back as one
+    pointer, and the first free unmaps it for both (nvbug 5570902, which cuda.core's IPC
+    pointer cache works around); it is freed with its last region. The callers make the
+    region's device current first.
+    """
+
+    def __init__(self, use: Callable[[int], None]) -> None:
+        self._use = use
+        self._pools: dict[int, list[Any]] = {}
+        """Imported pool's handle value -> [the pool, how many imports of it are held, device]."""
+        self._allocations: dict[PoolKey, list[int]] = {}
+        """-> [the imported pointer, the allocation's size, how many regions use it]."""
+        self._lock = threading.Lock()
+
+    def acquire(self, fd: int, export: bytes, device: int, peers: Sequence[int] = ()) -> tuple[PoolKey, int, int]:
+        """Import the pool behind ``fd`` (one more import of it, for `release` to destroy) and
+        the allocation that ``export`` names (or reuse it); ``peers`` get read/write access to a
+        pool not imported yet (its own GPU has it already). Returns the key to `release`, the
+        allocation's address here and its size.
+
+        Raises:
+            InvalidRequest: the fd is not a pool's POSIX export, or the export data names no
+                allocation of it (the client's fault, named; what was imported is let go).
+        """
+        _, drv = bindings()
+        with self._lock:
+            try:
+                pool = check(drv.cuMemPoolImportFromShareableHandle(fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
+            except CudaError as exc:
+                raise InvalidRequest(f"the fd passed with register_device (kind 'pool_fd') does not import as a CUDA memory pool ({exc}): {POOL_FD_HINT}") from exc
+            pool_key = int(pool)
+            entry = self._pools.get(pool_key)
+            if entry is None:
+                try:
+                    if peers:
+                        descs = access_descs(drv, peers)
+                        check(drv.cuMemPoolSetAccess(pool, descs, len(descs)))
+                except BaseException:
+                    drv.cuMemPoolDestroy(pool)
+                    raise
+                entry = self._pools[pool_key] = [pool, 0, device]
+            entry[1] += 1
+            key = (pool_key, bytes(export))
+            held = self._allocations.get(key)
+            if held is None:
+                try:
+                    held = self._allocations[key] = [*_import_pointer(drv, entry[0], export), 0]
+                except BaseException:
+                    self._destroy_one(drv, pool_key)  # the error that got us here is the one to report
+                    raise
+            held[2] += 1
+            return key, held[0], held[1]
+
+    def release(self, key: PoolKey) -> None:
+        """Drop one region's reference: free the imported allocation when it was the last, then
+        destroy the region's import of the pool (each tried, the first error raised). Nothing
+        may be in flight on it (cuMemFree of pool memory does not wait for the device)."""
+        _, drv = bindings()
+        with self._lock:
+            held = self._allocations.get(key)
+            if held is None:
+                return
+            held[2] -= 1
+            last = held[2] == 0
+            results = [drv.cuMemFree(held[0])] if last else []
+            results.append(self._destroy_one(drv, key[0]))
+            if last:
+                # Forgotten once freed, so that a count of 0 (`__len__`, in `priod status`)
+                # means the client may free its allocation: CUDA wants importers to free first.
+                del self._allocations[key]
+        for result in results:
+            check(result)
+
+    def _destroy_one(self, drv: Any, pool_key: int) -> Any:
+        """``cuMemPoolDestroy`` of one import of the pool (its result); forget it after the last."""
+        entry = self._pools[pool_key]
+        result = drv.cuMemPoolDestroy(entry[0])
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._pools[pool_key]
+        return result
+
+    def close_all(self) -> list[BaseException]:
+        """Free every imported allocation and destroy every import of every pool, whatever
+        their counts; return the errors met."""
+        _, drv = bindings()
+        results = []
+        with self._lock:
+            for (pool_key, _), held in self._allocations.items():
+                self._use(self._pools[pool_key][2])
+                results.append(drv.cuMemFree(held[0]))
+            self._allocations.clear()
+            for pool, imports, device in self._pools.values():
+                self._use(device)
+                results.extend(drv.cuMemPoolDestroy(pool) for _ in range(imports))
+            self._pools.clear()
+        errors: list[BaseException] = []
+        for result in results:
+            try:
+                check(result)
+            except CudaError as exc:
+                errors.append(exc)
+        return errors
+
+    def __len__(self) -> int:
+        """How many client pool allocations are imported (``pool_imports`` in ``priod status``)."""
+        return len(self._allocations)
+
+
+def _import_pointer(drv: Any, pool: Any, export: bytes) -> tuple[int, int]:
+    """``cuMemPoolImportPointer`` of ``export`` from the imported ``pool``: the allocation's
+    address here and its size (``cuMemGetAddressRange``, so that no region reaches past it);
+    export data that names nothing of this pool is the client's mistake (InvalidRequest)."""
+    try:
+        pointer = int(check(drv.cuMemPoolImportPointer(pool, pool_export_from_bytes(export))))
+    except CudaError as exc:
+        raise InvalidRequest(f"the export data passed with register_device (kind 'pool_fd') names no allocation of that pool ({exc}): {POOL_FD_HINT}") from exc
+    try:
+        base, size = check(drv.cuMemGetAddressRange(pointer))
+        if int(base) != pointer:
+            raise CudaError("CUDA_ERROR_INVALID_VALUE", f"the imported allocation at 0x{pointer:x} lies inside a range from 0x{int(base):x}")
+    except BaseException:
+        drv.cuMemFree(pointer)
+        raise
+    return pointer, int(size)
+
+
 class Regions:
-    """The host and device regions of one engine, and its daemon-side IPC table.
+    """The host and device regions of one engine, and its daemon-side IPC and pool tables.
 
     ``use`` makes a device current in the calling thread (the engine's, which skips the call
     when the device already is).
@@ -95,6 +241,7 @@ class Regions:
         self.hosts: dict[int, CudaHostMemory] = {}
         self.device_mems: dict[int, CudaDeviceMemory] = {}
         self.ipc = IpcTable()
+        self.pools = PoolTable(use)
         self._register_log: deque[tuple[int, float]] = deque(maxlen=32)
         self._register_count = 0
         self._register_bytes = 0
@@ -186,6 +333,25 @@ class Regions:
         self.device_mems[id(mem)] = mem
         return mem
 
+    def import_device_pool(self, fd: int, export: bytes, offset: int, nbytes: int, device: int, peers: Sequence[int] = ()) -> CudaDeviceMemory:
+        """Import a client's stream-ordered pool from its POSIX fd and the allocation that
+        ``export`` (its ``CUmemPoolPtrExportData``) names, the allocation once however many
+        regions use it (`PoolTable`), with read/write access for ``peers`` besides ``device``,
+        and take ``nbytes`` at ``offset`` of the allocation. ``fd`` stays the caller's.
+
+        Raises:
+            InvalidRequest: as `PoolTable.acquire`, or the region reaches past the allocation.
+        """
+        self._use(device)
+        key, pointer, size = self.pools.acquire(fd, export, device, peers)
+        if offset + nbytes > size:
+            self.pools.release(key)
+            raise InvalidRequest(f"offset {offset} + nbytes {nbytes} is past the end of the pool allocation, {size} bytes: {POOL_FD_HINT}")
+        mem = CudaDeviceMemory(pointer + offset, nbytes, device, owned=False)
+        mem.pool = key
+        self.device_mems[id(mem)] = mem
+        return mem
+
     def release_device(self, mem: DeviceMemory) -> None:
         """Free an allocation, or drop an import's reference to its handle. Idempotent."""
         if self.device_mems.pop(id(mem), None) is None:
@@ -198,6 +364,8 @@ class Regions:
             check(rt.cudaFree(mem.pointer))
         elif mem.vmm is not None:
             vmm_unmap(mem.vmm)
+        elif mem.pool is not None:
+            self.pools.release(mem.pool)
         elif mem.ipc_handle is not None:
             self.ipc.release(mem.ipc_handle, mem.device)
 
@@ -215,6 +383,7 @@ class Regions:
             except CudaError as exc:
                 errors.append(exc)
         errors.extend(self.ipc.close_all())
+        errors.extend(self.pools.close_all())
         return errors
 
     def statistics(self) -> dict[str, object]:
@@ -230,9 +399,15 @@ class Regions:
             },
             "host_regions": len(self.hosts),
             "device_regions": len(self.device_mems),
+            "pool_imports": len(self.pools),
         }
 
 
+POOL_FD_HINT = (
+    "pass the fd that cuMemPoolExportToShareableHandle(pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) gave for the buffer's pool, "
+    "and as handle the 64 bytes that cuMemPoolExportPointer gave for its allocation, allocated (its stream synchronised) and not "
+    "freed (priod.cuda_ipc.export_device_buffer does), with offset + nbytes within the allocation"
+)
 VMM_FD_HINT = (
     "pass the fd that cuMemExportToShareableHandle(handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) gave for the "
     "allocation (priod.cuda_ipc.export_device_buffer does), with size the whole allocation's"
@@ -266,13 +441,7 @@ def vmm_map(drv: Any, handle: Any, size: int, devices: Sequence[int]) -> VmmMapp
             # The driver's one complaint about a size larger than the allocation.
             raise InvalidRequest(f"the allocation does not map with size = {size} ({exc}): {VMM_FD_HINT}") from exc
         mapped = True
-        descs = []
-        for device in devices:
-            access = drv.CUmemAccessDesc()
-            access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = device
-            access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            descs.append(access)
+        descs = access_descs(drv, devices)
         check(drv.cuMemSetAccess(base, size, descs, len(descs)))
     except BaseException:
         # Best effort, in the reverse order; the error that got us here is the one to report.
@@ -283,6 +452,18 @@ def vmm_map(drv: Any, handle: Any, size: int, devices: Sequence[int]) -> VmmMapp
         drv.cuMemRelease(handle)
         raise
     return VmmMapping(handle, base, size)
+
+
+def access_descs(drv: Any, devices: Sequence[int]) -> list[Any]:
+    """``CUmemAccessDesc`` read/write for each of ``devices`` (cuMemSetAccess, cuMemPoolSetAccess)."""
+    descs = []
+    for device in devices:
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        descs.append(access)
+    return descs
 
 
 def vmm_unmap(mapping: VmmMapping) -> None:
