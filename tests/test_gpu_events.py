@@ -11,13 +11,14 @@ are refused, and an event its client destroys early breaks nothing but that clie
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import priod
-from priod.testing import DaemonProcess
+from priod.testing import DaemonProcess, daemon_process
 
 pytestmark = pytest.mark.gpu
 
@@ -87,9 +88,21 @@ def test_wait_event_copies_the_kernels_output_not_stale_bytes(gpu_daemon: Daemon
         c.free(src)
 
 
+@pytest.fixture(scope="module")
+def deep_daemon() -> Iterator[DaemonProcess]:
+    """A cuda daemon with 40 ms of bulk in flight per lane (max_block_us), not 1 ms: a copy's
+    signal_event is recorded behind its last chunk, when at most that much of the copy is left,
+    so the client has that long to queue its kernel while the copy is still in flight. With 1
+    ms a slow loop turn on a busy host lets the copy land first, and the test cannot tell
+    whether the ordering held (it says so rather than pass)."""
+    env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SCHEDULER__MAX_BLOCK_US": "40000"}
+    with daemon_process(env, backend="cuda", start_timeout=120) as d:
+        yield d
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("kind", ["torch", "priod"])
-def test_signal_event_orders_a_kernel_after_the_copy_without_host_sync(gpu_daemon: DaemonProcess, kind: str, dtype: str) -> None:
+def test_signal_event_orders_a_kernel_after_the_copy_without_host_sync(deep_daemon: DaemonProcess, kind: str, dtype: str) -> None:
     """A 256 MiB bulk copy host -> a registered tensor, with a signal_event: as soon as the
     daemon reports the event recorded, this process's stream waits on it and a kernel copies the
     tensor out (no host synchronisation between); that kernel read every copied byte. The report
@@ -98,7 +111,7 @@ def test_signal_event_orders_a_kernel_after_the_copy_without_host_sync(gpu_daemo
 
     n = 256 * MiB
     rng = np.random.default_rng(11)
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(deep_daemon.socket_path) as c:
         raw = torch.zeros(n, dtype=torch.uint8, device="cuda")
         t = raw.view(getattr(torch, dtype))  # the tensor the reader kernel works on
         torch.cuda.synchronize()
