@@ -138,6 +138,8 @@ class Pump:
         self._on_signalled = on_signalled
         self.gates = Gates()
         """Copies held until their client's wait_event completes (gates.py)."""
+        self._batching = 0
+        self._kick_pending = False
         self.holds = Holds()
         """Clients' hold pages for their direct urgent copies (holds.py), read before each submission."""
         self.configure_holds()
@@ -199,6 +201,9 @@ class Pump:
         through its session, to a new copy), it goes on a later turn instead: the chunks in
         flight are being walked.
         """
+        if self._batching:
+            self._kick_pending = True  # one kick when the batch of requests has been taken
+            return
         if self._working:
             if not self._kick_later:
                 self._kick_later = True
@@ -210,6 +215,18 @@ class Pump:
             self._kick()
         finally:
             self._working = False
+
+    def begin_batch(self) -> None:
+        """Take a burst of requests (a connection's drain turn) with one kick at its end
+        (`end_batch`) instead of one per copy: 256 pipelined copies are then dispatched
+        together. A single copy in the turn is kicked when the turn ends, microseconds later."""
+        self._batching += 1
+
+    def end_batch(self) -> None:
+        self._batching -= 1
+        if not self._batching and self._kick_pending:
+            self._kick_pending = False
+            self.kick()
 
     def configure_holds(self) -> None:
         """Take the hold limits from the scheduler's policy (at start and on reload)."""

@@ -181,7 +181,16 @@ class Session:
 
     def _drain(self) -> None:
         """Handle the requests the transport has, up to a bound per loop turn (other clients
-        are served between), unless a region set-up is under way."""
+        are served between), unless a region set-up is under way. The pump is kicked once at
+        the end of the turn, not once per copy (`Pump.begin_batch`)."""
+        pump = self.shared.pump
+        pump.begin_batch()
+        try:
+            self._drain_turn()
+        finally:
+            pump.end_batch()
+
+    def _drain_turn(self) -> None:
         if self._rate_timer is not None:
             return  # out of tokens: the timer resumes it
         lim = self.shared.cfg.limits

@@ -216,3 +216,34 @@ async def test_reload_drops_queue_depth_of_removed_classes(tmp_path: Path) -> No
         await poll(lambda: ("priod_queued_requests", frozenset(series.items())) not in scrape(), what="class normal gone from queue depth")
         assert ("priod_queued_requests", frozenset({**series, "priority": "bulk"}.items())) in scrape()
         await c.close()
+
+
+def test_the_per_copy_series_expose_what_prometheus_clients_own_types_would() -> None:
+    """The copy series are counted in plain Python and exposed by a custom collector (a lock-free
+    copy path); the text a scrape reads must be what a Counter and a Histogram fed the same
+    copies would give, bucket boundaries (le: value <= bound) included."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from priod.engines.base import Path as CopyPath
+    from priod.metrics import _LATENCY_BUCKETS, Metrics
+
+    ours = Metrics({0: "GPU-0"})
+    ref = CollectorRegistry()
+    requests = Counter("priod_requests", "x", ["gpu", "direction", "priority", "outcome"], registry=ref)
+    nbytes = Counter("priod_copied_bytes", "x", ["gpu", "direction", "priority"], registry=ref)
+    duration = Histogram("priod_request_duration_seconds", "x", ["gpu", "direction", "priority", "path"], buckets=_LATENCY_BUCKETS, registry=ref)
+    values = [*_LATENCY_BUCKETS, 0.0, 1e-7, 3e-5, 0.7, 11.0, 1e-3 + 1e-12]
+    for i, v in enumerate(values):
+        outcome = "done" if i % 5 else "cancelled"
+        ours.copy_finished("urgent", outcome, LaneKey(0, Direction.H2D), CopyPath.DMA, 100 + i, v / 2, v, False)
+        requests.labels("GPU-0", "h2d", "urgent", outcome).inc()
+        nbytes.labels("GPU-0", "h2d", "urgent").inc(100 + i)
+        if outcome == "done":
+            duration.labels("GPU-0", "h2d", "urgent", "dma").observe(v)
+
+    def lines(registry: CollectorRegistry, prefixes: tuple[str, ...]) -> set[str]:
+        text = generate_latest(registry).decode()
+        return {ln for ln in text.splitlines() if ln.startswith(prefixes) and "_created" not in ln}
+
+    prefixes = ("priod_requests_total", "priod_copied_bytes_total", "priod_request_duration_seconds_")
+    assert lines(ours.registry, prefixes) == lines(ref, prefixes)
