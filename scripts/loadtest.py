@@ -584,7 +584,17 @@ def worker_main(spec_json: str) -> int:
     except PriodError as exc:
         _emit({"type": "fatal", "client": spec["client"], "error": f"{type(exc).__name__}: {exc}"})
         return 1
-    _emit({"type": "result", **asdict(stats)})
+    # The result carries every latency (hundreds of KB). Through the stdout pipe such a line came
+    # cut short twice (on the GPU machine, then in CI; the cause is not pinned down), so it goes
+    # to a file, written whole and renamed into place, and the pipe carries only its name.
+    path = spec.get("result_path")
+    if path:
+        with open(path + ".tmp", "w") as fp:
+            json.dump({"type": "result", **asdict(stats)}, fp, separators=(",", ":"))
+        os.replace(path + ".tmp", path)
+        _emit({"type": "result", "file": path})
+    else:
+        _emit({"type": "result", **asdict(stats)})
     return 0
 
 
@@ -880,6 +890,16 @@ def build_profiles(args: argparse.Namespace) -> list[Profile]:
     return clients
 
 
+def _result(msg: dict[str, Any]) -> dict[str, Any]:
+    """A client's result: the message itself, or the file it names (removed once read)."""
+    if "file" not in msg:
+        return msg
+    with open(msg["file"]) as fp:
+        result: dict[str, Any] = json.load(fp)
+    os.unlink(msg["file"])
+    return result
+
+
 def _reader(idx: int, stream: Any, q: queue.Queue[tuple[int, dict[str, Any] | None]]) -> None:
     for line in stream:
         line = line.strip()
@@ -939,6 +959,7 @@ def run(args: argparse.Namespace) -> int:
             spec = {
                 "client": i, "profile": asdict(p), "socket": path, "seed": args.seed, "verify": args.verify,
                 "requests": args.requests, "progress_s": args.progress_s, "drain_s": args.drain_s, "loop": args.loop,
+                "result_path": os.path.join(args.out, f"client{i}.result.json"),
             }
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
             procs.append(proc)
@@ -989,7 +1010,7 @@ def run(args: argparse.Namespace) -> int:
                 if msg is None:
                     ended.add(i)
                 elif msg["type"] == "result":
-                    results[i] = msg
+                    results[i] = _result(msg)
                 elif msg["type"] == "fatal":
                     fatal[i] = msg["error"]
                 elif msg["type"] == "progress":
