@@ -15,8 +15,8 @@ reply's list) is two little-endian uint64 at ``16 * i``: ``begun`` and ``ended``
 the client, each counting up by one per copy. A lane is held while ``begun != ended``, for at
 most ``direct_hold_max_ms`` per copy, and only while the uid has hold budget left on that lane
 (a token bucket of held seconds: ``urgent_budget_share`` of the time, ``direct_hold_burst_ms``
-deep). So a buggy or hostile client can delay bulk by that much and no more; what it writes is
-only numbers to the daemon. This module is the bookkeeping; the pump calls `Holds.scan` each
+deep; each copy costs at least `BEGIN_CHARGE_S`). So a buggy or hostile client can delay bulk
+by that much and no more; what it writes is only numbers to the daemon. This module is the bookkeeping; the pump calls `Holds.scan` each
 turn and tells the scheduler which lanes are held.
 """
 
@@ -40,6 +40,9 @@ SLOT_BYTES = 16
 """Two uint64 per lane: begun, ended."""
 MAX_COUNTED = 1_000_000
 """Copies counted from one scan's jump in ``begun`` at most (a client may write any number)."""
+BEGIN_CHARGE_S = 200e-6
+"""What each announced copy costs its uid's hold budget at least: about what it costs bulk (the
+in-flight bulk drains and the lane idles while the copy runs, on its short bound)."""
 
 
 @dataclass
@@ -159,14 +162,20 @@ class Holds:
             for i, slot in enumerate(page.slots):
                 b, e = values[2 * i], values[2 * i + 1]
                 lane = slot.lane
-                if b != slot.seen_begun:
-                    n = (b - slot.seen_begun) % (1 << 64)
-                    self.copies[lane] = self.copies.get(lane, 0) + min(n, MAX_COUNTED)
-                    slot.seen_begun, slot.since, slot.cut = b, now, False
-                    begun.add(lane)
                 bucket = slot.bucket
                 bucket.tokens = min(self.burst_s, bucket.tokens + (now - bucket.at) * self.share)
                 bucket.at = now
+                if b != slot.seen_begun:
+                    n = min((b - slot.seen_begun) % (1 << 64), MAX_COUNTED)
+                    self.copies[lane] = self.copies.get(lane, 0) + n
+                    slot.seen_begun, slot.since, slot.cut = b, now, False
+                    # A copy costs its uid at least BEGIN_CHARGE_S of holding however short it is
+                    # (it puts the lane on its short bound), and with nothing left in the bucket
+                    # it neither holds nor starts the short bound: a flood of announcements is
+                    # held to the budget too, not only long holds.
+                    bucket.tokens = max(-self.burst_s, bucket.tokens - n * BEGIN_CHARGE_S)  # a debt of one burst at most
+                    if bucket.tokens > 0:
+                        begun.add(lane)
                 if slot.held_at is not None:
                     bucket.tokens -= now - slot.held_at
                     slot.held_at = None

@@ -34,6 +34,9 @@ figure with no attacker, then starts the attacker in a process of its own and me
    connection. Target: <= max_output_bytes + 1 MiB (tests/test_hostile_limits.py's bound). Then
    they close: the honest ping p50 in the next 2 s (target as 1), and how long until the daemon
    is done with their connections (waited for up to 60 s, 10 s with ``--quick``).
+9. ``holds``: a hold page (direct urgent copies) whose copies never end, a new one announced on
+   every lane every 2 ms. Honest: a bulk client's throughput. Target: >= 0.7x unloaded (it may
+   lose the hold budget's share, ``urgent_budget_share`` = 0.25, and no more, less slack).
 
 After each attack a new client must get an urgent and a bulk copy done and checked (a daemon
 whose copy pump died still accepts connections), and the daemon gets SIGTERM (SIGKILL after 15 s).
@@ -120,7 +123,7 @@ RSS_GROWTH_MAX_MIB = 100.0
 SIGTERM_MAX_S = 10.0
 REPLY_TIMEOUT_S = 10.0
 """How long the honest client waits for a batch of replies before calling the daemon stalled."""
-ATTACKS = ("urgent64", "urgent-dma", "tiny", "deadline", "bombs", "idle", "sigterm", "mute")
+ATTACKS = ("urgent64", "urgent-dma", "tiny", "deadline", "bombs", "idle", "sigterm", "mute", "holds")
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -457,8 +460,33 @@ def attack_mute(p: dict[str, Any]) -> dict[str, Any]:
     return {"connections": len(socks), "uids": sorted({u for u in uids if u is not None}), "bytes_sent": summarize(sent, ("n", "min", "p50", "max"))}
 
 
+def attack_holds(p: dict[str, Any]) -> dict[str, Any]:
+    """A hold page abused: every ``interval_s`` a new direct copy is announced on every lane of
+    the page and none is ever ended, so each lane always has a fresh one under way (no copy is
+    ever older than the interval, so ``direct_hold_max_ms`` never cuts it): only the uid's hold
+    budget stands between this client and holding bulk back for good."""
+    flag = _stop_flag()
+    with effective_uid(p["uid"]):
+        client = SyncClient(p["path"], name="attacker")
+    page = client.hold_page()
+    slots = [page.slot(ln["device_uuid"], ln["direction"], ln["device"]) for ln in page.lanes]
+    print("ready", flush=True)
+    t0, announced = time.monotonic(), 0
+    while not flag.is_set():
+        for slot in slots:
+            page.begin(slot)
+        announced += 1
+        time.sleep(p["interval_s"])
+    seconds = time.monotonic() - t0
+    status = client.status()["direct"]
+    page.close()
+    client.close()
+    return {"announced_per_lane": announced, "seconds": seconds, "daemon_direct": status}
+
+
 ATTACKER_KINDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "copies": attack_copies,
+    "holds": attack_holds,
     "bombs": attack_bombs,
     "idle": attack_idle,
     "mute": attack_mute,
@@ -704,7 +732,7 @@ class Run:
         await self.urgent_latency(out, None, nbytes=1, pipeline=self.plan.tiny_window, priority="urgent")
 
     # 2 and 4: another process's throughput in a class -------------------------------------------
-    async def throughput(self, out: dict[str, Any], env: dict[str, str] | None, cls: str, **flood: Any) -> None:
+    async def throughput(self, out: dict[str, Any], env: dict[str, str] | None, cls: str, kind: str = "copies", **flood: Any) -> None:
         p = self.plan
         with self.daemon(out, env) as d:
             honest = BulkProcess(d.socket_path, p.throughput_bytes, p.throughput_pipeline, priority=cls, name="honest", verify=True)
@@ -712,7 +740,7 @@ class Run:
                 honest.wait_ready()
                 await asyncio.sleep(p.settle_s)
                 alone = await window(p.window_s)
-                with self.copies_attacker(d, **flood) as (_, result):
+                with attacker(kind, path=d.socket_path, uid=attacker_uids()[0], **flood) as (_, result):
                     await asyncio.sleep(p.settle_s)
                     attacked = await window(p.window_s)
                 out["attacker"] = result
@@ -738,6 +766,10 @@ class Run:
         p = self.plan
         bad = ["-1e12", "nan", "inf"]
         await self.throughput(out, None, "bulk", nbytes=p.flood_bytes, pipeline=p.flood_pipeline, priority="bulk", deadline_ms=0.0, bad_deadlines=bad)
+
+    async def holds(self, out: dict[str, Any]) -> None:
+        """9: a hold page whose copies never end, renewed every 2 ms, beside an honest bulk stream."""
+        await self.throughput(out, None, "bulk", kind="holds", interval_s=0.002)
 
     # 5: msgpack bombs ------------------------------------------------------------------------------
     async def bombs(self, out: dict[str, Any]) -> None:
@@ -932,6 +964,20 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
         ok = total > 0 and refused == total
         rows.append(("4. deadline_ms -1e12 / NaN / inf", "bad deadlines refused (bad_request)", "—", f"{refused:,} of {total:,} ({per})", "all", _verdict(ok)))
         rows.append(_throughput_row("4. (same, beside 4 x 64 MiB bulk at deadline 0)", r))
+    elif name == "holds":
+        base, hit = r["honest_unloaded"]["gbps"], r["honest_attacked"]["gbps"]
+        ratio = _ratio(hit, base)
+        cut = sum(r["attacker"].get("daemon_direct", {}).get("cut", {}).values())
+        rows.append(
+            (
+                "9. a hold page's copies never end, renewed every 2 ms",
+                "`bulk` throughput, other process, verified",
+                f"{base:.2f} GB/s",
+                f"{hit:.2f} GB/s ({ratio:.2f}x; {cut:,} holds cut by the budget)",
+                ">= 0.7x unloaded (1 - urgent_budget_share, less slack)",
+                _verdict(ratio >= 0.7),
+            )
+        )
     elif name == "bombs":
         rows += _latency_rows("5. msgpack bombs, 4 connections", r, "ping")
         rss = r["rss_mib"]
@@ -1158,6 +1204,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle": r.idle,
         "sigterm": r.sigterm,
         "mute": r.mute,
+        "holds": r.holds,
     }
     for name in args.attacks:
         out: dict[str, Any] = {}

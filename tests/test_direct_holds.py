@@ -93,15 +93,23 @@ def test_holding_is_budgeted_per_uid_over_its_connections() -> None:
     assert holds.cut.get(H2D, 0) > 100
 
 
-def test_garbage_counters_count_boundedly_and_hold_no_longer_than_hold_max() -> None:
+def test_garbage_counters_count_boundedly_and_spend_the_budget() -> None:
+    """Counters that jump by billions count at most a million copies a scan, and each copy costs
+    the uid's hold budget: such a page holds nothing, and its uid holds again once the budget
+    refills (a debt of one burst at most), for hold_max at most."""
     holds = Holds(hold_max_s=0.005, share=1.0, burst_s=1.0)
     client = page_pair(holds)
     raw = np.frombuffer(client._map, dtype="<u8", count=4)
     raw[:] = [2**64 - 1, 7, 123, 2**63]
     scan = holds.scan(0.0)
-    assert scan.held == {H2D, D2H}
-    assert holds.copies[H2D] <= 1_000_000 and holds.copies[D2H] <= 1_000_000
-    assert holds.scan(0.01).held == frozenset()
+    # h2d jumped by 2**64-1: a million copies, 200 s of charges: nothing held, no short bound.
+    # d2h jumped by 123 (ended says 2**63): 25 ms of charges, held (for hold_max at most).
+    assert scan.held == {D2H} and scan.begun == {D2H}
+    assert holds.copies == {H2D: 1_000_000, D2H: 123}
+    assert holds.scan(0.01).held == frozenset()  # d2h cut at hold_max
+    raw[0] = 5  # six more h2d copies (the counter wraps), once its bucket has refilled (1 s of debt at 1 s/s)
+    assert holds.scan(2.5).held == {H2D}
+    assert holds.scan(2.51).held == frozenset()  # then cut at hold_max
     del raw
 
 
