@@ -40,9 +40,10 @@ SLOT_BYTES = 16
 """Two uint64 per lane: begun, ended."""
 MAX_COUNTED = 1_000_000
 """Copies counted from one scan's jump in ``begun`` at most (a client may write any number)."""
-BEGIN_CHARGE_S = 200e-6
-"""What each announced copy costs its uid's hold budget at least: about what it costs bulk (the
-in-flight bulk drains and the lane idles while the copy runs, on its short bound)."""
+BEGIN_CHARGE_S = 50e-6
+"""What each announced copy costs its uid's hold budget at least, however short its hold: enough
+that a flood of announcements empties the bucket (and an empty bucket starts no short bound),
+little enough that one uid's honest clients (thousands of copies a second) stay inside it."""
 
 
 @dataclass
