@@ -344,6 +344,9 @@ def _validate(cfg: Config) -> None:
         0 <= sim.cotenant_stall_us < float("inf"),
         f"[sim] cotenant_stall_us = {sim.cotenant_stall_us} is invalid; set cotenant_stall_us to a finite number >= 0 (microseconds; 0: no co-tenant computes)",
     )
+    for name in ("context_slice_us", "context_switch_us"):
+        value = getattr(sim, name)
+        need(0 <= value < float("inf"), f"[sim] {name} = {value} is invalid; set a finite number of microseconds >= 0")
     _validate_sim_uuids(sim)
     need(0 <= cfg.metrics.port <= 65535, f"[metrics] port = {cfg.metrics.port} is invalid; 0 turns metrics off")
     need(cfg.service.shutdown_timeout_s > 0, "[service] shutdown_timeout_s must be > 0")

@@ -551,12 +551,16 @@ async def test_overload_is_refused_at_once_never_hangs() -> None:
             orders = await asyncio.gather(*map(flood, flooders))
             for order in orders:
                 kinds = [k for k, _ in order]
-                assert kinds.count("done") == 8 and kinds.count("refused") == 42
+                # 8 are taken at once (max_queued_requests); the rest are refused, unless one of
+                # the 8 finished before the daemon read the client's last requests (its 50 frames
+                # may come in several reads on a loaded machine): then its slot takes another.
+                done = kinds.count("done")
+                assert 8 <= done <= 12 and kinds.count("refused") == 50 - done, kinds
                 # Every refusal came back before the last accepted copy finished.
                 last_done = max(i for i, k in enumerate(kinds) if k == "done")
                 assert max(i for i, k in enumerate(kinds) if k == "refused") < last_done
             st = await good.status()
-            assert st["totals"]["refused"] >= 3 * 42
+            assert st["totals"]["refused"] >= 3 * 38
         finally:
             for c in flooders:
                 await c.close()

@@ -86,6 +86,11 @@ class SimSettings:
     8192^3 bf16 GEMMs in another process: 1,500-2,200 us; 0: the SMs are idle). The wait holds
     no bandwidth and delays neither the DMA path nor other lanes. Changed at run time with
     `SimEngine.set_cotenant_stall`."""
+    context_slice_us: float = 1000.0
+    """Copy engines time-slice between CUDA contexts: another context's copy (`foreign_copy`)
+    waits at most this long for the daemon's context to run out of queued chunks (H200: ~1 ms)."""
+    context_switch_us: float = 80.0
+    """What switching the engine to another context costs (H200: ~80 us)."""
     uuids: tuple[str, ...] = ()
     """Each device's UUID, as nvidia-smi would print it (``GPU-xxxxxxxx-...``), one per device.
     Empty: made-up ones that are the same every run (`priod.gpus.sim_uuid`). Tests set them to
@@ -263,6 +268,14 @@ class SimEngine(Engine):
 
     def device_uuids(self) -> dict[int, str]:
         return dict(self._uuids)
+
+    def foreign_copy(self, lane: LaneKey, nbytes: int) -> float:
+        """Another CUDA context's copy of ``nbytes`` on ``lane``'s copy engine (a client's own
+        DMA, as a direct urgent copy is), on the caller's thread; returns the seconds it took
+        from arrival to end. The engine time-slices between contexts (`Worker.foreign_copy`):
+        the copy waits for the daemon's chunks queued there, or for ``[sim] context_slice_us``
+        if the daemon keeps the engine fed, which is what holding bulk back avoids."""
+        return self._workers[(lane, Path.DMA)].foreign_copy(nbytes, self.cfg.context_slice_us / 1e6, self.cfg.context_switch_us / 1e6)
 
     def set_cotenant_stall(self, us: float) -> None:
         """Switch the co-tenant compute model: express chunks submitted from now on each wait

@@ -223,6 +223,14 @@ class Worker(threading.Thread):
         # Co-tenant waits served (express only); written by the worker alone.
         self.stalled = 0
         self.stalled_seconds = 0.0
+        # Another CUDA context's copies on this engine (`foreign_copy`): the engine serves one
+        # context at a time, so the worker holds its next chunk while one of those runs.
+        self._contexts = threading.Condition()
+        self._running = False
+        self._foreign_since: float | None = None
+        """When the other context's copy waiting for this engine arrived (None: none waits)."""
+        self._foreign_running = False
+        self._slice_s = 0.0
 
     def run_inline(self, job: Job) -> bool:
         """Run a tiny job on the caller's thread if this engine is idle; False if it must queue.
@@ -233,6 +241,8 @@ class Worker(threading.Thread):
         """
         if job.stall_s > 0 or self.submitted != self.completed or job.nbytes / self.link.rate(self.path) > INLINE_MAX_S:
             return False
+        if self._foreign_running or self._foreign_since is not None:
+            return False  # another context has the engine, or is owed it: queue behind it
         if job.segments is not None and len(job.segments[0]) > INLINE_MAX_SEGMENTS:
             return False  # a Python step per segment: thousands of tiny ones would hold the loop
         started = time.perf_counter()
@@ -255,6 +265,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
+            self._take_turn()
             if job.stall_s > 0:
                 self._stall(job.stall_s)
             started = time.perf_counter()
@@ -264,9 +275,47 @@ class Worker(threading.Thread):
             finally:
                 self.link.leave(self.path)
                 self.link.busy_seconds += time.perf_counter() - started
-                self.completed += 1
+                with self._contexts:
+                    self.completed += 1
+                    self._running = False
+                    self._contexts.notify_all()
             job = None  # drop the views now, so a freed region's mapping can close
             self._wakeup()()
+
+    def _take_turn(self) -> None:
+        """Before a chunk of the daemon's context: wait while another context's copy runs, or
+        is owed the engine (its time slice came while this context still had work)."""
+        with self._contexts:
+            while self._foreign_running or (self._foreign_since is not None and time.perf_counter() >= self._foreign_since + self._slice_s):
+                self._contexts.wait(0.001)
+            self._running = True
+
+    def foreign_copy(self, nbytes: int, slice_s: float, switch_s: float) -> float:
+        """Another CUDA context's copy of ``nbytes`` on this engine (a client's own DMA, such
+        as a direct urgent copy), on the caller's thread; the seconds from its arrival to its
+        end. Copy engines time-slice between contexts (measured on an H200: a switch of ~80 us,
+        a slice of ~1 ms): the engine goes on with the daemon's context until that has nothing
+        queued, or for at most ``slice_s`` (then at its next chunk boundary, chunks are never
+        preempted), switches (``switch_s``) and runs the copy at the link's rate while the
+        daemon's chunks wait. One such copy at a time per engine. Moves no bytes: it models what
+        the daemon's lanes see and what the other context waits for."""
+        arrived = time.perf_counter()
+        with self._contexts:
+            self._slice_s = slice_s
+            self._foreign_since = arrived
+            while self._running or (self.submitted != self.completed and time.perf_counter() < arrived + slice_s):
+                self._contexts.wait(0.0005)
+            self._foreign_running = True
+            self._foreign_since = None
+        try:
+            until = time.perf_counter() + switch_s + nbytes / self.link.rate(self.path)
+            while (delay := until - time.perf_counter()) > 0:
+                time.sleep(delay)
+        finally:
+            with self._contexts:
+                self._foreign_running = False
+                self._contexts.notify_all()
+        return time.perf_counter() - arrived
 
     def _stall(self, seconds: float) -> None:
         """Wait for the co-tenant's time slice: the kernel is launched but not running, so the
