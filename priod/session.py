@@ -177,20 +177,19 @@ class Session:
         if self._draining:
             self._again = True  # called from inside _drain (a reply was sent): it goes on
             return
-        self._context.run(self._drain)
-
-    def _drain(self) -> None:
-        """Handle the requests the transport has, up to a bound per loop turn (other clients
-        are served between), unless a region set-up is under way. The pump is kicked once at
-        the end of the turn, not once per copy (`Pump.begin_batch`)."""
+        # The pump is kicked once when the turn is over, not once per copy (`Pump.begin_batch`),
+        # and outside the connection's context: the kick may answer copies, and a reply that
+        # finds the connection gone calls back here.
         pump = self.shared.pump
         pump.begin_batch()
         try:
-            self._drain_turn()
+            self._context.run(self._drain)
         finally:
             pump.end_batch()
 
-    def _drain_turn(self) -> None:
+    def _drain(self) -> None:
+        """Handle the requests the transport has, up to a bound per loop turn (other clients
+        are served between), unless a region set-up is under way."""
         if self._rate_timer is not None:
             return  # out of tokens: the timer resumes it
         lim = self.shared.cfg.limits

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 import priod
+from priod.messages import Copy
+from priod.protocol import encode
 from priod.testing import DaemonProcess
 
 CLIENT = str(Path(__file__).with_name("clientproc.py"))
@@ -214,3 +216,23 @@ async def test_many_tiny_pipelined_copies_all_complete(daemon: DaemonProcess) ->
         results = [await x for x in handles]
         assert all(r.nbytes == 64 for r in results)
         assert np.array_equal(d.array, h.array)
+
+
+def test_copies_whose_client_hung_up_before_the_reply_harm_no_one(daemon: DaemonProcess) -> None:
+    """A client sends copies and closes its socket at once: the daemon reads the frames and the
+    end together, runs the copies at the end of that turn (the pump's one kick per turn) and
+    finds the connection gone when it answers. That must end only that connection: the daemon
+    goes on serving others and stops cleanly (the module's fixture checks its exit status)."""
+    for round_ in range(20):
+        with priod.SyncClient(daemon.socket_path, timeout=10) as c:  # a daemon stuck fails in seconds
+            h, d = c.alloc_host(4096), c.alloc_device(4096)
+            sock = c._sock.sock
+            frames = b"".join(encode(Copy(d.id, h.id, 64, priority="urgent").encode(100 + i)) for i in range(8))
+            sock.sendall(frames)
+            sock.shutdown(2)  # frames and the end arrive together
+        with priod.SyncClient(daemon.socket_path, timeout=10) as other:
+            h2, d2 = other.alloc_host(4096), other.alloc_device(4096)
+            assert h2.array is not None
+            h2.array[:] = round_
+            other.copy(d2, h2, priority="urgent")
+            other.ping()
