@@ -31,6 +31,7 @@ import resource
 import select
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,7 @@ import numpy as np
 import pytest
 
 import priod
+from priod.direct import HoldPage
 from priod.protocol import encode
 from priod.testing import DaemonProcess, daemon_process, wait_until
 from priod.testing.procfs import memory_and_fds, open_fds
@@ -698,3 +700,60 @@ def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> Non
                 assert np.array_equal(dv.array, h.array)
             assert not bad.pending(0.2), "a copy held on an event that never completed was answered"
         wait_until(lambda: root_status(d.socket_path)["held_copies"] == 0, timeout=10.0, what="the held copies dropped with their connection")
+
+
+def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:
+    """A hold page (direct urgent copies) of another uid whose copies never end, a new one
+    announced every millisecond: root's bulk still moves (the other uid holds the lane for its
+    hold budget and no more; without the budget, with aging off, root's copies would never
+    start), the holds past it are cut, and root's own page still holds at once, since budgets
+    are per uid. A hold_page request with an fd beside it is refused, the fd closed."""
+    env = {**OPEN, "PRIOD_SCHEDULER__AGING_MS": "60000", "PRIOD_SCHEDULER__DIRECT_HOLD_BURST_MS": "20"}
+    path = socket_path()
+    with daemon_process(env, socket_path=path) as d:
+        raw = Raw(connect_as(NOBODY, path)[0])
+        raw.hello()
+        r, w = os.pipe()
+        try:
+            reply = raw.request("hold_page", fds=(r,))
+        finally:
+            os.close(r)
+            os.close(w)
+        assert not reply["ok"] and reply["error"]["code"] == "bad_request", reply
+        raw.framed.send({"id": 99, "op": "hold_page"})
+        msg, fds = raw.framed.receive()
+        assert msg["ok"] and len(fds) == 1, msg
+        theirs = HoldPage(fds[0], msg["lanes"])
+        slots = [theirs.slot(ln["device_uuid"], ln["direction"], ln["device"]) for ln in theirs.lanes]
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.is_set():
+                for s in slots:
+                    theirs.begin(s)
+                time.sleep(0.001)
+
+        attacker = threading.Thread(target=renew)
+        attacker.start()
+        try:
+            with priod.SyncClient(path) as root:
+                host, dev = root.alloc_host(8 * MiB), root.alloc_device(8 * MiB)
+                t0 = time.perf_counter()
+                for _ in range(4):  # 32 MiB: 16 ms at the sim's 2 GB/s when nothing holds it
+                    root.copy(dev, host, priority="bulk", timeout=10)
+                assert time.perf_counter() - t0 < 5.0
+                assert sum(root.status()["direct"]["cut"].values()) > 0  # the budget cut their holds
+                stop.set()
+                attacker.join()
+                mine = root.hold_page()
+                slot = mine.slot(mine.lanes[0]["device_uuid"], mine.lanes[0]["direction"], mine.lanes[0]["device"])
+                mine.begin(slot)
+                assert root.status()["direct"]["held"] == [f"gpu0/{mine.lanes[0]['direction']}"]
+                mine.end(slot)
+                mine.close()
+        finally:
+            stop.set()
+            attacker.join()
+            theirs.close()
+            raw.sock.close()
+        assert d.proc.poll() is None
