@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any, Generic, Unpack
 
 
+from .direct import HoldPage
 from .errors import ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
 from .messages import (
     PROTOCOL_VERSION,
@@ -50,9 +51,7 @@ from .messages import (
 )
 from .protocol import REPLY_LIMITS
 from .transport import FramedSocket
-from .direct import HoldPage
 from .client_base import (
-    hold_page,
     BUSY_WAIT_S,
     BatchOptions,
     BatchResult,
@@ -68,6 +67,7 @@ from .client_base import (
     copy_request,
     cuda_register_request,
     discover,
+    hold_page,
     no_daemon,
     no_permission,
     progress,

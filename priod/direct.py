@@ -23,13 +23,11 @@ memory, and bulk (which the daemon paces; a direct copy is never paced).
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -84,15 +82,6 @@ class HoldPage:
         with self._lock:
             n = self._ended[slot] = self._ended[slot] + 1
             _U64.pack_into(self._map, slot * SLOT_BYTES + 8, n)
-
-    @contextlib.contextmanager
-    def holding(self, slot: int) -> Iterator[None]:
-        """`begin`, then `end` however the block ends."""
-        self.begin(slot)
-        try:
-            yield
-        finally:
-            self.end(slot)
 
     def close(self) -> None:
         self._map.close()

@@ -110,9 +110,11 @@ class CopySeries:
         s.requests[0] += 1
         s.counts[0] += nbytes
         if done:
-            for hist, value in ((s.duration, total_s), (s.queue_wait, queued_s)):
-                hist[bisect.bisect_left(self.bounds, value)] += 1
-                hist[-1] += value
+            bounds = self.bounds
+            s.duration[bisect.bisect_left(bounds, total_s)] += 1
+            s.duration[-1] += total_s
+            s.queue_wait[bisect.bisect_left(bounds, queued_s)] += 1
+            s.queue_wait[-1] += queued_s
             if missed:
                 s.counts[1] += 1
 

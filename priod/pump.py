@@ -250,9 +250,9 @@ class Pump:
         self.kick()
 
     def _kick(self) -> None:
+        if self.holds.pages or self.holds.held:
+            self.scan_holds()  # before anything is handed out: a direct copy holds bulk back
         for _ in range(PUMP_ROUNDS):
-            if self.holds.pages or self.holds.held:
-                self.scan_holds()  # before anything is handed out: a direct copy holds bulk back
             if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll()):
                 break
         else:

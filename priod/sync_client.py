@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, Generic, Unpack
 
 from .config import find_socket
+from .direct import HoldPage
 from .errors import InvalidRequest, PriodError
 from .messages import (
     PROTOCOL_VERSION,
@@ -40,9 +41,7 @@ from .messages import (
     is_progress,
 )
 from .transport import BlockingFramedSocket
-from .direct import HoldPage
 from .client_base import (
-    hold_page,
     BatchOptions,
     BatchResult,
     CopyOptions,
@@ -56,6 +55,7 @@ from .client_base import (
     close_fds,
     copy_request,
     cuda_register_request,
+    hold_page,
     no_daemon,
     no_permission,
     progress,

@@ -33,11 +33,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import priod
-from priod.testing import daemon_process, percentile
+from priod.testing import daemon_process, summarize
 
 KiB, MiB = 1 << 10, 1 << 20
 SPAWN = mp.get_context("spawn")
 INTERVAL_S = 0.005
+LATENCY = ("p50", "p99")
 
 
 def bulk_worker(path: str, kind: str, src_dev: int, dst_dev: int, nbytes: int, stop: Any, q: Any) -> None:
@@ -133,10 +134,6 @@ def raw_rates(nbytes: int) -> dict[str, float]:
     return out
 
 
-def summary(lat: list[float]) -> dict[str, float]:
-    return {"p50": percentile(lat, 50), "p99": percentile(lat, 99)}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "backend": args.backend}
     if args.backend == "cuda":
@@ -155,11 +152,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert host.array is not None and back.array is not None
         host.array[:] = np.random.default_rng(1).integers(0, 256, 16 * MiB, dtype=np.uint8)
         # isolation: urgent h2d to gpu1, idle, under gpu0 bulk both ways, under gpu1's own bulk
-        res["urgent_gpu1_idle"] = summary(urgent_series(c, g1, host, 64 * KiB, args.count))
+        res["urgent_gpu1_idle"] = summarize(urgent_series(c, g1, host, 64 * KiB, args.count), LATENCY)
         with Bulk(d.socket_path, [("h2d", 0, 0), ("d2h", 0, 0)], nbytes):
-            res["urgent_gpu1_under_gpu0_bulk"] = summary(urgent_series(c, g1, host, 64 * KiB, args.count))
+            res["urgent_gpu1_under_gpu0_bulk"] = summarize(urgent_series(c, g1, host, 64 * KiB, args.count), LATENCY)
         with Bulk(d.socket_path, [("h2d", 1, 1)], nbytes):
-            res["urgent_gpu1_under_gpu1_bulk"] = summary(urgent_series(c, g1, host, 64 * KiB, args.count))
+            res["urgent_gpu1_under_gpu1_bulk"] = summarize(urgent_series(c, g1, host, 64 * KiB, args.count), LATENCY)
         # aggregate: h2d bulk on both GPUs at once
         with Bulk(d.socket_path, [("h2d", 0, 0), ("h2d", 1, 1)], nbytes) as b:
             t0 = time.perf_counter()
@@ -171,10 +168,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         c.copy(g1, g0, priority="normal")
         c.copy(back, g1, priority="normal")
         res["peer_bytes_ok"] = bool(np.array_equal(back.array, host.array))
-        res["urgent_peer_1mib_idle"] = summary(urgent_series(c, g1, g0, MiB, args.count))
+        res["urgent_peer_1mib_idle"] = summarize(urgent_series(c, g1, g0, MiB, args.count), LATENCY)
         with Bulk(d.socket_path, [("peer", 0, 1)], nbytes) as b:
             t0 = time.perf_counter()
-            res["urgent_peer_1mib_under_peer_bulk"] = summary(urgent_series(c, g1, g0, MiB, args.count))
+            res["urgent_peer_1mib_under_peer_bulk"] = summarize(urgent_series(c, g1, g0, MiB, args.count), LATENCY)
             t1 = time.perf_counter()
             time.sleep(args.seconds)
             t2 = time.perf_counter()
