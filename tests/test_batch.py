@@ -171,7 +171,8 @@ def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
     """A batch is one request; its chunks cost (bytes + a per-segment cost) no more than a
     contiguous chunk, and fifo mode hands out all of it too."""
     lane = LaneKey(0, Direction.H2D)
-    info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)  # 1 us a segment = 1000 bytes
+    info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)
+    per_segment = int(info.bandwidth * SEGMENT_COST_S)  # 100 bytes at 0.1 us a segment
     table = Segments.decode(encode_segments(scattered(2000, 1000, 4000, seed=2)))
     for mode in ("priod", "fifo"):
         s = Scheduler(Policy(mode=mode, min_chunk_bytes=4096), [info])
@@ -180,7 +181,7 @@ def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
         assert chunks and all(c.request.id == 1 for c in chunks)
         if mode == "priod":
             chunk_bytes = s.lane_params(lane).chunk_bytes
-            assert all(c.nbytes + 1000 * len(table.piece(c.offset, c.nbytes)[2]) <= chunk_bytes for c in chunks)
+            assert all(c.nbytes + per_segment * len(table.piece(c.offset, c.nbytes)[2]) <= chunk_bytes for c in chunks)
         done = handed = 0
         while not s.idle:
             handed += len(chunks)
@@ -193,7 +194,7 @@ def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
         if mode == "priod":
             # Each chunk is cut against a whole chunk's budget, also when less than that is left:
             # as few chunks as the cost allows (not ever smaller ones as the batch runs out).
-            cost = table.total + 1000 * len(table)
+            cost = table.total + per_segment * len(table)
             assert handed <= -(-cost // chunk_bytes) + 1, (handed, cost, chunk_bytes)
 
 
@@ -458,7 +459,8 @@ def test_urgent_budget_charges_a_batch_its_segments_too() -> None:
     the engine, not only its bytes: past the burst it is demoted, while a contiguous urgent copy
     of the same bytes is not."""
     lane = LaneKey(0, Direction.H2D)
-    info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)  # 1 us a segment = 1000 bytes
+    info = LaneInfo(lane, bandwidth=1e10, express_min=0, express_max=0)
+    assert int(info.bandwidth * SEGMENT_COST_S) == 1000  # bytes a segment costs, at 0.1 us a segment
     policy = Policy(min_chunk_bytes=4096, urgent_burst_bytes=1 << 20, urgent_inflight_bytes=1 << 20)
     table = Segments.decode(encode_segments(scattered(2000, 64, 4000, seed=3)))  # 128,000 bytes, ~2 MB of cost
     for segments, demoted in ((None, None), (table, "urgent")):

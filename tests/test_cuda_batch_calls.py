@@ -5,6 +5,7 @@ tests/test_gpu_batch.py's (marker gpu)."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import types
 from collections.abc import Iterator
@@ -21,22 +22,46 @@ from priod.errors import CudaError
 OK = object()
 
 
+BATCH_PROTO = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p
+)
+"""cuMemcpyBatchAsync as CUDA 12.8 declares it: what `BatchedDma` calls through ctypes."""
+ERRORS = {0: OK, 801: "CUDA_ERROR_NOT_SUPPORTED", 700: "CUDA_ERROR_ILLEGAL_ADDRESS"}
+
+
+class Attributes:
+    """CUmemcpyAttributes: a field to set and the address `getPtr` gives the driver."""
+
+    def __init__(self) -> None:
+        self.srcAccessOrder: Any = None
+        self.block = ctypes.create_string_buffer(24)
+
+    def getPtr(self) -> int:  # cuda.bindings' name
+        return ctypes.addressof(self.block)
+
+
 class Bindings:
-    """Stand-ins for cuda.bindings' runtime and driver modules that record every call."""
+    """Stand-ins for cuda.bindings' runtime and driver modules that record every call.
+
+    The batched call is a real C entry point (a ctypes callback whose address
+    ``cuGetProcAddress`` hands out), so the test sees the C arrays the driver would read.
+    """
 
     def __init__(self, version: int = 13000, batch: bool = True) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.batch_result: Any = (OK,)
+        self.batch_result = 0
         self.rt = types.SimpleNamespace(cudaMemcpyAsync=self._call("memcpy"))
+        self._entry = BATCH_PROTO(self._batch)  # kept alive while its address is out
+        self.proc_lookups: list[tuple[bytes, int]] = []
         drv: dict[str, Any] = {
-            "CUdeviceptr": int,
+            "CUresult": ERRORS.__getitem__,
             "cuDriverGetVersion": lambda: (OK, version),
-            "CUmemcpyAttributes": types.SimpleNamespace,
             "CUmemcpySrcAccessOrder": types.SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM="stream-order"),
+            "cuGetProcAddress": self._lookup,
             "cuLaunchKernel": self._call("launch"),
         }
         if batch:
-            drv["cuMemcpyBatchAsync"] = self._batch
+            drv["CUmemcpyAttributes"] = Attributes
         self.drv = types.SimpleNamespace(**drv)
 
     def _call(self, name: str) -> Any:
@@ -46,8 +71,15 @@ class Bindings:
 
         return call
 
-    def _batch(self, *args: Any) -> Any:
-        self.calls.append(("batch", *args))
+    def _lookup(self, symbol: bytes, version: int, flags: int) -> tuple[Any, ...]:
+        self.proc_lookups.append((symbol, version))
+        return (OK, ctypes.cast(self._entry, ctypes.c_void_p).value, "found")
+
+    def _batch(self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, idxs: int, nattrs: int, fail: int, stream: int) -> int:
+        def read(address: int, n: int) -> list[int]:
+            return list((ctypes.c_uint64 * n).from_address(address))
+
+        self.calls.append(("batch", read(dsts, count), read(srcs, count), read(sizes, count), count, attrs, read(idxs, nattrs), nattrs, stream))
         return self.batch_result
 
 
@@ -72,12 +104,17 @@ def test_a_chunk_is_one_batched_call_with_stream_ordered_sources(fake: Bindings)
     (sources in stream order) for all; a single segment: one cudaMemcpyAsync."""
     dma = BatchedDma()
     assert dma.error is None
-    dma.copy(1000, 5000, u64(0, 64), u64(8, 200), u64(16, 32), "h2d", "stream")
+    assert fake.proc_lookups == [(b"cuMemcpyBatchAsync", 12080)]  # the 12.8 ABI, the one BATCH_PROTO declares
+    dma.copy(1000, 5000, u64(0, 64), u64(8, 200), u64(16, 32), "h2d", 77)
     name, dsts, srcs, sizes, count, attrs, idxs, nattrs, stream = fake.calls[-1]
-    assert (name, dsts, srcs, sizes, count, idxs, nattrs, stream) == ("batch", [1000, 1064], [5008, 5200], [16, 32], 2, [0], 1, "stream")
-    assert attrs[0].srcAccessOrder == "stream-order"
-    dma.copy(1000, 5000, u64(3), u64(4), u64(5), "h2d", "stream")
-    assert fake.calls[-1] == ("memcpy", 1003, 5004, 5, "h2d", "stream")
+    assert (name, dsts, srcs, sizes, count, idxs, nattrs, stream) == ("batch", [1000, 1064], [5008, 5200], [16, 32], 2, [0], 1, 77)
+    assert attrs == dma._attrs.getPtr() and dma._attrs.srcAccessOrder == "stream-order"
+    # offsets that are strided views (columns of an (N, 3) table) reach the driver as the right values
+    table = np.array([[0, 8, 16], [64, 200, 32]], dtype=np.uint64)
+    dma.copy(1000, 5000, table[:, 0], table[:, 1], table[:, 2], "h2d", 77)
+    assert fake.calls[-1][1:4] == ([1000, 1064], [5008, 5200], [16, 32])
+    dma.copy(1000, 5000, u64(3), u64(4), u64(5), "h2d", 77)
+    assert fake.calls[-1] == ("memcpy", 1003, 5004, 5, "h2d", 77)
 
 
 @pytest.mark.parametrize(
@@ -100,20 +137,20 @@ def test_a_first_failure_falls_back_for_good_a_later_one_is_the_copy_s(fake: Bin
     """The driver refusing the first batched call means the platform lacks it: that chunk and
     every later one go segment by segment. Once a batched call has worked, a failure is the
     copy's own and is raised."""
-    fake.batch_result = ("CUDA_ERROR_NOT_SUPPORTED",)
+    fake.batch_result = 801  # CUDA_ERROR_NOT_SUPPORTED
     dma = BatchedDma()
-    dma.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", "s")
+    dma.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", 9)
     assert [c[0] for c in fake.calls] == ["batch", "memcpy", "memcpy"]
-    assert dma.error is not None and "failed on first use" in dma.error
-    dma.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", "s")
+    assert dma.error is not None and "failed on first use" in dma.error and "CUDA_ERROR_NOT_SUPPORTED" in dma.error
+    dma.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", 9)
     assert [c[0] for c in fake.calls[3:]] == ["memcpy", "memcpy"]
 
-    fake.batch_result = (OK,)
+    fake.batch_result = 0
     proven = BatchedDma()
-    proven.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", "s")
-    fake.batch_result = ("CUDA_ERROR_ILLEGAL_ADDRESS",)
+    proven.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", 9)
+    fake.batch_result = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
     with pytest.raises(CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
-        proven.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", "s")
+        proven.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", 9)
     assert proven.error is None
 
 

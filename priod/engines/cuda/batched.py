@@ -3,11 +3,17 @@
 A chunk of a batch (priod/batch.py) is many (dst, src, nbytes) copies that may run in any
 order. ``cuMemcpyBatchAsync`` (CUDA 12.8) enqueues all of them in one call, which costs the
 daemon one driver call per chunk instead of one per segment and lets the driver pack the
-descriptors. It needs:
+descriptors. It is called through ctypes with the chunk's numpy arrays as its C arrays: the
+bindings' own wrapper takes Python lists of ``CUdeviceptr`` objects, and building them cost
+about 0.3 us of the 1.2 us per segment the call took on the H200 (0.6-0.9 us through ctypes,
+the driver's own work; a bulk batch of 64 KiB blocks moves one in 1.2 us, so the daemon's
+loop, pushing descriptors, was what held it to 0.67 of the link). ctypes also lets go of the
+GIL for the call. It needs:
 
-- cuda-bindings >= 12.8 (the function exists in ``cuda.bindings.driver``; 13.x drops its
-  ``failIdx`` result, which `check` takes either way), and
-- a driver that supports CUDA 12.8 or newer (R570+), as ``cuDriverGetVersion`` reports.
+- cuda-bindings >= 12.8 (``CUmemcpyAttributes`` and ``cuGetProcAddress``, which gives the
+  entry point of the 12.8 ABI, the one with a ``failIdx`` argument, whatever the driver's
+  version), and
+- a driver that supports CUDA 12.8 or newer (R570 or newer), as ``cuDriverGetVersion`` reports.
 
 Where either is missing, or the driver refuses the first batched call (a platform without
 it), each segment is one ``cudaMemcpyAsync`` on the same stream: the same bytes in the same
@@ -17,6 +23,7 @@ and why, and `priod status` shows it.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -24,7 +31,7 @@ import numpy.typing as npt
 
 from priod.errors import CudaError
 
-from ._driver import bindings, check
+from ._driver import bindings, check, error
 
 __all__ = ["BATCH_MIN_DRIVER", "BatchedDma"]
 
@@ -40,44 +47,71 @@ class BatchedDma:
     def __init__(self) -> None:
         rt, drv = bindings()
         self._memcpy = rt.cudaMemcpyAsync
-        self._batch: Any = getattr(drv, "cuMemcpyBatchAsync", None)
-        self._ptr = drv.CUdeviceptr
+        self._result = drv.CUresult
+        self._batch: Any = None
+        """``cuMemcpyBatchAsync`` of the 12.8 ABI, as a ctypes function; None: per segment."""
         self._proven = False
         """A batched call has succeeded: from then on its errors are the copy's, not the API's."""
         self.error: str | None = None
         """Why chunks go segment by segment (None: cuMemcpyBatchAsync is used)."""
-        if self._batch is None:
+        if not hasattr(drv, "CUmemcpyAttributes"):
             self.error = "cuda-bindings has no cuMemcpyBatchAsync (it needs cuda-bindings >= 12.8): one cudaMemcpyAsync per segment"
             return
         version = int(check(drv.cuDriverGetVersion()))
         if version < BATCH_MIN_DRIVER:
-            self.error = (
-                f"the driver supports CUDA {version // 1000}.{version % 1000 // 10}; cuMemcpyBatchAsync needs 12.8 "
-                "(driver R570 or newer): one cudaMemcpyAsync per segment"
-            )
+            self.error = f"the driver supports CUDA {version // 1000}.{version % 1000 // 10}; cuMemcpyBatchAsync needs 12.8 (driver R570 or newer): one cudaMemcpyAsync per segment"
             return
         attrs = drv.CUmemcpyAttributes()
         # Stream order: a chunk's sources may have been written by the chunk ahead of it.
         attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        self._attrs = [attrs]
+        self._attrs = attrs  # kept alive: the call reads it through its address
+        self._attrs_ptr = int(attrs.getPtr())
+        self._attrs_index = (ctypes.c_size_t * 1)(0)
+        self._fail_index = ctypes.c_size_t(0)
+        found = check(drv.cuGetProcAddress(b"cuMemcpyBatchAsync", BATCH_MIN_DRIVER, 0))
+        address = int(found[0] if isinstance(found, tuple) else found)  # (pfn, status) from 12.5 on
+        if not address:
+            self.error = "the driver has no cuMemcpyBatchAsync entry point: one cudaMemcpyAsync per segment"
+            return
+        # CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+        #     size_t count, CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs,
+        #     size_t *failIdx, CUstream hStream), as CUDA 12.8 declares it.
+        p, n = ctypes.c_void_p, ctypes.c_size_t
+        self._batch = ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, n, p, p, n, p, p)(address)
 
     def copy(self, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, kind: Any, stream: Any) -> None:
         """Enqueue ``sizes[i]`` bytes from ``src + src_offsets[i]`` to ``dst + dst_offsets[i]``
         for each i on ``stream`` (``kind``: the runtime's cudaMemcpyKind, for the loop)."""
         count = len(sizes)
+        dsts = dst_offsets + np.uint64(dst)  # new contiguous uint64 arrays: the C arrays
+        srcs = src_offsets + np.uint64(src)
         if count > 1 and self.error is None:
-            dsts = list(map(self._ptr, (dst_offsets + np.uint64(dst)).tolist()))
-            srcs = list(map(self._ptr, (src_offsets + np.uint64(src)).tolist()))
             try:
-                check(self._batch(dsts, srcs, sizes.tolist(), count, self._attrs, [0], 1, stream))
+                self._call(dsts, srcs, np.ascontiguousarray(sizes, dtype=np.uint64), stream)
                 self._proven = True
                 return
-            except (CudaError, TypeError) as exc:
+            except CudaError as exc:
                 if self._proven:
                     raise
-                # The first call failed: this driver or platform does not take batched copies
-                # (or the bindings' signature differs). Segment by segment works everywhere.
+                # The first call failed: this driver or platform does not take batched copies.
+                # Segment by segment works everywhere.
                 self.error = f"cuMemcpyBatchAsync failed on first use ({exc}): one cudaMemcpyAsync per segment"
         memcpy = self._memcpy
-        for d, s_, n in zip((dst_offsets + np.uint64(dst)).tolist(), (src_offsets + np.uint64(src)).tolist(), sizes.tolist(), strict=True):
+        for d, s_, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
             check(memcpy(d, s_, n, kind, stream))
+
+    def _call(self, dsts: U64, srcs: U64, lengths: U64, stream: Any) -> None:
+        """One ``cuMemcpyBatchAsync`` of every segment of the (contiguous uint64) arrays."""
+        rc = self._batch(
+            dsts.ctypes.data,
+            srcs.ctypes.data,
+            lengths.ctypes.data,
+            len(lengths),
+            self._attrs_ptr,
+            ctypes.addressof(self._attrs_index),
+            1,
+            ctypes.byref(self._fail_index),
+            int(stream),
+        )
+        if rc:
+            raise error(self._result(rc))
