@@ -16,7 +16,7 @@ import priod
 from priod.config import load_config
 from priod.engines.base import Completion, Direction, LaneKey, Path
 from priod.engines.sim import SimEngine
-from priod.pump import InFlight, reanchor_dues
+from priod.pump import BULK_POLL_MARGIN_S, InFlight, next_poll_at, reanchor_dues
 from priod.scheduler import Chunk, Request
 from priod.server import Daemon
 
@@ -66,9 +66,13 @@ class _NeverDone(Completion):
         return False
 
 
-def _inflight(nbytes: int, submitted: float, due: float) -> InFlight:
-    request = Request(1, "owner", LaneKey(0, Direction.H2D), "bulk", nbytes, arrival=submitted)
-    return InFlight(Chunk(request, 0, nbytes, Path.DMA, strict=False), _NeverDone(), submitted, due)
+LANE = LaneKey(0, Direction.H2D)
+
+
+def _inflight(nbytes: int, submitted: float, due: float, *, offset: int = 0, of: int | None = None, path: Path = Path.DMA) -> InFlight:
+    """A chunk of ``nbytes`` at ``offset`` of a copy of ``of`` bytes (default: the whole copy)."""
+    request = Request(1, "owner", LANE, "bulk", of if of is not None else nbytes, arrival=submitted)
+    return InFlight(Chunk(request, offset, nbytes, path, strict=False), _NeverDone(), submitted, due)
 
 
 def test_reanchor_counts_from_the_previous_poll_and_only_moves_earlier() -> None:
@@ -79,29 +83,32 @@ def test_reanchor_counts_from_the_previous_poll_and_only_moves_earlier() -> None
     assert (a.due, b.due, c.due) == (15.0, 25.0, 50.0)
 
 
-def _lane_busy_fraction(reanchor: bool, late_s: float, chunks: int = 400, chunk_s: float = 500e-6) -> float:
-    """A model of one DMA lane polled as the daemon polls it: chunks run back to back in
-    submission order, two in flight; the poller wakes at the earliest due time plus a fixed
-    lateness (timer and wake-up), or 100 us later when it found nothing done."""
+def _lane_model(reanchor: bool, late_s: float, *, chunks: int = 400, chunk_s: float = 500e-6, by_next_poll: bool = False) -> tuple[float, float]:
+    """A model of one DMA lane polled as the daemon polls it: chunks of one long copy run back
+    to back in submission order, two in flight; the poller wakes at the earliest due time (or,
+    ``by_next_poll``, at `next_poll_at`) plus a fixed lateness (timer and wake-up), and no sooner
+    than 100 us after its last poll. Returns the lane's busy fraction and polls per chunk."""
     bw = 1.0 / chunk_s  # one byte per chunk
     inflight: list[tuple[InFlight, float]] = []  # entry, when the engine finishes it
     lane_free = now = last_poll = 0.0
-    submitted = done = 0
+    submitted = done = polls = 0
 
     def submit() -> None:
         nonlocal lane_free, submitted
         ahead = len(inflight) + 1
         finish = max(lane_free, now) + chunk_s
         lane_free = finish
-        inflight.append((_inflight(1, now, now + ahead / bw), finish))
+        inflight.append((_inflight(1, now, now + ahead / bw, offset=submitted, of=chunks + 1), finish))
         submitted += 1
 
     while submitted < 2:
         submit()
     while done < chunks:
-        # the daemon's timer: the earliest due time, but no sooner than 100 us after the last poll
-        now = max(min(e.due for e, _ in inflight), last_poll + 100e-6) + late_s
+        entries = [e for e, _ in inflight]
+        wake = next_poll_at(entries, {LANE: bw}, now) if by_next_poll else min(e.due for e in entries)
+        now = max(wake, last_poll + 100e-6) + late_s
         since, last_poll = last_poll, now
+        polls += 1
         finished = [x for x in inflight if x[1] <= now]
         if not finished:
             continue
@@ -111,7 +118,11 @@ def _lane_busy_fraction(reanchor: bool, late_s: float, chunks: int = 400, chunk_
             reanchor_dues([e for e, _ in inflight], since, bw)
         while len(inflight) < 2 and submitted < chunks:
             submit()
-    return chunks * chunk_s / lane_free
+    return chunks * chunk_s / lane_free, polls / chunks
+
+
+def _lane_busy_fraction(reanchor: bool, late_s: float) -> float:
+    return _lane_model(reanchor, late_s)[0]
 
 
 def test_late_wakeups_do_not_chain_into_an_idle_lane() -> None:
@@ -121,3 +132,30 @@ def test_late_wakeups_do_not_chain_into_an_idle_lane() -> None:
     lost 4-5% of raw bandwidth that way)."""
     assert _lane_busy_fraction(reanchor=True, late_s=200e-6) > 0.99
     assert _lane_busy_fraction(reanchor=False, late_s=200e-6) < 0.98
+
+
+def test_polls_wait_for_the_queued_work_not_each_due_time() -> None:
+    """Polling when a lane's queued work nears its end (`next_poll_at`) instead of at each due
+    time (lower bounds): the lane stays as busy, late wake-ups or not, with 1-1.6 polls a chunk
+    where due times take 1.5-2.9 (the H200 made ~4 a chunk, 8,000 polls/s with bulk alone)."""
+    for late_s in (20e-6, 200e-6):
+        busy_due, polls_due = _lane_model(reanchor=True, late_s=late_s)
+        busy, polls = _lane_model(reanchor=True, late_s=late_s, by_next_poll=True)
+        assert busy > 0.99 and busy >= busy_due - 0.005, (late_s, busy, busy_due)
+        assert polls < 1.6 and polls < polls_due - 0.4, (late_s, polls, polls_due)
+
+
+def test_next_poll_at_looks_at_ends_of_copies_and_express_chunks_on_time() -> None:
+    """At 1 byte/s: a lane's two bulk chunks are looked at when the work queued behind the oldest
+    is within the margin of running out (not before the oldest is due); a chunk that ends its
+    copy, or an express chunk, at its own due time; the soonest lane wins."""
+    now = 100.0
+    first, second = _inflight(10, now, now + 4, offset=0, of=100), _inflight(10, now, now + 14, offset=10, of=100)
+    assert next_poll_at([first, second], {LANE: 1.0}, now) == now + 10 - BULK_POLL_MARGIN_S
+    slow = _inflight(10, now, now + 12, offset=0, of=100)
+    assert next_poll_at([slow, second], {LANE: 1.0}, now) == now + 12  # not before the oldest is due
+    last = _inflight(10, now, now + 2, offset=90, of=100)  # behind the oldest, but a reply waits for it
+    assert next_poll_at([first, second, last], {LANE: 1.0}, now) == now + 2
+    express = _inflight(10, now, now + 1, offset=10, of=100, path=Path.EXPRESS)
+    assert next_poll_at([first, second, express], {LANE: 1.0}, now) == now + 1
+    assert next_poll_at([first], {LANE: 1.0}, now) == now + 4  # nothing queued behind: its due time
