@@ -48,6 +48,7 @@ from .events import CudaIpcEvent, Done, EventCompletion
 from .express import ExpressKernel, read_ptx
 from .memory import CudaDeviceMemory, CudaHostMemory, Regions
 from .peer import open_peer_lanes
+from .pusher import Pusher
 
 __all__ = ["CudaEngine"]
 
@@ -102,6 +103,10 @@ class CudaEngine(Engine):
         self._express_error: str | None = None
         self._kernel = ExpressKernel()
         self._batched: BatchedDma
+        """Batched DMA enqueued on the loop's thread: urgent (strict) chunks."""
+        self._bulk_batched: BatchedDma
+        """The same for the pusher's thread: bulk batch chunks, off the loop (pusher.py)."""
+        self._pusher = Pusher("priod-cuda-pusher")
         self._ipc_events: set[CudaIpcEvent] = set()
         """Client events opened and not yet closed: destroyed at `close` if a session did not."""
 
@@ -114,7 +119,7 @@ class CudaEngine(Engine):
         if express:
             ptx, self._express_error = read_ptx()
         try:
-            self._batched = BatchedDma()
+            self._batched, self._bulk_batched = BatchedDma(), BatchedDma()
             if self._batched.error:
                 self._log.info("cuda batched copies", path="per segment", reason=self._batched.error)
             for index in wanted:
@@ -272,9 +277,10 @@ class CudaEngine(Engine):
     ) -> Completion:
         """Start one chunk of a batch, followed by one event. DMA: one ``cuMemcpyBatchAsync``
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
-        stream `submit` would use. Express: the copy kernel's table form, one launch per 128
-        segments (a launch per segment where the kernel has no table form). A peer lane's chunk
-        (DMA only) is one ``cudaMemcpyPeerAsync`` per segment."""
+        stream `submit` would use; a bulk chunk of several segments is enqueued by the pusher's
+        thread (`_push_batch`), an urgent one at once. Express: the copy kernel's table form, one
+        launch per 128 segments (a launch per segment where the kernel has no table form). A
+        peer lane's chunk (DMA only) is one ``cudaMemcpyPeerAsync`` per segment."""
         dev, info, s_host, d_host = self._ends(lane, dst, src)
         if not len(sizes):
             return Done()
@@ -293,6 +299,8 @@ class CudaEngine(Engine):
                 dst_dev, src_dev = lane.peer, lane.device
                 for d, s_, n in zip((dst_offsets + np.uint64(dp)).tolist(), (src_offsets + np.uint64(sp)).tolist(), sizes.tolist(), strict=True):
                     check(copy_peer(d, dst_dev, s_, src_dev, n, stream))
+            elif not strict and len(sizes) > 1:
+                return self._push_batch(dev, info, dp, sp, dst_offsets, src_offsets, sizes, stream)
             else:
                 self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
         else:
@@ -303,6 +311,22 @@ class CudaEngine(Engine):
             dp = d_host.device_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
             self._kernel.launch_table(dev, dp, sp, dst_offsets, src_offsets, sizes, info.express_cu)
         return self._record(dev, info, stream)
+
+    def _push_batch(
+        self, dev: Device, info: Lane, dp: int, sp: int, dst_offsets: npt.NDArray[np.uint64], src_offsets: npt.NDArray[np.uint64], sizes: npt.NDArray[np.uint64], stream: Any
+    ) -> Completion:
+        """A bulk batch chunk, enqueued and followed by its event on the pusher's thread: the
+        driver's ~1 us a segment is spent there, not on the event loop (pusher.py)."""
+        pool = dev.events
+        event = pool.free.pop() if pool.free else pool.take()
+        rt, batched, kind, device = self._rt, self._bulk_batched, info.kind, dev.index
+
+        def enqueue() -> None:
+            check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
+            batched.copy(dp, sp, dst_offsets, src_offsets, sizes, kind, stream)
+            check(rt.cudaEventRecord(event, stream))
+
+        return EventCompletion(event, pool, info.busy, stream, ticket=self._pusher.push(enqueue))
 
     def _ends(self, lane: LaneKey, dst: Memory, src: Memory) -> tuple[Device, Lane, CudaHostMemory | None, CudaHostMemory | None]:
         """The device and lane of a chunk, and which ends are host memory; InvalidRequest if the
@@ -376,17 +400,34 @@ class CudaEngine(Engine):
         complete after all of them. Where an earlier chunk went on another of the lane's
         streams (a reload moved its class), that stream's own pool event is waited on first:
         only our chunks' events, which complete whatever the client does, never the client's.
+        Where a chunk is still waiting for the pusher (not on its stream yet), the record waits
+        in the pusher's queue behind it; a failure there is logged.
         """
         assert isinstance(event, CudaIpcEvent)
         last = after[-1] if after else None
         if not isinstance(last, EventCompletion) or last.stream is None:
             raise EngineError("a signal_event needs the copy's last chunk in flight; none was")
-        self._use(event.device)
-        rt = self._rt
-        for c in after[:-1]:
-            if isinstance(c, EventCompletion) and c.stream is not last.stream and c.event is not None:
-                check(rt.cudaStreamWaitEvent(last.stream, c.event, 0))
-        check(rt.cudaEventRecord(event.event, last.stream))
+        rt, device, stream = self._rt, event.device, last.stream
+        waits = [c.event for c in after[:-1] if isinstance(c, EventCompletion) and c.stream is not stream and c.event is not None]
+
+        def record() -> None:
+            for chunk_event in waits:
+                check(rt.cudaStreamWaitEvent(stream, chunk_event, 0))
+            check(rt.cudaEventRecord(event.event, stream))
+
+        if not any(isinstance(c, EventCompletion) and c.pending for c in after):
+            self._use(device)
+            record()
+            return
+
+        def record_later() -> None:
+            try:
+                check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
+                record()
+            except CudaError as exc:
+                self._log.warning("cuda signal_event", error=str(exc))
+
+        self._pusher.push(record_later)
 
     def busy_seconds(self) -> dict[LaneKey, float]:
         return {lane.key: lane.busy.total() for dev in self._devices.values() for lane in dev.lanes}
@@ -438,6 +479,7 @@ class CudaEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        self._pusher.close()  # what it has queued goes on its streams, and is waited for below
         errors: list[BaseException] = []
 
         def attempt(result: tuple[Any, ...]) -> None:

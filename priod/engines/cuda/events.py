@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from priod.engines.base import Completion, IpcEvent
-from priod.errors import EngineError
+from priod.errors import EngineError, PriodError
 
 from ._driver import bindings, check, error, status_codes
+from .pusher import Ticket
 
 __all__ = ["Busy", "CudaIpcEvent", "Done", "EventCompletion", "EventPool"]
 
@@ -91,18 +92,29 @@ class Busy:
 
 
 class EventCompletion(Completion):
-    """Done when the event recorded after the chunk has completed."""
+    """Done when the event recorded after the chunk has completed.
 
-    __slots__ = ("_busy", "_done", "_event", "_pool", "stream")
+    With a ``ticket``, the chunk and its event are enqueued by the engine's pusher thread
+    (pusher.py): not done before the ticket is, since an event not yet recorded reads as complete.
+    """
 
-    def __init__(self, event: Any, pool: EventPool, busy: Busy, stream: Any = None) -> None:
+    __slots__ = ("_busy", "_done", "_event", "_pool", "stream", "ticket")
+
+    def __init__(self, event: Any, pool: EventPool, busy: Busy, stream: Any = None, ticket: Ticket | None = None) -> None:
         self._event = event
         self._pool = pool
         self._done = False
         self._busy = busy
         self.stream = stream
         """The stream the chunk went on: a copy's signal_event is recorded there after it."""
+        self.ticket = ticket
+        """The pusher's job that enqueues the chunk, until it has run (then None)."""
         busy.start()
+
+    @property
+    def pending(self) -> bool:
+        """The chunk is still waiting for the pusher: it is not on its stream yet."""
+        return self.ticket is not None and not self.ticket.done
 
     @property
     def event(self) -> Any:
@@ -112,6 +124,13 @@ class EventCompletion(Completion):
     def done(self) -> bool:
         if self._done:
             return True
+        ticket = self.ticket
+        if ticket is not None:
+            if not ticket.done:
+                return False
+            if ticket.error is not None:
+                raise ticket.error if isinstance(ticket.error, PriodError) else EngineError(f"enqueueing the chunk failed: {ticket.error!r}")
+            self.ticket = None
         pool = self._pool
         if self._event is None or pool.closed:
             raise EngineError("the cuda engine was closed (or the completion released) before this chunk finished")

@@ -1,0 +1,154 @@
+"""Bulk batch chunks enqueued off the event loop (priod/engines/cuda/pusher.py), on any machine:
+the pusher runs jobs in order on its own thread and keeps their errors; the CUDA engine sends a
+bulk batch's chunk there (an urgent one it enqueues at once), does not call the chunk done before
+it is on its stream, and queues a signal_event behind a chunk still waiting. Whether the bytes
+land is tests/test_gpu_batch.py's (marker gpu)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from test_cuda_peer_calls import Runtime, _dev, _engine
+
+from priod.engines.base import Direction, LaneKey, Path
+from priod.engines.cuda.events import CudaIpcEvent, EventCompletion
+from priod.engines.cuda.pusher import Pusher
+from priod.errors import CudaError, EngineError
+
+
+def _wait(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_jobs_run_in_order_on_another_thread_and_keep_their_errors() -> None:
+    pusher = Pusher("test-pusher")
+    seen: list[tuple[int, str]] = []
+    gate = threading.Event()
+
+    def job(i: int) -> Any:
+        def run() -> None:
+            gate.wait(10)
+            seen.append((i, threading.current_thread().name))
+            if i == 2:
+                raise CudaError("CUDA_ERROR_ILLEGAL_ADDRESS", "job 2 failed")
+
+        return run
+
+    tickets = [pusher.push(job(i)) for i in range(5)]
+    assert not any(t.done for t in tickets) and pusher.pending >= 4  # held by the first job
+    gate.set()
+    _wait(lambda: tickets[-1].done)
+    assert seen == [(i, "test-pusher") for i in range(5)]
+    assert [t.error is not None for t in tickets] == [False, False, True, False, False]
+    pusher.close()
+    with pytest.raises(EngineError, match="closing"):
+        pusher.push(lambda: None)
+
+
+def test_close_runs_what_is_queued_first() -> None:
+    pusher = Pusher("test-pusher")
+    gate = threading.Event()
+    ran: list[int] = []
+    def first() -> None:
+        gate.wait(10)
+        ran.append(0)
+
+    pusher.push(first)
+    last = pusher.push(lambda: ran.append(1))
+    threading.Timer(0.05, gate.set).start()
+    pusher.close()
+    assert ran == [0, 1] and last.done
+
+
+class _Blocked:
+    """The bulk batches' BatchedDma, recording each call and its thread, held until released."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.release = threading.Event()
+        self.threads: list[str] = []
+
+    def copy(self, *args: Any) -> None:
+        self.release.wait(10)
+        self.threads.append(threading.current_thread().name)
+        self.rt.calls.append((self.rt.current, "batched", *args))
+
+
+def _pushing_engine(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Runtime, _Blocked]:
+    rt = Runtime(can=set())
+    eng = _engine(monkeypatch, rt, 1)
+    eng._pusher = Pusher("priod-cuda-pusher")
+    eng._bulk_batched = blocked = _Blocked(rt)  # type: ignore[assignment]
+    lane = eng._devices[0].d2d
+    lane.dma, lane.strict = "bulk-stream", "strict-stream"  # the stand-in opened no local streams
+    record = rt.cudaEventRecord
+
+    def recorded(event: Any, stream: Any) -> tuple[Any, ...]:
+        rt.calls.append((rt.current, "record", event, stream))
+        return record(event, stream)
+
+    rt.cudaEventRecord = recorded  # type: ignore[method-assign]
+    return eng, rt, blocked
+
+
+def _submit(eng: Any, strict: bool = False) -> Any:
+    """A chunk of two segments on gpu0/d2d (the calls recorded so far cleared first)."""
+    eng._rt.calls.clear()
+    offs, sizes = np.array([0, 64], np.uint64), np.array([16, 32], np.uint64)
+    return eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), offs, _dev(9000, 0), offs, sizes, strict=strict)
+
+
+def test_a_bulk_batch_chunk_is_enqueued_by_the_pusher_and_not_done_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bulk: the batched call and the chunk's event record run on the pusher's thread, in that
+    order, on the lane's bulk stream; until then the completion is not done (the fake's event
+    query says complete: an event not yet recorded reads so on CUDA too). Urgent (strict): the
+    batched call at once, on the caller's thread."""
+    eng, rt, blocked = _pushing_engine(monkeypatch)
+    bulk = _submit(eng)
+    assert isinstance(bulk, EventCompletion) and bulk.pending and not bulk.done()
+    assert not [c for c in rt.calls if c[1] in ("batched", "record")]
+    blocked.release.set()
+    _wait(lambda: not bulk.pending)
+    assert bulk.done()
+    assert [c[1] for c in rt.calls if c[1] in ("batched", "record")] == ["batched", "record"]
+    assert blocked.threads == ["priod-cuda-pusher"]
+    assert [c[-1] for c in rt.calls if c[1] in ("batched", "record")] == ["bulk-stream", "bulk-stream"]
+
+    eng._batched = types.SimpleNamespace(copy=lambda *a: rt.calls.append((rt.current, "urgent_batched", threading.current_thread().name)))
+    urgent = _submit(eng, strict=True)
+    assert [c for c in rt.calls if c[1] == "urgent_batched"] == [(0, "urgent_batched", threading.current_thread().name)]
+    assert isinstance(urgent, EventCompletion) and not urgent.pending
+    eng._pusher.close()
+
+
+def test_a_signal_event_waits_behind_a_chunk_still_with_the_pusher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy's signal_event recorded while its last chunk waits for the pusher is recorded
+    after that chunk, on its stream; a failed enqueue makes the chunk fail with the error."""
+    eng, rt, blocked = _pushing_engine(monkeypatch)
+    chunk = _submit(eng)
+    signal = CudaIpcEvent("client-event", 0, eng._devices[0].events, lambda e: None)
+    eng.record_event(signal, [chunk])
+    assert not [c for c in rt.calls if c[1] == "record"]  # nothing recorded ahead of the chunk
+    blocked.release.set()
+    _wait(lambda: eng._pusher.pending == 0 and len([c for c in rt.calls if c[1] == "record"]) == 2)
+    records = [c[2:] for c in rt.calls if c[1] == "record"]
+    assert records[1] == ("client-event", "bulk-stream") and records[0][1] == "bulk-stream"
+
+    def fail(*args: Any) -> None:
+        raise CudaError("CUDA_ERROR_INVALID_VALUE", "bad batch")
+
+    eng._bulk_batched = types.SimpleNamespace(copy=fail)
+    failed = _submit(eng)
+    _wait(lambda: eng._pusher.pending == 0)
+    _wait(lambda: not isinstance(failed, EventCompletion) or failed.ticket is None or failed.ticket.done)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+        failed.done()
+    eng._pusher.close()
