@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from priod.engines.cuda import _driver
-from priod.engines.cuda.batched import BatchedDma
+from priod.engines.cuda.batched import CALL_SEGMENTS, BatchedDma
 from priod.engines.cuda.express import TABLE_MAX, ExpressKernel
 from priod.errors import CudaError
 
@@ -115,6 +115,22 @@ def test_a_chunk_is_one_batched_call_with_stream_ordered_sources(fake: Bindings)
     assert fake.calls[-1][1:4] == ([1000, 1064], [5008, 5200], [16, 32])
     dma.copy(1000, 5000, u64(3), u64(4), u64(5), "h2d", 77)
     assert fake.calls[-1] == ("memcpy", 1003, 5004, 5, "h2d", 77)
+
+
+def test_a_long_chunk_is_enqueued_in_calls_of_call_segments(fake: Bindings) -> None:
+    """150 segments: calls of 64, 64 and 22 (the copy engine starts on the first 64 while the
+    rest is enqueued), each with its own slice of the arrays, every segment once, in order."""
+    dma = BatchedDma()
+    n = 150
+    dst_offsets = np.arange(n, dtype=np.uint64) * np.uint64(4096)
+    src_offsets = dst_offsets[::-1].copy()
+    sizes = np.arange(1, n + 1, dtype=np.uint64)
+    dma.copy(10_000, 20_000, dst_offsets, src_offsets, sizes, "h2d", 5)
+    calls = [c for c in fake.calls if c[0] == "batch"]
+    assert [c[4] for c in calls] == [CALL_SEGMENTS, CALL_SEGMENTS, n - 2 * CALL_SEGMENTS]
+    assert [v for c in calls for v in c[1]] == (dst_offsets + 10_000).tolist()
+    assert [v for c in calls for v in c[2]] == (src_offsets + 20_000).tolist()
+    assert [v for c in calls for v in c[3]] == sizes.tolist()
 
 
 @pytest.mark.parametrize(

@@ -21,3 +21,27 @@ if os.environ.get("PROBE_NO_PUSHER"):
         self._bulk_batched.copy(dp, sp, d, s, z, info.kind, stream)
         return self._record(dev, info, stream)
     _eng.CudaEngine._push_batch = _inline
+if os.environ.get("PROBE_PUSHER_TIMES"):
+    # (pushed, started, ended) of every pusher job, dumped at exit
+    import atexit, json, time as _t
+    import priod.engines.cuda.pusher as _pm
+    _times = []
+    _orig_push = _pm.Pusher.push
+    def _push(self, job):
+        t0 = _t.perf_counter()
+        rec = [t0, 0.0, 0.0]
+        _times.append(rec)
+        def timed():
+            rec[1] = _t.perf_counter()
+            try:
+                job()
+            finally:
+                rec[2] = _t.perf_counter()
+        return _orig_push(self, timed)
+    _pm.Pusher.push = _push
+    def _dump():
+        if "serve" in sys.argv:
+            with open(os.environ["PROBE_PUSHER_TIMES"], "w") as f:
+                json.dump(_times, f)
+    import sys
+    atexit.register(_dump)

@@ -33,10 +33,19 @@ from priod.errors import CudaError
 
 from ._driver import bindings, check, error
 
-__all__ = ["BATCH_MIN_DRIVER", "BatchedDma"]
+__all__ = ["BATCH_MIN_DRIVER", "CALL_SEGMENTS", "BatchedDma"]
 
 BATCH_MIN_DRIVER = 12080
 """``cuDriverGetVersion`` of the first driver with ``cuMemcpyBatchAsync`` (CUDA 12.8)."""
+
+CALL_SEGMENTS = 64
+"""Most segments one batched call takes; a longer chunk is several calls. No byte of a call
+moves before the call returns, and the driver takes 0.6-1.1 us a segment plus ~15 us a call
+(H200, docs/gpu/batch_probe/split_probe_out.txt): one call of 256 scattered 64 KiB blocks took
+553 us p50 where one contiguous copy of the same 16 MiB took 320, eight calls of 32 took 399, 32
+calls of 8 took 748, and calls of 16, 32, 64, 128 458 (each waited for the next to be enqueued).
+At 64 a call takes about as long to enqueue as its 64 KiB blocks take to copy, so the engine
+copies one call's blocks while the next is enqueued."""
 
 U64 = npt.NDArray[np.uint64]
 
@@ -44,8 +53,9 @@ U64 = npt.NDArray[np.uint64]
 class BatchedDma:
     """Enqueues a batch's chunk on a stream: one batched call, or one copy per segment."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_segments: int = CALL_SEGMENTS) -> None:
         rt, drv = bindings()
+        self.call_segments = call_segments
         self._memcpy = rt.cudaMemcpyAsync
         self._result = drv.CUresult
         self._batch: Any = None
@@ -85,28 +95,35 @@ class BatchedDma:
         count = len(sizes)
         dsts = dst_offsets + np.uint64(dst)  # new contiguous uint64 arrays: the C arrays
         srcs = src_offsets + np.uint64(src)
+        done = 0
         if count > 1 and self.error is None:
-            try:
-                self._call(dsts, srcs, np.ascontiguousarray(sizes, dtype=np.uint64), stream)
+            lengths = np.ascontiguousarray(sizes, dtype=np.uint64)
+            while done < count:
+                n = min(self.call_segments, count - done)
+                try:
+                    self._call(dsts, srcs, lengths, done, n, stream)
+                except CudaError as exc:
+                    if self._proven:
+                        raise
+                    # The first call failed: this driver or platform does not take batched
+                    # copies. Segment by segment works everywhere.
+                    self.error = f"cuMemcpyBatchAsync failed on first use ({exc}): one cudaMemcpyAsync per segment"
+                    break
                 self._proven = True
-                return
-            except CudaError as exc:
-                if self._proven:
-                    raise
-                # The first call failed: this driver or platform does not take batched copies.
-                # Segment by segment works everywhere.
-                self.error = f"cuMemcpyBatchAsync failed on first use ({exc}): one cudaMemcpyAsync per segment"
+                done += n
         memcpy = self._memcpy
-        for d, s_, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+        for d, s_, n in zip(dsts[done:].tolist(), srcs[done:].tolist(), sizes[done:].tolist(), strict=True):
             check(memcpy(d, s_, n, kind, stream))
 
-    def _call(self, dsts: U64, srcs: U64, lengths: U64, stream: Any) -> None:
-        """One ``cuMemcpyBatchAsync`` of every segment of the (contiguous uint64) arrays."""
+    def _call(self, dsts: U64, srcs: U64, lengths: U64, first: int, count: int, stream: Any) -> None:
+        """One ``cuMemcpyBatchAsync`` of ``count`` segments of the (contiguous uint64) arrays
+        from index ``first``."""
+        skip = first * 8  # bytes of uint64 (CUdeviceptr, size_t) ahead of the first segment
         rc = self._batch(
-            dsts.ctypes.data,
-            srcs.ctypes.data,
-            lengths.ctypes.data,
-            len(lengths),
+            dsts.ctypes.data + skip,
+            srcs.ctypes.data + skip,
+            lengths.ctypes.data + skip,
+            count,
             self._attrs_ptr,
             ctypes.addressof(self._attrs_index),
             1,
