@@ -1,0 +1,75 @@
+"""The poll loop on the sim engine while urgent copies are recent (`Pump.run`).
+
+For ``urgent_window_ms`` after an urgent copy the loop stays awake, turning instead of sleeping
+in epoll, so the next urgent request is read at once; other connections are served between its
+turns; with a chunk in flight on the engine's threads it sleeps until their wake-up (a turning
+loop would hold the GIL those threads need); and once the window is over it sleeps with no
+timeout at all: no CPU when idle. Asserted on the pump's own count of awake turns, not on times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+
+import numpy as np
+
+import priod
+from priod.config import load_config
+from priod.engines.sim import SimEngine
+from priod.server import Daemon
+
+WINDOW_MS = 1000.0  # long, so that a slow machine still does all of the in-window part inside it
+BULK_BYTES = 32 << 20  # 16 ms at the sim's 2 GB/s: chunks stay in flight on the engine's thread
+
+
+async def test_loop_stays_awake_in_the_urgent_window_only_and_sleeps_after() -> None:
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    cfg = load_config(None, environ={}).replace(server={"socket": path}, scheduler={"urgent_window_ms": WINDOW_MS}, log={"level": "warning"})
+    engine = SimEngine(cfg.sim)
+    assert engine.wakes_on_completion  # the case this file is about
+    daemon = Daemon(cfg, engine)
+    await daemon.start()
+    pump = daemon.pump
+    try:
+        async with priod.connect(path) as c, priod.connect(path) as other:
+            h, d = await c.alloc_host(BULK_BYTES), await c.alloc_device(BULK_BYTES)
+            assert h.array is not None and d.array is not None
+            h.array[:] = np.arange(BULK_BYTES, dtype=np.uint32).astype(np.uint8)
+            oh, od = await other.alloc_host(64), await other.alloc_device(64)
+
+            # No urgent copy yet: a normal copy and an idle pause cost no awake turn.
+            await c.copy(d, h, 64, priority="normal")
+            await asyncio.sleep(0.02)
+            assert pump.awake_turns == 0
+
+            # An urgent copy opens the window: the loop turns while nothing happens...
+            await c.copy(d, h, 64, priority="urgent")
+            started = time.perf_counter()
+            before = pump.awake_turns
+            await asyncio.sleep(0.02)
+            idle_turns = pump.awake_turns - before
+            assert idle_turns > 0
+            # ...and serves other connections between its turns.
+            assert (await other.copy(od, oh, 64, priority="normal")).nbytes == 64
+            assert pump.awake_turns > before + idle_turns
+
+            # A bulk copy in flight on the engine's thread: the loop sleeps until the engine
+            # wakes it, it does not turn beside the thread (generous bound: a few turns between
+            # chunks against thousands while idle).
+            before = pump.awake_turns
+            r = await c.copy(d, h, priority="bulk")
+            assert r.nbytes == BULK_BYTES and np.array_equal(d.array, h.array)
+            assert time.perf_counter() - started < WINDOW_MS / 1e3, "the machine was too slow to stay inside the window; rerun"
+            assert (pump.awake_turns - before) * 4 < idle_turns, (pump.awake_turns - before, idle_turns)
+
+            # The window over, the loop sleeps with nothing to wake it: no turn, no timer.
+            await asyncio.sleep(WINDOW_MS / 1e3 + 0.05)
+            after_window = pump.awake_turns
+            await asyncio.sleep(0.05)
+            assert pump.awake_turns == after_window
+            assert pump._wake is not None and not pump._wake.done()  # asleep in `run`
+    finally:
+        await daemon.stop()
