@@ -398,10 +398,12 @@ def daemon_fds(pid: int) -> int:
 
 
 def wait_fds(pid: int, expected: int, timeout: float = 20.0) -> int:
-    """Poll until the daemon holds ``expected`` fds (connections close asynchronously)."""
+    """Poll until the daemon holds no more than ``expected`` fds (connections close
+    asynchronously; a baseline taken while an earlier connection's socket was still closing is
+    one high, so fewer is no leak)."""
     deadline = time.monotonic() + timeout
     n = daemon_fds(pid)
-    while n != expected and time.monotonic() < deadline:
+    while n > expected and time.monotonic() < deadline:
         time.sleep(0.02)
         n = daemon_fds(pid)
     return n
@@ -446,7 +448,7 @@ def test_live_daemon_survives_fuzzed_frames(target: DaemonProcess) -> None:
             good.check()
 
         case()
-        assert wait_fds(pid, base_fds) == base_fds
+        assert wait_fds(pid, base_fds) <= base_fds
         st_ = good.c.status()
         assert [cl["regions"] for cl in st_["clients"]] == [3], "an attacker's regions outlived its connection"
     finally:
@@ -480,7 +482,7 @@ def test_live_daemon_survives_fuzzed_requests(target: DaemonProcess) -> None:
             good.check()
 
         case()
-        assert wait_fds(pid, base_fds) == base_fds
+        assert wait_fds(pid, base_fds) <= base_fds
     finally:
         good.close()
     assert tried["copies_done"] > 0, tried
@@ -519,6 +521,6 @@ def test_fds_where_none_belong_are_refused_and_closed(target: DaemonProcess, op:
         assert reply == {"id": 2, "ok": False, "error": {"code": "bad_request", "message": f"'{op}' takes no file descriptors, but {count} came with it; they were closed"}}
         framed.send({"id": 3, "op": "ping"})
         assert framed.receive()[0] == {"id": 3, "ok": True}
-        assert wait_fds(pid, before) == before
+        assert wait_fds(pid, before) <= before
     finally:
         sock.close()
