@@ -90,7 +90,10 @@ def test_direct_copies_under_daemon_bulk_keep_both_copies_whole(gpu_daemon: Daem
         direct.close()
 
 
-def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: DaemonProcess) -> None:
+@pytest.mark.parametrize("batch_kernel", [True, False], ids=["kernel", "dma"])
+def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: DaemonProcess, batch_kernel: bool) -> None:
+    """256 scattered 64 KiB blocks host to device and back, by the copy kernel (blocks under
+    KERNEL_BATCH_MEAN) and by batched DMA: every block where its table says."""
     import cupy as cp
 
     rng = np.random.default_rng(13)
@@ -103,7 +106,7 @@ def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: Daemo
     dev = cp.zeros(n, dtype=cp.uint8)
     table = np.stack([rng.choice(2 * blocks, blocks, replace=False) * block, rng.choice(2 * blocks, blocks, replace=False) * block, np.full(blocks, block)], axis=1)
     with priod.SyncClient(gpu_daemon.socket_path) as c:
-        direct = DirectCopies(c.hold_page())
+        direct = DirectCopies(c.hold_page(), batch_kernel=batch_kernel)
         assert direct.pair(dev, host).copy_batch(table) == blocks * block
         back_table = table[:, [1, 0, 2]]  # each block back to where it came from
         back[:] = 0
@@ -115,6 +118,39 @@ def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: Daemo
         with pytest.raises(InvalidRequest, match="does not fit"):
             direct.pair(dev, host).copy_batch([[n - 10, 0, 64]])
         direct.close()
+
+
+@pytest.mark.parametrize("batch_kernel", [True, False], ids=["kernel", "dma"])
+def test_a_direct_batch_of_odd_blocks_at_odd_offsets_is_exact(gpu_daemon: DaemonProcess, batch_kernel: bool) -> None:
+    """Blocks of 1 byte to 100 KB at unaligned offsets, each in its own 128 KiB slot, both ways:
+    every byte of every block lands, and nothing around them changes."""
+    import cupy as cp
+
+    rng = np.random.default_rng(17)
+    blocks, slot = 300, 128 << 10
+    n = blocks * slot
+    sizes = rng.integers(1, 100_000, blocks)
+    dst_offs = rng.permutation(blocks) * slot + rng.integers(0, slot - sizes)
+    src_offs = rng.permutation(blocks) * slot + rng.integers(0, slot - sizes)
+    table = np.stack([dst_offs, src_offs, sizes], axis=1)
+    host_mem, back_mem = cp.cuda.alloc_pinned_memory(n), cp.cuda.alloc_pinned_memory(n)
+    host = np.frombuffer(host_mem, dtype=np.uint8, count=n)
+    back = np.frombuffer(back_mem, dtype=np.uint8, count=n)
+    host[:] = rng.integers(0, 256, n, dtype=np.uint8)
+    back[:] = 7
+    dev = cp.full(n, 3, dtype=cp.uint8)
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        direct = DirectCopies(c.hold_page(), batch_kernel=batch_kernel)
+        assert direct.pair(dev, host).copy_batch(table) == int(sizes.sum())
+        assert direct.pair(back, dev).copy_batch(table[:, [1, 0, 2]]) == int(sizes.sum())
+        direct.close()
+    want_dev = np.full(n, 3, dtype=np.uint8)
+    want_back = np.full(n, 7, dtype=np.uint8)
+    for d_off, s_off, size in table.tolist():
+        want_dev[d_off : d_off + size] = host[s_off : s_off + size]
+        want_back[s_off : s_off + size] = host[s_off : s_off + size]
+    assert np.array_equal(cp.asnumpy(dev), want_dev)
+    assert np.array_equal(back, want_back)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
