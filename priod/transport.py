@@ -354,8 +354,8 @@ class FramedSocket:
             # The first frame of a loop turn goes at once; any more in the same turn (replies
             # from one poll, a window of requests) wait for its end and share one system call.
             self._burst = True
+            self._flush()  # the reply first, then the bookkeeping
             self._loop.call_soon(self._end_burst)
-            self._flush()
         if self.output_buffered > self._max_output:
             self._pause_reading()
 
