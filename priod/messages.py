@@ -294,6 +294,8 @@ class Copy(_Request):
         return msg
 
     def check(self) -> None:
+        if self.nbytes >= 1 and self.dst_offset >= 0 and self.src_offset >= 0 and self.deadline_ms is None and self.wait_event is None and self.signal_event is None:
+            return  # the common case in one test (once per copy on the daemon's loop); the rest names what is wrong
         _need_size(self.nbytes, "copy")
         _need_offset("dst_offset", self.dst_offset)
         _need_offset("src_offset", self.src_offset)

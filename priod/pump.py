@@ -405,7 +405,8 @@ class Pump:
                     self._on_finished(f)
                 continue
             now = time.perf_counter()
-            self._inflight.append(InFlight(chunk, completion, now, self._due(chunk, now)))
+            # Due times pace only a polled engine's poller (`next_poll_at`); sim wakes the loop.
+            self._inflight.append(InFlight(chunk, completion, now, self._due(chunk, now) if self._paced_by_polls else now))
             if chunk.offset + chunk.nbytes == req.nbytes:
                 signal = getattr(target, "signal_event", None)  # test payloads have none
                 if signal is not None:

@@ -70,7 +70,12 @@ class Request:
     error: Exception | None = field(default=None, repr=False)
 
 
-@dataclass(frozen=True, eq=False)
+# Chunk and Finished are frozen, and one of each is made per copy on the daemon's loop: their
+# __init__ fills the instance dict at once, where the generated one of a frozen dataclass calls
+# object.__setattr__ per field (0.56 -> 0.24 us each). Setting a field afterwards still raises.
+
+
+@dataclass(frozen=True, eq=False, init=False)
 class Chunk:
     """A piece of a request for the caller to submit: bytes [offset, offset+nbytes)."""
 
@@ -80,8 +85,12 @@ class Chunk:
     path: Path
     strict: bool
 
+    def __init__(self, request: Request, offset: int, nbytes: int, path: Path, strict: bool) -> None:
+        d = self.__dict__
+        d["request"], d["offset"], d["nbytes"], d["path"], d["strict"] = request, offset, nbytes, path, strict
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class Finished:
     """A request that reached its end; the caller replies to the client with it."""
 
@@ -90,6 +99,12 @@ class Finished:
     bytes_done: int
     missed_deadline: bool = False
     error: Exception | None = None
+
+    def __init__(
+        self, request: Request, outcome: Literal["done", "cancelled", "failed"], bytes_done: int, missed_deadline: bool = False, error: Exception | None = None
+    ) -> None:
+        d = self.__dict__
+        d["request"], d["outcome"], d["bytes_done"], d["missed_deadline"], d["error"] = request, outcome, bytes_done, missed_deadline, error
 
 
 @dataclass(frozen=True)

@@ -422,12 +422,6 @@ class Session:
         """Answer a copy that ended (done, cancelled or failed), then count and log it."""
         req = f.request
         shared = self.shared
-        if self.pending.get(p.client_id) is req:
-            del self.pending[p.client_id]
-            count_pending(self, req.nbytes, p.segments, -1)
-            if self.closed:
-                shared.regions.forget_if_unused(self.holdings.tally)
-        shared.regions.copy_ended(req.id, p.dst, p.src)
         end = req.last_done if req.last_done is not None else time.perf_counter()
         first = req.first_submit if req.first_submit is not None else end
         # A copy held for its wait_event was queued (``arrival``) held_s after it came.
@@ -439,8 +433,17 @@ class Session:
             shared.totals["bytes"] += req.nbytes
         # The reply goes first: the client waits for it, while the metrics and the log line
         # below wait for no one (they cost tens of microseconds, most of a small copy's time).
-        if not self.closed:
-            self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
+        try:
+            if not self.closed:
+                self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
+        finally:
+            # Then the books, in this same callback: the client's next request is read after it.
+            if self.pending.get(p.client_id) is req:
+                del self.pending[p.client_id]
+                count_pending(self, req.nbytes, p.segments, -1)
+                if self.closed:
+                    shared.regions.forget_if_unused(self.holdings.tally)
+            shared.regions.copy_ended(req.id, p.dst, p.src)
         shared.metrics.copy_finished(req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline)
         # One line per copy at debug level: at thousands of copies a second an info line each
         # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.
