@@ -43,11 +43,11 @@ def test_jobs_run_in_order_on_another_thread_and_keep_their_errors() -> None:
         return run
 
     tickets = [pusher.push(job(i)) for i in range(5)]
-    assert not any(t.done for t in tickets) and pusher.pending >= 4  # held by the first job
+    assert not any(t.done for t in tickets) and pusher.pending == 5  # queued, or running (the first, held)
     gate.set()
     _wait(lambda: tickets[-1].done)
     assert seen == [(i, "test-pusher") for i in range(5)]
-    assert [t.error is not None for t in tickets] == [False, False, True, False, False]
+    assert [t.error is not None for t in tickets] == [False, False, True, False, False] and pusher.pending == 0
     pusher.close()
     with pytest.raises(EngineError, match="closing"):
         pusher.push(lambda: None)
@@ -151,4 +151,32 @@ def test_a_signal_event_waits_behind_a_chunk_still_with_the_pusher(monkeypatch: 
     _wait(lambda: not isinstance(failed, EventCompletion) or failed.ticket is None or failed.ticket.done)
     with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_VALUE"):
         failed.done()
+    eng._pusher.close()
+
+
+def test_an_event_closed_while_its_record_waits_is_destroyed_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's event closed (its connection ended) while its record still waits behind a
+    chunk in the pusher's queue is destroyed after the record, not before it; with nothing
+    waiting, at once."""
+    eng, rt, blocked = _pushing_engine(monkeypatch)
+    eng._ipc_events = set()
+    destroy = rt.cudaEventDestroy
+
+    def destroyed(event: Any) -> tuple[Any, ...]:
+        rt.calls.append((rt.current, "destroy", event))
+        return destroy(event)
+
+    rt.cudaEventDestroy = destroyed  # type: ignore[method-assign]
+    chunk = _submit(eng)
+    signal = CudaIpcEvent("client-event", 0, eng._devices[0].events, eng._close_event)
+    eng.record_event(signal, [chunk])
+    signal.close()
+    assert not [c for c in rt.calls if c[1] in ("record", "destroy")]
+    blocked.release.set()
+    _wait(lambda: eng._pusher.pending == 0)
+    assert [c[1:3] for c in rt.calls if c[1] in ("batched", "record", "destroy")][1:] == [("record", "chunk-event"), ("record", "client-event"), ("destroy", "client-event")]
+    rt.calls.clear()
+    idle = CudaIpcEvent("idle-event", 0, eng._devices[0].events, eng._close_event)
+    idle.close()
+    assert [c[1:3] for c in rt.calls] == [("destroy", "idle-event")]
     eng._pusher.close()

@@ -387,11 +387,22 @@ class CudaEngine(Engine):
         self._ipc_events.discard(event)
         if self._closed:
             return
-        self._use(event.device)
-        try:
-            check(self._rt.cudaEventDestroy(event.event))
-        except CudaError as exc:  # the client's process or the GPU failed: nothing to undo
-            self._log.warning("cuda ipc event destroy", error=str(exc))
+        rt, device, handle = self._rt, event.device, event.event
+
+        def destroy() -> None:
+            try:
+                check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
+                check(rt.cudaEventDestroy(handle))
+            except CudaError as exc:  # the client's process or the GPU failed: nothing to undo
+                self._log.warning("cuda ipc event destroy", error=str(exc))
+
+        if self._pusher.pending:
+            # A record of this event may still wait in the pusher's queue (`record_event`): the
+            # destroy goes behind it.
+            self._pusher.push(destroy)
+            return
+        destroy()
+        self._current = None  # destroy() set the device without `_use`
 
     def record_event(self, event: IpcEvent, after: list[Completion]) -> None:
         """Record the client's event on the stream of the copy's last chunk, right behind it.
@@ -407,13 +418,13 @@ class CudaEngine(Engine):
         last = after[-1] if after else None
         if not isinstance(last, EventCompletion) or last.stream is None:
             raise EngineError("a signal_event needs the copy's last chunk in flight; none was")
-        rt, device, stream = self._rt, event.device, last.stream
+        rt, device, stream, handle = self._rt, event.device, last.stream, event.event
         waits = [c.event for c in after[:-1] if isinstance(c, EventCompletion) and c.stream is not stream and c.event is not None]
 
         def record() -> None:
             for chunk_event in waits:
                 check(rt.cudaStreamWaitEvent(stream, chunk_event, 0))
-            check(rt.cudaEventRecord(event.event, stream))
+            check(rt.cudaEventRecord(handle, stream))
 
         if not any(isinstance(c, EventCompletion) and c.pending for c in after):
             self._use(device)

@@ -46,6 +46,8 @@ class Pusher:
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._running = False
+        """A job taken from the queue is running (set and cleared under the lock)."""
 
     def push(self, job: Callable[[], None]) -> Ticket:
         """Queue ``job``; its ticket says when it has run. EngineError once closed."""
@@ -62,9 +64,9 @@ class Pusher:
 
     @property
     def pending(self) -> int:
-        """Jobs queued and not yet run."""
+        """Jobs queued or running: not yet run to the end."""
         with self._cv:
-            return len(self._jobs)
+            return len(self._jobs) + self._running
 
     def close(self) -> None:
         """Run what is queued, then stop the thread. Idempotent."""
@@ -82,8 +84,11 @@ class Pusher:
                 if not self._jobs:
                     return
                 job, ticket = self._jobs.popleft()
+                self._running = True
             try:
                 job()
             except Exception as exc:  # the chunk's failure: the poller raises it from done()
                 ticket.error = exc
-            ticket.done = True
+            with self._cv:
+                self._running = False
+                ticket.done = True
