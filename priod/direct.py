@@ -34,7 +34,7 @@ import numpy as np
 
 from .cuda_ipc import _is_torch_tensor, device_span
 from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, status_codes
-from .errors import CudaError, InvalidRequest
+from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
@@ -122,12 +122,16 @@ def _device_address(attributes: Any) -> int:
 
 class _BatchKernel:
     """The daemon's copy kernel (engines/cuda/express.py) loaded into this process's current
-    context, launched over a batch's table on this process's urgent stream."""
+    context on one GPU, launched over a batch's table on this process's urgent stream. Holds
+    what `ExpressKernel.load` fills and `ExpressKernel.launch_table` reads of a device."""
 
-    def __init__(self, module: Any, function: Any, table_function: Any, sm_count: int) -> None:
+    def __init__(self, device: int, sm_count: int) -> None:
         from .engines.cuda.express import ExpressKernel
 
-        self.module, self.function, self.table_function, self.sm_count = module, function, table_function, sm_count
+        self.index, self.sm_count = device, sm_count
+        self.module: Any = None
+        self.function: Any = None
+        self.table_function: Any = None
         self.kernel_registers = 0
         self._express = ExpressKernel()
         self._launching = threading.Lock()
@@ -137,20 +141,16 @@ class _BatchKernel:
 
     @classmethod
     def load(cls, device: int) -> _BatchKernel | None:
-        from .engines.cuda.express import KERNEL_NAME, TABLE_KERNEL_NAME, read_ptx
+        """The kernel loaded on ``device`` (current), or None where it cannot be (no PTX, or an
+        older driver than the PTX: batches go by DMA)."""
+        from .engines.cuda.express import ExpressKernel, read_ptx
 
         ptx, _why = read_ptx()
         if ptx is None:
             return None
-        rt, drv = bindings()
-        try:
-            module = check(drv.cuModuleLoadData(ptx))
-            function = check(drv.cuModuleGetFunction(module, KERNEL_NAME))
-            table = check(drv.cuModuleGetFunction(module, TABLE_KERNEL_NAME))
-            sm_count = int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device)))
-        except CudaError:
-            return None  # an older driver than the PTX: batches go by DMA
-        return cls(module, function, table, sm_count)
+        rt, _ = bindings()
+        kernel = cls(device, int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device))))
+        return kernel if ExpressKernel.load(cast(Any, kernel), ptx) is None else None
 
     def launch(self, dst: int, src: int, dst_offs: Any, src_offs: Any, sizes: Any, stream: Any) -> None:
         with self._launching:

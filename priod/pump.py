@@ -521,11 +521,15 @@ class Pump:
                 timeout = 0.05  # the wakeup is a hint; polling stays the source of truth
             elif self._inflight:
                 now = time.perf_counter()
-                wait = next_poll_at(self._inflight, self._bandwidth, now) - now
                 # Poll every turn while an urgent chunk is in flight, and while a lane runs its
                 # short bound: its small bulk chunks end every ~100 us, too often for a timer.
-                if self.scheduler.strict_in_flight or self.scheduler.urgent_recent(time.perf_counter()) or (wait < 0.002 and self._timer is None):
+                # (Checked first: that loop turns thousands of times a second.)
+                if self.scheduler.strict_in_flight or self.scheduler.urgent_recent(now):
                     await asyncio.sleep(0)  # one loop turn: other connections are served between polls
+                    continue
+                wait = next_poll_at(self._inflight, self._bandwidth, now) - now
+                if wait < 0.002 and self._timer is None:
+                    await asyncio.sleep(0)  # bulk_poll "spin"
                     continue
                 if wait >= 0.002:
                     timeout = wait - 0.001

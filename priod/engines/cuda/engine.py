@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -318,7 +319,7 @@ class CudaEngine(Engine):
         """A bulk batch chunk, enqueued and followed by its event on the pusher's thread: the
         driver's ~1 us a segment is spent there, not on the event loop (pusher.py)."""
         pool = dev.events
-        event = pool.free.pop() if pool.free else pool.take()
+        event = pool.take()
         rt, batched, kind, device = self._rt, self._bulk_batched, info.kind, dev.index
 
         def enqueue() -> None:
@@ -387,22 +388,16 @@ class CudaEngine(Engine):
         self._ipc_events.discard(event)
         if self._closed:
             return
-        rt, device, handle = self._rt, event.device, event.event
+        rt, handle = self._rt, event.event
 
         def destroy() -> None:
             try:
-                check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
                 check(rt.cudaEventDestroy(handle))
             except CudaError as exc:  # the client's process or the GPU failed: nothing to undo
                 self._log.warning("cuda ipc event destroy", error=str(exc))
 
-        if self._pusher.pending:
-            # A record of this event may still wait in the pusher's queue (`record_event`): the
-            # destroy goes behind it.
-            self._pusher.push(destroy)
-            return
-        destroy()
-        self._current = None  # destroy() set the device without `_use`
+        # A record of this event may still wait in the pusher's queue (`record_event`).
+        self._after_pusher(event.device, self._pusher.pending > 0, destroy, "cuda ipc event destroy")
 
     def record_event(self, event: IpcEvent, after: list[Completion]) -> None:
         """Record the client's event on the stream of the copy's last chunk, right behind it.
@@ -426,19 +421,27 @@ class CudaEngine(Engine):
                 check(rt.cudaStreamWaitEvent(stream, chunk_event, 0))
             check(rt.cudaEventRecord(handle, stream))
 
-        if not any(isinstance(c, EventCompletion) and c.pending for c in after):
-            self._use(device)
-            record()
-            return
+        self._after_pusher(device, any(isinstance(c, EventCompletion) and c.pending for c in after), record, "cuda signal_event")
 
-        def record_later() -> None:
+    def _after_pusher(self, device: int, queued: bool, calls: Callable[[], None], what: str) -> None:
+        """Make CUDA ``calls`` on ``device`` that must follow what the pusher's thread has
+        queued: at once on this thread (their errors raised), or, with ``queued`` (something
+        they must follow is still in the pusher's queue), in that queue behind it (their errors
+        logged as ``what``)."""
+        if not queued:
+            self._use(device)
+            calls()
+            return
+        rt = self._rt
+
+        def later() -> None:
             try:
                 check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
-                record()
+                calls()
             except CudaError as exc:
-                self._log.warning("cuda signal_event", error=str(exc))
+                self._log.warning(what, error=str(exc))
 
-        self._pusher.push(record_later)
+        self._pusher.push(later)
 
     def busy_seconds(self) -> dict[LaneKey, float]:
         return {lane.key: lane.busy.total() for dev in self._devices.values() for lane in dev.lanes}
