@@ -25,6 +25,7 @@ from .engines.base import Completion, Engine, IpcEvent, LaneKey, Memory, Path
 from .gates import Gates
 from .holds import Holds
 from .log import error_fields
+from .looptimer import LoopTimer
 from .errors import NotFound, PriodError
 from .scheduler import Chunk, Finished, Request, Scheduler
 
@@ -114,42 +115,6 @@ def next_poll_at(inflight: Sequence[InFlight], bandwidth: Mapping[LaneKey, float
     return soonest
 
 
-class _Timer(threading.Thread):
-    """Calls ``wake`` (thread-safe) at a requested time, to within the kernel's timer slack
-    (tens of microseconds), where the event loop's own timers are 1 ms coarse."""
-
-    def __init__(self, wake: Callable[[], None]) -> None:
-        super().__init__(name="priod-poll-timer", daemon=True)
-        self._wake = wake
-        self._cv = threading.Condition()
-        self._at: float | None = None
-        self._stopped = False
-
-    def wake_at(self, at: float) -> None:
-        with self._cv:
-            if self._at is None or at < self._at:
-                self._at = at
-                self._cv.notify()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify()
-
-    def run(self) -> None:
-        with self._cv:
-            while not self._stopped:
-                if self._at is None:
-                    self._cv.wait()
-                    continue
-                delay = self._at - time.perf_counter()
-                if delay > 0:
-                    self._cv.wait(delay)
-                    continue
-                self._at = None
-                self._wake()
-
-
 class Pump:
     """Feeds ``engine`` from ``scheduler`` and reports every request that ends to ``on_finished``.
 
@@ -191,7 +156,7 @@ class Pump:
         """Bytes landed per lane, counted per chunk (throughput without per-copy granularity)."""
         self.polls = 0
         """Engine polls so far: what polling costs, shown in status (spin vs timer)."""
-        self._timer: _Timer | None = None
+        self._timer: LoopTimer | None = None
         self._working = False
         """Inside `kick` or `_poll`: a nested kick waits for a later turn."""
         self._kick_later = False
@@ -223,12 +188,12 @@ class Pump:
 
         self.engine.set_wakeup(wake_from_engine_thread)
         if self._bulk_poll == "timer" and self._paced_by_polls:
-            self._timer = _Timer(wake_from_engine_thread)
-            self._timer.start()
+            self._timer = LoopTimer(loop, self._wakeup)
 
     def stop(self) -> None:
         if self._timer is not None:
-            self._timer.stop()
+            self._timer.close()
+            self._timer = None
 
     # -- the scheduler side ----------------------------------------------------------------
     def kick(self) -> None:
@@ -292,7 +257,11 @@ class Pump:
         if self.holds.pages or self.holds.held:
             self.scan_holds()  # before anything is handed out: a direct copy holds bulk back
         for _ in range(PUMP_ROUNDS):
-            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll()):
+            # An engine that finishes small copies at once (sim) has them done by now: collect
+            # them and refill their room in this turn. A polled engine's (cuda's) chunks have only
+            # begun; the poll loop looks when they are due (a poll here never found one done on
+            # the H200, and cost a third of the polls with bulk alone).
+            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and not self._paced_by_polls and self._poll()):
                 break
         else:
             # Bounded, so other connections get the loop between rounds; carry on next turn.
@@ -495,7 +464,10 @@ class Pump:
             gate_wait = self._poll_gates() if len(self.gates) else None
             if self._inflight and self._poll():
                 self.kick()
-                continue
+                if not self._paced_by_polls:
+                    continue  # sim: its threads may have finished more meanwhile
+                # Polled (cuda): what was just handed out has only begun; wait for it as below
+                # rather than poll again at once (that poll never found anything).
             if gate_wait == 0.0:
                 await asyncio.sleep(0)  # a copy held for under GATE_SPIN_S: poll it every turn
                 continue

@@ -6,6 +6,7 @@ the daemon finds completions only by polling, as it does on a GPU.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 
@@ -16,6 +17,7 @@ import priod
 from priod.config import load_config
 from priod.engines.base import Completion, Direction, LaneKey, Path
 from priod.engines.sim import SimEngine
+from priod.testing.fakes import ManualEngine
 from priod.pump import BULK_POLL_MARGIN_S, InFlight, next_poll_at, reanchor_dues
 from priod.scheduler import Chunk, Request
 from priod.server import Daemon
@@ -58,6 +60,40 @@ async def test_timer_mode_polls_far_less_than_spin() -> None:
     spin = await _copy_counting_polls("spin")
     timer = await _copy_counting_polls("timer")
     assert timer * 3 < spin, (timer, spin)
+
+
+async def test_a_completion_found_costs_one_poll_not_three() -> None:
+    """On a polled engine, the poll that finds a bulk chunk done is the only one in its turn:
+    the chunk handed out in its place has only begun, so neither the hand-out nor the loop polls
+    again at once. (Both did: three polls a chunk on the H200, two of which never found anything.)
+    The engine here completes chunks only when told, and its lane is slow enough that no timer
+    poll falls inside the test."""
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    cfg = load_config(None, environ={}).replace(server={"socket": path, "bulk_poll": "timer"}, log={"level": "warning"})
+    engine = ManualEngine(bandwidth=1e6, wakes_on_completion=False)  # 256 KiB chunks due ~0.25 s apart
+    daemon = Daemon(cfg, engine)
+    await daemon.start()
+    try:
+        async with priod.connect(path) as c:
+            n = 8 << 20
+            h, d = await c.alloc_host(n), await c.alloc_device(n)
+            handle = c.start_copy(d, h, n, priority="bulk")
+            while len(engine.pending) < 2:
+                await asyncio.sleep(0.001)
+            for _ in range(3):
+                submitted, polls = len(engine.submitted), daemon.pump.polls
+                engine.complete(1)
+                daemon.pump.kick()  # wakes the poll loop now rather than at the chunk's due time
+                while len(engine.submitted) == submitted:
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(0.01)
+                assert daemon.pump.polls - polls == 1
+            cancelling = asyncio.ensure_future(handle.cancel())
+            while not cancelling.done():  # the chunks in flight finish first
+                engine.complete_all()
+                await asyncio.sleep(0.005)
+    finally:
+        await daemon.stop()
 
 
 # -- due times (pure) -----------------------------------------------------------------------------

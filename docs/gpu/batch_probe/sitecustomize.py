@@ -45,3 +45,81 @@ if os.environ.get("PROBE_PUSHER_TIMES"):
                 json.dump(_times, f)
     import sys
     atexit.register(_dump)
+if os.environ.get("PROBE_SWITCH"):
+    import sys as _sys
+    if "serve" in _sys.argv:
+        _sys.setswitchinterval(float(os.environ["PROBE_SWITCH"]))
+if os.environ.get("PROBE_BULK_CALL"):
+    # segments per batched call for bulk chunks (the pusher's BatchedDma)
+    import priod.engines.cuda.engine as _eng2
+    _orig_init = _eng2.CudaEngine.__init__
+    def _init(self, *a, **k):
+        _orig_init(self, *a, **k)
+        if getattr(self, "_bulk_batched", None) is not None:
+            self._bulk_batched.call_segments = int(os.environ["PROBE_BULK_CALL"])
+    _eng2.CudaEngine.__init__ = _init
+if os.environ.get("PROBE_POLL_LOG"):
+    # (time, found a completion, chunks in flight) of every poll, dumped at exit
+    import atexit as _ax, json as _js, sys as _sy, time as _tm
+    import priod.pump as _pp
+    _polls = []
+    _orig_poll = _pp.Pump._poll_once
+    def _poll_once(self):
+        n = len(self._inflight)
+        r = _orig_poll(self)
+        _polls.append((_tm.perf_counter(), bool(r), n))
+        return r
+    _pp.Pump._poll_once = _poll_once
+    def _dump_polls():
+        if "serve" in _sy.argv:
+            with open(os.environ["PROBE_POLL_LOG"], "w") as f:
+                _js.dump({"pump": _pp.__file__, "polls": _polls}, f)
+    _ax.register(_dump_polls)
+if os.environ.get("PROBE_POLL_FORMULA") == "later":
+    # a lane's bulk chunks polled when the work behind the oldest, counted from when the oldest
+    # should end (not from now), is the margin from running out
+    import math as _m
+    import priod.pump as _pp2
+    def _later(inflight, bandwidth, now):
+        soonest = _m.inf; oldest = {}; queued = {}
+        for entry in inflight:
+            chunk = entry.chunk; lane = chunk.request.lane
+            if chunk.path is not _pp2.Path.DMA or chunk.offset + chunk.nbytes == chunk.request.nbytes:
+                soonest = min(soonest, entry.due)
+            if chunk.path is _pp2.Path.DMA:
+                if lane in oldest: queued[lane] += chunk.nbytes / bandwidth.get(lane, 1e9)
+                else: oldest[lane], queued[lane] = entry.due, 0.0
+        for lane, due in oldest.items():
+            soonest = min(soonest, max(due, max(due, now) + queued[lane] - _pp2.BULK_POLL_MARGIN_S))
+        return soonest
+    _pp2.next_poll_at = _later
+if os.environ.get("PROBE_BATCH_TIMELINE"):
+    # GPU-side start and end of every chunk the pusher enqueues (timing events around its
+    # batched calls), with the host times of the calls; dumped at exit
+    import atexit as _ax3, json as _js3, sys as _sy3, threading as _th3, time as _tm3
+    import priod.engines.cuda.batched as _bm
+    from priod.engines.cuda._driver import bindings as _bd3, check as _ck3
+    _orig_copy = _bm.BatchedDma.copy
+    _pending3, _out3, _ref3 = [], [], []
+    def _copy(self, dst, src, d, s, z, kind, stream):
+        if _th3.current_thread().name != "priod-cuda-pusher":
+            return _orig_copy(self, dst, src, d, s, z, kind, stream)
+        rt, _ = _bd3()
+        e0 = _ck3(rt.cudaEventCreate()); e1 = _ck3(rt.cudaEventCreate())
+        _ck3(rt.cudaEventRecord(e0, stream)); t0 = _tm3.perf_counter()
+        _orig_copy(self, dst, src, d, s, z, kind, stream)
+        t1 = _tm3.perf_counter(); _ck3(rt.cudaEventRecord(e1, stream))
+        _pending3.append((e0, e1, t0, t1, int(z.sum()), len(z)))
+        ok = rt.cudaError_t.cudaSuccess
+        while len(_pending3) > 4 and rt.cudaEventQuery(_pending3[0][1])[0] == ok:
+            a, b, ta, tb, nb, ns = _pending3.pop(0)
+            if not _ref3:
+                _ref3.append(a)
+            st = _ck3(rt.cudaEventElapsedTime(_ref3[0], a)); en = _ck3(rt.cudaEventElapsedTime(_ref3[0], b))
+            _out3.append((float(st), float(en), ta, tb, nb, ns))
+    _bm.BatchedDma.copy = _copy
+    def _dump3():
+        if "serve" in _sy3.argv:
+            with open(os.environ["PROBE_BATCH_TIMELINE"], "w") as f:
+                _js3.dump(_out3, f)
+    _ax3.register(_dump3)
