@@ -84,8 +84,9 @@ class ServerConfig:
     max_clients: int = 256
     bulk_poll: Literal["spin", "timer"] = "timer"
     """How the daemon waits for a non-urgent chunk due within 2 ms on an engine that is polled
-    (cuda): "timer" sleeps on a timer thread until it is due (little CPU), "spin" polls every
-    loop turn (about one core while bulk moves, for a little less urgent latency)."""
+    (cuda): "timer" sleeps until it is due, on a timerfd the event loop watches (little CPU),
+    "spin" polls every loop turn (about one core while bulk moves, for a little less urgent
+    latency)."""
     allow_uids: tuple[int, ...] = ()
     allow_gids: tuple[int, ...] = ()
     hello_timeout_s: float = 5.0

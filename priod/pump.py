@@ -81,8 +81,8 @@ def reanchor_dues(waiting: list[InFlight], since: float, bandwidth: float) -> No
 
 
 BULK_POLL_MARGIN_S = 200e-6
-"""Queued work a lane must still have when the poller wakes to top it up: the timer thread's
-slack and a busy loop turn, with room to spare."""
+"""Queued work a lane must still have when the poller wakes to top it up: the timer's slack
+and a busy loop turn, with room to spare."""
 
 
 def next_poll_at(inflight: Sequence[InFlight], bandwidth: Mapping[LaneKey, float], now: float) -> float:
@@ -171,7 +171,7 @@ class Pump:
         return len(self._inflight)
 
     def start(self) -> None:
-        """Hook the engine's completion wake-ups (and the timer thread) to this loop."""
+        """Hook the engine's completion wake-ups (and the poll timer) to this loop."""
         loop = self._loop = asyncio.get_running_loop()
         pending = threading.Event()
 
@@ -454,8 +454,8 @@ class Pump:
           loop turn.
         - Otherwise, with the next poll worth making (`next_poll_at`) 2 ms or more away: sleep
           until 1 ms before it (uvloop's timers are about 1 ms coarse). Sooner: ``[server] bulk_poll`` decides:
-          "timer" sleeps on a timer thread until the chunk is due (sub-millisecond; on the H200
-          0.2 CPU s/s while bulk moves), "spin" polls every loop turn (about one core).
+          "timer" sleeps until the chunk is due on a timerfd the loop watches (looptimer.py;
+          sub-millisecond, no other thread), "spin" polls every loop turn (about one core).
         """
         loop = asyncio.get_running_loop()
         engine_wakes = not self._paced_by_polls

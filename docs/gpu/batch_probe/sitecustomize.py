@@ -73,7 +73,8 @@ if os.environ.get("PROBE_POLL_LOG"):
     def _dump_polls():
         if "serve" in _sy.argv:
             with open(os.environ["PROBE_POLL_LOG"], "w") as f:
-                _js.dump({"pump": _pp.__file__, "polls": _polls}, f)
+                import threading as _thr
+                _js.dump({"pump": _pp.__file__, "polls": _polls, "threads": {t.native_id: t.name for t in _thr.enumerate()}}, f)
     _ax.register(_dump_polls)
 if os.environ.get("PROBE_POLL_FORMULA") == "later":
     # a lane's bulk chunks polled when the work behind the oldest, counted from when the oldest
@@ -123,3 +124,9 @@ if os.environ.get("PROBE_BATCH_TIMELINE"):
             with open(os.environ["PROBE_BATCH_TIMELINE"], "w") as f:
                 _js3.dump(_out3, f)
     _ax3.register(_dump3)
+if os.environ.get("PROBE_FAULTHANDLER"):
+    # every Python thread's stack on SIGUSR1
+    import faulthandler as _fh, signal as _sg, sys as _sy5
+    if "serve" in _sy5.argv:
+        _fh_file = open(os.environ["PROBE_FAULTHANDLER"], "w")
+        _fh.register(_sg.SIGUSR1, file=_fh_file, all_threads=True)

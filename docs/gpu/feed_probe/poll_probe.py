@@ -10,6 +10,30 @@ import priod
 from priod.testing import daemon_process, cpu_seconds
 GiB = 1 << 30
 
+def where(pid, pc):
+    """The mapped file holding address ``pc`` of process ``pid``."""
+    for line in open(f"/proc/{pid}/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= pc < hi:
+            return os.path.basename(parts[5]) if len(parts) > 5 else "anon"
+    return "?"
+
+def sample_threads(pid, stop, out):
+    """What each of the daemon's threads is doing, sampled: its syscall (or running), wchan."""
+    from collections import Counter
+    while not stop.is_set():
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                sc = open(f"/proc/{pid}/task/{tid}/syscall").read().split()[0]
+                wc = open(f"/proc/{pid}/task/{tid}/wchan").read().strip()
+            except OSError:
+                continue
+            fields = open(f"/proc/{pid}/task/{tid}/syscall").read().split()
+            lib = where(pid, int(fields[-1], 16)) if len(fields) > 2 else ""
+            out.setdefault(int(tid), Counter())[f"{sc}:{wc}:{lib}"] += 1
+        time.sleep(0.003)
+
 async def stream(path, seconds):
     c = await priod.connect(path, name="bulk")
     h, d = await c.alloc_host(GiB), await c.alloc_device(GiB)
@@ -27,11 +51,14 @@ async def stream(path, seconds):
 BASE = os.environ.get("BASE")
 PATH = os.environ.get("PYTHONPATH", "")
 
+names = {}
+
 def thread_cpu(pid):
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         f = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
         out[int(tid)] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        names[int(tid)] = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
     return out
 
 rows = []
@@ -44,16 +71,28 @@ for i, formula in enumerate(["before", "after", "before", "after"] if BASE else 
         th0 = thread_cpu(pid)
         c0, t0 = cpu_seconds(pid), time.perf_counter()
         st0 = sc.status()
+        import threading
+        stop, samples = threading.Event(), {}
+        sampler = threading.Thread(target=sample_threads, args=(pid, stop, samples)); sampler.start()
+        import signal
+        dumper = threading.Timer(1.5, os.kill, (pid, signal.SIGUSR1)) if os.environ.get("PROBE_FAULTHANDLER") else None
+        if dumper:
+            dumper.start()
         gbps = asyncio.run(stream(dm.socket_path, 3.0))
+        stop.set(); sampler.join()
+        for tid, cnt in sorted(samples.items(), key=lambda kv: -sum(v for k, v in kv[1].items() if k.startswith("running")))[:3]:
+            start = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[19]
+            print(f"  thread {tid} (start {start}): " + ", ".join(f"{k} {v}" for k, v in cnt.most_common(4)), flush=True)
         st1 = sc.status()
         c1, t1 = cpu_seconds(pid), time.perf_counter()
         th1 = thread_cpu(pid)
-        by_thread = sorted(((th1[k] - th0.get(k, 0.0)) / (t1 - t0), "main" if k == pid else "other") for k in th1)[::-1][:4]
+        by_thread = sorted(((th1[k] - th0.get(k, 0.0)) / (t1 - t0), "main" if k == pid else f"{names.get(k, '?')}/{k}") for k in th1)[::-1][:4]
         lane = next(l for l in st1["lanes"] if l["lane"] == "gpu0/h2d")
     time.sleep(0.3)
     dumped = json.load(open(log)); os.remove(log)
     print(formula, "daemon ran", dumped["pump"].replace(os.getcwd(), "."), flush=True)
     p = np.array(dumped["polls"])
+    print("python threads at exit:", dumped["threads"], "; busiest:", by_thread, flush=True)
     p = p[(p[:, 0] > t0 + 0.5) & (p[:, 0] < t1 - 0.3)]
     span = p[-1, 0] - p[0, 0]
     found = p[:, 1] > 0
