@@ -130,3 +130,18 @@ if os.environ.get("PROBE_FAULTHANDLER"):
     if "serve" in _sy5.argv:
         _fh_file = open(os.environ["PROBE_FAULTHANDLER"], "w")
         _fh.register(_sg.SIGUSR1, file=_fh_file, all_threads=True)
+if os.environ.get("PROBE_EXECUTOR_LOG"):
+    # who submits work to thread pools, counted by call site and function, dumped at exit
+    import atexit as _ax6, collections as _co6, concurrent.futures.thread as _cft, json as _js6, sys as _sy6, traceback as _tb6
+    _subs = _co6.Counter()
+    _orig_submit = _cft.ThreadPoolExecutor.submit
+    def _submit(self, fn, /, *args, **kwargs):
+        frames = _tb6.extract_stack(limit=8)[:-1]
+        _subs[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in frames[::-1][:5]) + f" fn={getattr(fn, '__qualname__', fn)!r}"] += 1
+        return _orig_submit(self, fn, *args, **kwargs)
+    _cft.ThreadPoolExecutor.submit = _submit
+    def _dump6():
+        if "serve" in _sy6.argv:
+            with open(os.environ["PROBE_EXECUTOR_LOG"], "w") as f:
+                _js6.dump(_subs.most_common(20), f, indent=1)
+    _ax6.register(_dump6)

@@ -66,6 +66,8 @@ for i, formula in enumerate(["before", "after", "before", "after"] if BASE else 
     os.environ["PYTHONPATH"] = f"{BASE}:{PATH}" if formula == "before" else PATH
     log = os.path.join(os.environ["OUT"], f"polls_{i}.json"); os.environ["PROBE_POLL_LOG"] = log
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SERVER__BULK_POLL": '"timer"'}
+    if os.environ.get("PROBE_THREADLOG_SO"):  # log every thread the daemon starts, and who started it
+        env.update(LD_PRELOAD=os.environ["PROBE_THREADLOG_SO"], THREADLOG=os.path.join(os.environ["OUT"], "threads"))
     with daemon_process(env, backend="cuda", start_timeout=180) as dm, priod.SyncClient(dm.socket_path) as sc:
         pid = dm.proc.pid
         th0 = thread_cpu(pid)
@@ -93,6 +95,14 @@ for i, formula in enumerate(["before", "after", "before", "after"] if BASE else 
     print(formula, "daemon ran", dumped["pump"].replace(os.getcwd(), "."), flush=True)
     p = np.array(dumped["polls"])
     print("python threads at exit:", dumped["threads"], "; busiest:", by_thread, flush=True)
+    if os.environ.get("PROBE_THREADLOG_SO"):
+        busiest = by_thread[1][1].rsplit("/", 1)[-1]
+        log_text = open(os.path.join(os.environ["OUT"], f"threads.{pid}")).read()
+        seq = next((line.split()[1] for line in log_text.splitlines() if line.endswith(f" is tid {busiest}")), None)
+        print(f"the busiest other thread, tid {busiest}, is thread {seq}; its creation:")
+        if seq is not None:
+            block = log_text.split(f"create {seq} by")[1].split("create #")[0]
+            print("create", seq, "by" + block, flush=True)
     p = p[(p[:, 0] > t0 + 0.5) & (p[:, 0] < t1 - 0.3)]
     span = p[-1, 0] - p[0, 0]
     found = p[:, 1] > 0
