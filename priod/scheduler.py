@@ -154,7 +154,7 @@ class Scheduler:
             PermissionDenied: the class's ``uids``/``gids`` leave this client out.
         """
         lane = self._lane(req.lane)
-        cq = self.check(req)
+        cq = self._check(lane, req)
         spec = cq.spec
         if spec.strict:
             lane.last_strict = now
@@ -165,13 +165,18 @@ class Scheduler:
         self._seq += 1
         t = Track(req, lane, cq, self._seq, tkey, tenant)
         self._tracks[req.id] = t
-        self._by_owner.setdefault(req.owner, set()).add(req.id)
+        ids = self._by_owner.get(req.owner)
+        if ids is None:  # not setdefault: that makes a set per copy to throw away
+            ids = self._by_owner[req.owner] = set()
+        ids.add(req.id)
         self._place(t)
 
     def check(self, req: Request) -> ClassQueue:
         """Raise what `enqueue` would raise for ``req``, queuing nothing (a request held for
         its event is checked on arrival); the class queue it would join."""
-        lane = self._lane(req.lane)
+        return self._check(self._lane(req.lane), req)
+
+    def _check(self, lane: Lane, req: Request) -> ClassQueue:
         cq = lane.classes.get(req.cls)
         if cq is None:
             allowed = ", ".join(lane.classes)
