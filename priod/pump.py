@@ -292,7 +292,8 @@ class Pump:
         if self.holds.pages or self.holds.held:
             self.scan_holds()  # before anything is handed out: a direct copy holds bulk back
         for _ in range(PUMP_ROUNDS):
-            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll()):
+            # `_poll_once`, not `_poll`: this runs inside `kick`, which holds ``_working``.
+            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and self._poll_once()):
                 break
         else:
             # Bounded, so other connections get the loop between rounds; carry on next turn.

@@ -190,7 +190,7 @@ class FramedSocket:
             self._fail(ConnectionClosed(f"connection lost: {exc}"), exc)
             return
         try:
-            fds = fds_from_ancdata(ancdata, flags)
+            fds = fds_from_ancdata(ancdata, flags) if ancdata or flags else []  # the usual read: no call
             if not data:
                 close_received(fds)
                 self._fail(ConnectionClosed("peer closed the connection"))
@@ -348,11 +348,11 @@ class FramedSocket:
             # Written at once without the queue's bookkeeping; what does not go (the peer's
             # buffer is full, or it is gone) is queued and `_flush` deals with it as with any frame.
             self._burst = True
-            self._loop.call_soon(self._end_burst)
             try:
                 sent = self.sock.send(frame)
             except OSError:
                 sent = 0  # met again, and handled, by `_flush`
+            self._loop.call_soon(self._end_burst)  # after the send: the reply leaves first
             if sent < len(frame):
                 out.append((frame[sent:], []))
                 self.output_buffered += len(frame) - sent
