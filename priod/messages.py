@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Self, cast
+from typing import ClassVar, Self
 
 from .errors import InvalidRequest
 from .fields import Message as Message, Wire
@@ -373,7 +373,7 @@ class Cancel(_Request):
 
 Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | CopyBatch | Cancel | OpenHoldPage
 
-REQUEST_TYPES: dict[str, type[_Request]] = {
+REQUEST_TYPES: dict[str, type[Request]] = {
     t.op: t
     for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, CopyBatch, Cancel, OpenHoldPage)
 }
@@ -411,7 +411,7 @@ def decode_request(msg: Message, *, greeted: bool = True, fds: int = 0) -> Reque
         if kind.takes_fds:
             raise InvalidRequest(f"'{op}' takes exactly one memfd with the frame, got {fds}")
         raise InvalidRequest(f"'{op}' takes no file descriptors, but {fds} came with it; they were closed")
-    req = cast(Request, kind.decode(msg))
+    req = kind.decode(msg)
     req.check()
     return req
 
