@@ -26,6 +26,7 @@ __all__ = [
     "REQUEST_LIMITS",
     "DecodeLimits",
     "FrameDecoder",
+    "FrameEncoder",
     "decode_body",
     "encode",
     "error_reply",
@@ -230,6 +231,21 @@ def encode(msg: Message) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+class FrameEncoder:
+    """`encode` with a msgpack packer kept for reuse: ``msgpack.packb`` makes a packer per call
+    (~0.25 us of a small frame's 0.6). A packer is not thread-safe, so each owner keeps its own
+    (a `FramedSocket`, used from its loop's thread only)."""
+
+    __slots__ = ("_pack",)
+
+    def __init__(self) -> None:
+        self._pack = msgpack.Packer(use_bin_type=True).pack  # the same bytes as packb's
+
+    def __call__(self, msg: Message) -> bytes:
+        body: bytes = self._pack(msg)
+        return HEADER.pack(len(body)) + body
+
+
 class FrameDecoder:
     """Turns a byte stream into messages, one `feed` at a time.
 
@@ -268,18 +284,32 @@ class FrameDecoder:
         return n if n <= len(data) else None
 
     def feed(self, data: bytes) -> list[Message]:
-        self._buf += data
         out: list[Message] = []
+        if self._need is None and not self._buf:
+            # The usual read begins at a frame boundary and holds whole frames: their bodies are
+            # cut from ``data`` itself, not copied through the buffer (~0.5 us a frame). Whatever
+            # is left (a frame's beginning) goes the general way below.
+            off, end = 0, len(data)
+            while end - off >= HEADER.size:
+                (length,) = HEADER.unpack_from(data, off)
+                if length > self.max_frame:
+                    raise self._too_long(length)
+                start = off + HEADER.size
+                if end - start < length:
+                    break
+                off = start + length
+                out.append(self._decode(data[start:off]))
+            if off == end:
+                return out
+            data = data[off:]
+        self._buf += data
         while True:
             if self._need is None:
                 if len(self._buf) < HEADER.size:
                     return out
                 (length,) = HEADER.unpack_from(self._buf)
                 if length > self.max_frame:
-                    raise ProtocolError(
-                        f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame}; "
-                        "requests name memory regions and never carry data, so keep frames small"
-                    )
+                    raise self._too_long(length)
                 del self._buf[: HEADER.size]
                 self._need = length
             if len(self._buf) < self._need:
@@ -288,6 +318,12 @@ class FrameDecoder:
             del self._buf[: self._need]
             self._need = None
             out.append(self._decode(body))
+
+    def _too_long(self, length: int) -> ProtocolError:
+        return ProtocolError(
+            f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame}; "
+            "requests name memory regions and never carry data, so keep frames small"
+        )
 
 
 def error_reply(req_id: int, code: str, message: str, **extra: Any) -> Message:

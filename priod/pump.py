@@ -259,9 +259,10 @@ class Pump:
         for _ in range(PUMP_ROUNDS):
             # An engine that finishes small copies at once (sim) has them done by now: collect
             # them and refill their room in this turn. A polled engine's (cuda's) chunks have only
-            # begun; the poll loop looks when they are due (a poll here never found one done on
-            # the H200, and cost a third of the polls with bulk alone).
-            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and not self._paced_by_polls and self._poll()):
+            # begun; the poll loop looks when they are due (on the H200 two polls a chunk of three
+            # found nothing, this one among them). `_poll_once`, not `_poll`: this runs inside
+            # `kick`, which holds ``_working``.
+            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and not self._paced_by_polls and self._poll_once()):
                 break
         else:
             # Bounded, so other connections get the loop between rounds; carry on next turn.

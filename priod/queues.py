@@ -201,7 +201,8 @@ class ClassQueue:
         """Nothing live is left: empty the ring (its entries are all empty)."""
         for g in self.ring:
             g.in_ring = False
-            g.drained()
+            if g.ring:  # usually drained already, as its last request left (`leave_class`)
+                g.drained()
         self.ring.clear()
 
 

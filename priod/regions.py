@@ -229,7 +229,9 @@ class RegionTable:
 
     def usable(self, holder: Holdings, region_id: int) -> Region:
         """A region ``holder`` may name in a copy: its own, or one shared with its uid."""
-        region = self._get(region_id)
+        region = self._regions.get(region_id)  # `_get`, written out: twice per copy
+        if region is None:
+            region = self._get(region_id)  # raises NotFound
         if region.owner is not holder and holder.uid not in region.shared_uids:
             raise PermissionDenied(f"region {region_id} belongs to another client and is not shared with uid {holder.uid}")
         return region

@@ -77,9 +77,12 @@ class RegionReply(_Reply):
         return msg
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, init=False)
 class CopyReply(_Reply):
-    """A copy that finished: daemon-clock timings in microseconds."""
+    """A copy that finished: daemon-clock timings in microseconds.
+
+    One per copy on the daemon's loop: no slots, and an ``__init__`` that fills the instance
+    dict at once, as `priod.messages.Copy` (0.69 -> 0.3 us)."""
 
     nbytes: int
     queued_us: float
@@ -93,6 +96,20 @@ class CopyReply(_Reply):
     event_wait_us: float | None = None
     """A copy with a ``wait_event``: arrival until the daemon saw the event complete (then
     ``queued_us`` counts from there). None without one."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        queued_us: float,
+        transfer_us: float,
+        total_us: float,
+        path: str,
+        missed_deadline: bool = False,
+        event_wait_us: float | None = None,
+    ) -> None:
+        d = self.__dict__
+        d["nbytes"], d["queued_us"], d["transfer_us"], d["total_us"] = nbytes, queued_us, transfer_us, total_us
+        d["path"], d["missed_deadline"], d["event_wait_us"] = path, missed_deadline, event_wait_us
 
     def encode(self, req_id: int) -> Message:
         # Written out: once per copy on the daemon's loop.

@@ -340,7 +340,8 @@ class Session:
             log.exception("request_failed", op=msg.get("op"))
             self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
         finally:
-            close_received(fds)  # the engine keeps its own mapping of a registered memfd
+            if fds:  # the usual request brings none: no call
+                close_received(fds)  # the engine keeps its own mapping of a registered memfd
         return None
 
     async def _answer_later(self, req_id: int, op: object, pending: Coroutine[Any, Any, tuple[Any, list[int]]], fds: list[int]) -> None:
@@ -426,24 +427,24 @@ class Session:
         first = req.first_submit if req.first_submit is not None else end
         # A copy held for its wait_event was queued (``arrival``) held_s after it came.
         queued_s, total_s = first - req.arrival, end - req.arrival + req.held_s
-        outcome = f.outcome if f.outcome != "cancelled" else p.cancel_code
-        if f.outcome == "done":
-            self.copies += 1
-            shared.totals["copies"] += 1
-            shared.totals["bytes"] += req.nbytes
-        # The reply goes first: the client waits for it, while the metrics and the log line
-        # below wait for no one (they cost tens of microseconds, most of a small copy's time).
+        # The reply goes first: the client waits for it, while the counts, the metrics and the
+        # log line below wait for no one (they cost tens of microseconds, most of a small copy's time).
         try:
             if not self.closed:
                 self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
         finally:
             # Then the books, in this same callback: the client's next request is read after it.
+            if f.outcome == "done":
+                self.copies += 1
+                shared.totals["copies"] += 1
+                shared.totals["bytes"] += req.nbytes
             if self.pending.get(p.client_id) is req:
                 del self.pending[p.client_id]
                 count_pending(self, req.nbytes, p.segments, -1)
                 if self.closed:
                     shared.regions.forget_if_unused(self.holdings.tally)
             shared.regions.copy_ended(req.id, p.dst, p.src)
+        outcome = f.outcome if f.outcome != "cancelled" else p.cancel_code
         shared.metrics.copy_finished(req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline)
         # One line per copy at debug level: at thousands of copies a second an info line each
         # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.

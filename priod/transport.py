@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from .errors import ConnectionClosed, ProtocolError
 from .fdpass import MAX_FDS_PER_FRAME, RECV_BYTES, Peer, close_all, close_connection, close_received, fds_from_ancdata, peer_credentials, recvmsg
-from .protocol import DEFAULT_MAX_FRAME, HEADER, REPLY_LIMITS, REQUEST_LIMITS, DecodeLimits, FrameDecoder, Message, encode
+from .protocol import DEFAULT_MAX_FRAME, HEADER, REPLY_LIMITS, REQUEST_LIMITS, DecodeLimits, FrameDecoder, FrameEncoder, Message, encode
 
 __all__ = ["MAX_FDS_PER_FRAME", "BlockingFramedSocket", "FramedSocket", "Peer", "close_received", "peer_credentials"]
 
@@ -132,6 +132,7 @@ class FramedSocket:
         self.fd = sock.fileno()
         self._loop = asyncio.get_running_loop()
         self._inbox = _Inbox(max_frame, limits)
+        self._encode = FrameEncoder()
         self._messages: collections.deque[tuple[Message, list[int]]] = collections.deque()
         self._raw: collections.deque[tuple[bytes, list[int]]] = collections.deque()
         """Reads not yet decoded (all of them after the first's ``_raw_off`` bytes), each with the
@@ -189,7 +190,7 @@ class FramedSocket:
             self._fail(ConnectionClosed(f"connection lost: {exc}"), exc)
             return
         try:
-            fds = fds_from_ancdata(ancdata, flags)
+            fds = fds_from_ancdata(ancdata, flags) if ancdata or flags else []  # the usual read: no call
             if not data:
                 close_received(fds)
                 self._fail(ConnectionClosed("peer closed the connection"))
@@ -306,18 +307,21 @@ class FramedSocket:
         if self.output_buffered > self._max_output and self._error is None and not self.closed:
             self._held_back = True
             return None
+        # (`not self._reading` and ``self._raw`` are tested first: this runs twice per request,
+        # and reading is usually on, with nothing undecoded.)
         if not self._messages:
-            self._decode_some()
+            if self._raw:
+                self._decode_some()
             if not self._messages:
                 if self._error is not None:
                     raise self._error
                 if self.closed:
                     raise ConnectionClosed("connection closed")
-                if self._may_read():
+                if not self._reading and self._may_read():
                     self._resume_reading()  # the bytes held were a frame's beginning
                 return None
         item = self._messages.popleft()
-        if self._may_read():
+        if not self._reading and self._may_read():
             self._resume_reading()
         return item
 
@@ -337,8 +341,25 @@ class FramedSocket:
         if self.closed:
             close_all(fds)
             raise ConnectionClosed("cannot send: connection closed")
-        frame = encode(msg)
+        frame = self._encode(msg)
         out = self._out
+        if not out and not fds and not self._writing and not self._burst and self._reading and not self._held_back:
+            # The usual reply: the first frame of a loop turn, with nothing queued or held back.
+            # Written at once without the queue's bookkeeping; what does not go (the peer's
+            # buffer is full, or it is gone) is queued and `_flush` deals with it as with any frame.
+            self._burst = True
+            try:
+                sent = self.sock.send(frame)
+            except OSError:
+                sent = 0  # met again, and handled, by `_flush`
+            self._loop.call_soon(self._end_burst)  # after the send: the reply leaves first
+            if sent < len(frame):
+                out.append((frame[sent:], []))
+                self.output_buffered += len(frame) - sent
+                self._flush()
+                if self.output_buffered > self._max_output:
+                    self._pause_reading()
+            return
         if not fds and len(out) > 1 and len(frame) < OUTPUT_JOIN_BYTES and not out[-1][1] and len(out[-1][0]) < OUTPUT_JOIN_BYTES:
             # Join the last queued frame, never the first (it may be half sent, and only it is
             # ever viewed by a memoryview), nor one with fds (they would go with this frame).

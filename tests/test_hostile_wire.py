@@ -398,6 +398,26 @@ async def test_fds_go_with_their_frame_when_one_read_joins_sends() -> None:
         os.close(w)
 
 
+async def test_a_first_frame_larger_than_the_socket_buffer_goes_whole_and_in_order() -> None:
+    """The first frame of a loop turn is written at once (`FramedSocket.send`'s usual case); when
+    the peer's buffer takes only part of it, the rest is queued, and frames sent after it (in
+    the same turn and later) follow it, whole and in order."""
+    a, b = framed_pair()
+    try:
+        big = {"id": 1, "op": "ping", "pad": b"z" * (600 << 10)}  # more than a Unix socket's buffer
+        a.send(big)
+        assert a.output_buffered > 0  # part of it waits for the peer
+        a.send({"id": 2, "op": "ping"})
+        got = [await asyncio.wait_for(b.receive(), 5) for _ in range(2)]
+        a.send({"id": 3, "op": "ping"})
+        got.append(await asyncio.wait_for(b.receive(), 5))
+        assert [m for m, _ in got] == [big, {"id": 2, "op": "ping"}, {"id": 3, "op": "ping"}]
+        assert a.output_buffered == 0
+    finally:
+        a.close()
+        b.close()
+
+
 # -- 3. connecting ---------------------------------------------------------------------------
 
 

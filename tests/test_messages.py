@@ -8,7 +8,10 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from priod.copies import _reply_us
 from priod.errors import Cancelled, EngineError, InvalidRequest, LimitExceeded
 from priod.messages import (
     CopyBatch,
@@ -192,3 +195,14 @@ def test_register_device_of_a_vmm_allocation_takes_its_fd() -> None:
     assert decode_request(msgpack.unpackb(msgpack.packb(pool.encode(7)), raw=False), fds=1) == pool
     assert "kind" not in RegisterDevice(b"h" * 64, 4096).encode(1)
     assert decode_request({"id": 1, "op": "register_device", "handle": b"h" * 64, "nbytes": 4096}) == RegisterDevice(b"h" * 64, 4096)
+
+
+@given(st.floats(min_value=0.0, max_value=3600.0))
+def test_reply_microseconds_are_rounded_to_the_nanosecond(seconds: float) -> None:
+    """A copy reply's timings (`copies._reply_us`, whole nanoseconds / 1e3, cheaper than
+    ``round(x, 3)``) are ``round(seconds * 1e6, 3)``: the same below 100 s, where a copy's timings
+    lie; at most one nanosecond apart above, where float spacing meets the nanosecond."""
+    us = _reply_us(seconds)
+    if seconds < 100:
+        assert us == round(seconds * 1e6, 3)
+    assert abs(us - round(seconds * 1e6, 3)) <= 1.0001e-3

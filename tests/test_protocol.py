@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from priod.errors import InvalidRequest, ProtocolError
-from priod.protocol import HEADER, FrameDecoder, encode, require
+from priod.protocol import HEADER, FrameDecoder, FrameEncoder, encode, require
 
 
 def test_round_trip_one_frame() -> None:
@@ -83,3 +83,32 @@ def test_require_checks_types() -> None:
         require(msg, "name", int)
     with pytest.raises(InvalidRequest, match=r"^field 'missing' is missing from 'copy'; see docs/protocol.md$"):
         require(msg, "missing", int)
+
+
+def test_whole_frames_and_a_partial_one_in_one_read() -> None:
+    """A read of whole frames and the beginning of the next (header cut, or body cut) yields the
+    whole ones at once and the rest when it arrives; the split may fall anywhere."""
+    msgs = [{"id": i, "op": "ping", "pad": "y" * i} for i in range(1, 4)]
+    stream = b"".join(encode(m) for m in msgs)
+    second = len(encode(msgs[0]))
+    for cut in range(second, len(stream)):
+        dec = FrameDecoder()
+        got = dec.feed(stream[:cut])
+        assert got == [m for m, end in zip(msgs, (second, second + len(encode(msgs[1])), len(stream)), strict=True) if end <= cut]
+        got += dec.feed(stream[cut:])
+        assert got == msgs and dec.buffered == 0
+
+
+def test_oversize_header_behind_a_whole_frame_is_refused() -> None:
+    """The refusal of an oversize header holds in the middle of a read as at its start."""
+    dec = FrameDecoder(max_frame=1024)
+    with pytest.raises(ProtocolError, match=r"^frame of 4096 bytes exceeds max_frame_bytes=1024; "):
+        dec.feed(encode({"id": 1, "op": "ping"}) + HEADER.pack(4096) + b"x" * 8)
+
+
+def test_a_frame_encoder_writes_what_encode_writes() -> None:
+    """`FrameEncoder` (a packer kept for reuse) makes the same bytes as `encode`, call after call."""
+    enc = FrameEncoder()
+    msgs = [{"id": 1, "ok": True, "nbytes": 64, "queued_us": 3.125, "path": "dma", "missed_deadline": False}, {"id": 2, "handle": b"\x00" * 64, "n": None}]
+    for msg in msgs * 2:
+        assert enc(msg) == encode(msg)

@@ -205,7 +205,7 @@ class SimEngine(Engine):
             nbytes,
             completion,
             fail=nbytes == self.cfg.fault_on_nbytes,
-            stall_s=self._draw_stall() if path is Path.EXPRESS and self._cotenant_stall_s > 0 else 0.0,
+            stall_s=self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
         )
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
@@ -235,7 +235,7 @@ class SimEngine(Engine):
             nbytes,
             completion,
             fail=nbytes == self.cfg.fault_on_nbytes,
-            stall_s=self._draw_stall() if path is Path.EXPRESS and self._cotenant_stall_s > 0 else 0.0,
+            stall_s=self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
         )
         job.segments = (dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist())
         worker = self._workers[(lane, path)]
