@@ -346,20 +346,17 @@ class FramedSocket:
         if not out and not fds and not self._writing and not self._burst and self._reading and not self._held_back:
             # The usual reply: the first frame of a loop turn, with nothing queued or held back.
             # Written at once without the queue's bookkeeping; what does not go (the peer's
-            # buffer is full, or it is gone) is queued and `_flush` deals with it as with any frame.
+            # buffer is full, or it is gone) is queued below and flushed at the burst's end,
+            # where `_flush` meets the error again and deals with it as with any frame.
             self._burst = True
             try:
                 sent = self.sock.send(frame)
             except OSError:
-                sent = 0  # met again, and handled, by `_flush`
+                sent = 0
             self._loop.call_soon(self._end_burst)  # after the send: the reply leaves first
-            if sent < len(frame):
-                out.append((frame[sent:], []))
-                self.output_buffered += len(frame) - sent
-                self._flush()
-                if self.output_buffered > self._max_output:
-                    self._pause_reading()
-            return
+            if sent == len(frame):
+                return
+            frame = frame[sent:]
         if not fds and len(out) > 1 and len(frame) < OUTPUT_JOIN_BYTES and not out[-1][1] and len(out[-1][0]) < OUTPUT_JOIN_BYTES:
             # Join the last queued frame, never the first (it may be half sent, and only it is
             # ever viewed by a memoryview), nor one with fds (they would go with this frame).
