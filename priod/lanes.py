@@ -32,6 +32,7 @@ class Lane:
         "classes",
         "express_inflight",
         "fifo",
+        "gate",
         "held",
         "host_scale",
         "inflight",
@@ -73,6 +74,8 @@ class Lane:
         """When a strict request last arrived: the short bound holds for ``urgent_window_ms`` after."""
         self.window = 0.0
         """``urgent_window_ms``, in seconds."""
+        self.gate = False
+        """``gate_bulk``: bulk DMA chunks under the short bound are handed out gated."""
         self.tenants: dict[TenantKey, Tenant] = {}
         """Kept past a tenant's last request until its bucket is full again (see `budget.sweep`)."""
         self.sweep_at = 64
@@ -92,6 +95,7 @@ class Lane:
         self.fifo = deque()
         self.queued = 0
         self.window = policy.urgent_window_ms / 1e3
+        self.gate = policy.gate_bulk and policy.mode == "priod"
         self.min_chunk = policy.min_chunk_bytes
         self.budget_rate = min(policy.urgent_budget_bytes_per_s, policy.urgent_budget_share * self.info.bandwidth)
         for tn in self.tenants.values():

@@ -84,6 +84,10 @@ class SchedulerSettings:
     (smaller chunks, so an urgent DMA copy waits for less bulk). 0: keep ``max_block_us``."""
     urgent_window_ms: float = 100.0
     """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
+    gate_bulk: bool = True
+    """While a lane runs its short bound, each bulk DMA chunk waits on the GPU behind a gate the
+    daemon closes while a client's direct urgent copy holds the lane: a chunk queued but not
+    begun then waits, so the copy waits for the running chunk only (engines without gates ignore it)."""
     explore_ms: float = 2000.0
     """An urgent path not chosen for a size is tried again after this long (see choice.py)."""
     urgent_budget_bytes_per_s: float = float(8 << 30)

@@ -141,6 +141,8 @@ class Pump:
         """Copies held until their client's wait_event completes (gates.py)."""
         self._batching = 0
         self._kick_pending = False
+        self._gates_closed: frozenset[LaneKey] = frozenset()
+        """The lanes whose gate the engine was last told to close (`scan_holds`)."""
         self.holds = Holds()
         """Clients' hold pages for their direct urgent copies (holds.py), read before each submission."""
         self.configure_holds()
@@ -191,6 +193,9 @@ class Pump:
             self._timer = LoopTimer(loop, self._wakeup)
 
     def stop(self) -> None:
+        if self._gates_closed:
+            self._gates_closed = frozenset()
+            self.engine.set_gates(self._gates_closed)  # what is queued must be free to drain
         if self._timer is not None:
             self._timer.close()
             self._timer = None
@@ -242,6 +247,12 @@ class Pump:
         now = time.perf_counter()
         scan = self.holds.scan(now)
         self.scheduler.set_holds(scan.held, scan.begun, now)
+        if scan.held != self._gates_closed:
+            # A held lane's gated bulk chunk that has not begun waits on the device until the
+            # hold ends, so the client's copy waits for the chunk running only (design.md,
+            # "Direct urgent copies"). The same limits as the hold's: a cut hold opens it.
+            self._gates_closed = scan.held
+            self.engine.set_gates(scan.held)
 
     def close_holds(self, owner: int) -> None:
         """A connection's hold page goes with it; a lane it held is free again at once."""
@@ -362,12 +373,13 @@ class Pump:
                         target.src_offset + chunk.offset,
                         chunk.nbytes,
                         strict=chunk.strict,
+                        gated=chunk.gated,
                     )
                 else:
                     # A batch's chunk: the parts of its segments that bytes [offset, +nbytes) cover.
                     dst_offs, src_offs, sizes = req.segments.piece(chunk.offset, chunk.nbytes)
                     completion = self.engine.submit_segments(
-                        req.lane, chunk.path, target.dst_mem, dst_offs, target.src_mem, src_offs, sizes, strict=chunk.strict
+                        req.lane, chunk.path, target.dst_mem, dst_offs, target.src_mem, src_offs, sizes, strict=chunk.strict, gated=chunk.gated
                     )
             except PriodError as exc:
                 log.error("submit_failed", **error_fields(exc))
@@ -498,6 +510,10 @@ class Pump:
                 # short bound: its small bulk chunks end every ~100 us, too often for a timer.
                 # (Checked first: that loop turns thousands of times a second.)
                 if self.scheduler.strict_in_flight or self.scheduler.urgent_recent(now):
+                    if self.holds.pages:
+                        # A direct copy announced now should close its lane's gate before the
+                        # bulk chunk queued behind the running one begins (a chunk, ~75 us).
+                        self.scan_holds()
                     await asyncio.sleep(0)  # one loop turn: other connections are served between polls
                     continue
                 wait = next_poll_at(self._inflight, self._bandwidth, now) - now

@@ -84,10 +84,13 @@ class Chunk:
     nbytes: int
     path: Path
     strict: bool
+    gated: bool
+    """A bulk DMA chunk handed out under the lane's short bound: the engine makes it wait behind
+    the lane's gate, which the daemon closes while a client's direct copy holds the lane."""
 
-    def __init__(self, request: Request, offset: int, nbytes: int, path: Path, strict: bool) -> None:
+    def __init__(self, request: Request, offset: int, nbytes: int, path: Path, strict: bool, gated: bool = False) -> None:
         d = self.__dict__
-        d["request"], d["offset"], d["nbytes"], d["path"], d["strict"] = request, offset, nbytes, path, strict
+        d["request"], d["offset"], d["nbytes"], d["path"], d["strict"], d["gated"] = request, offset, nbytes, path, strict, gated
 
 
 @dataclass(frozen=True, init=False)

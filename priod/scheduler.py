@@ -54,6 +54,7 @@ _OUTCOMES: tuple[str, ...] = ("done", "cancelled", "failed")
 # __getattr__ takes enum classes off the interpreter's fast attribute path).
 _QUEUED, _ACTIVE, _DONE, _CANCELLED, _FAILED = RequestState.QUEUED, RequestState.ACTIVE, RequestState.DONE, RequestState.CANCELLED, RequestState.FAILED
 _EXPRESS = Path.EXPRESS
+_DMA = Path.DMA
 
 
 class Scheduler:
@@ -465,4 +466,7 @@ class Scheduler:
         cq.queued_bytes -= size
         if req.submitted_bytes == req.nbytes:
             self._unqueue(t)
-        return Chunk(req, offset, size, path, strict)
+        # Gated: a bulk DMA chunk under the short bound, the one kind a direct copy's hold must
+        # be able to stop on the GPU once queued (see Pump.scan_holds).
+        gated = lane.gate and not strict and path is _DMA and now - lane.last_strict < lane.window
+        return Chunk(req, offset, size, path, strict, gated)

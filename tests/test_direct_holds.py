@@ -29,7 +29,9 @@ from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.errors import InvalidRequest
 from priod.holds import PAGE_BYTES, Holds
 from priod.policy import Policy
+from priod.pump import Pump
 from priod.scheduler import Request, Scheduler
+from priod.testing import ManualEngine
 from priod.testing import daemon_process, wait_until
 
 H2D = LaneKey(0, Direction.H2D)
@@ -153,6 +155,58 @@ def test_a_held_lane_hands_out_no_bulk_and_a_begun_copy_starts_the_short_bound()
     sched.set_holds(frozenset(), frozenset(), 0.001)
     h2d = [c for c in sched.next_chunks(0.001) if c.request.lane == H2D]
     assert h2d and all(c.nbytes <= short for c in h2d) and all(c.path is Path.DMA for c in h2d)
+
+
+def test_bulk_chunks_are_gated_under_the_short_bound_only() -> None:
+    """A gated chunk is one a direct copy's hold can still stop on the device once queued
+    (`Engine.set_gates`): bulk DMA under the short bound, never outside it, never a strict
+    chunk, and none with ``gate_bulk`` off."""
+    for gate_bulk in (True, False):
+        sched = Scheduler(Policy(urgent_block_us=100.0, urgent_window_ms=10.0, gate_bulk=gate_bulk), [LaneInfo(H2D, 2e9, 0, 0)])
+        sched.enqueue(Request(1, "c", H2D, "bulk", 64 * MiB, 0.0), 0.0)
+        before = sched.next_chunks(0.0)
+        assert before and not any(c.gated for c in before)  # no urgent copy seen yet: long bound
+        sched.set_holds(frozenset(), frozenset({H2D}), 0.001)  # a direct copy began and ended
+        for c in before:
+            sched.chunk_done(c, 0.002)
+        under = sched.next_chunks(0.002)
+        assert under and all(c.gated is gate_bulk for c in under)
+        sched.enqueue(Request(2, "c", H2D, "urgent", MiB, 0.003), 0.003)
+        for c in under:
+            sched.chunk_done(c, 0.003)
+        strict = [c for c in sched.next_chunks(0.003) if c.strict]
+        assert strict and not any(c.gated for c in strict)
+        for c in strict:
+            sched.chunk_done(c, 0.004)
+        after = sched.next_chunks(0.5)  # the window is long past
+        assert after and not any(c.gated for c in after)
+
+
+def test_the_pump_closes_a_held_lanes_gate_and_opens_it_when_the_copy_ends() -> None:
+    engine = ManualEngine(bandwidth=2e9)
+    sched = Scheduler(Policy(), engine.lanes())
+    pump = Pump(sched, engine, lambda f: None)
+    page = pump.holds.open(1, 1000, [H2D, D2H], time.perf_counter())
+    client = HoldPage(os.dup(page.fd), LANES)
+    try:
+        pump.scan_holds()
+        assert engine.gates == []  # nothing held, nothing to tell
+        client.begin(client.slot(None, "d2h"))
+        pump.scan_holds()
+        assert engine.gates == [frozenset({D2H})]
+        pump.scan_holds()
+        assert engine.gates == [frozenset({D2H})]  # told on a change only
+        client.end(client.slot(None, "d2h"))
+        pump.scan_holds()
+        assert engine.gates == [frozenset({D2H}), frozenset()]
+        client.begin(client.slot(None, "h2d"))
+        pump.scan_holds()
+        pump.stop()  # whatever is queued must be free to drain
+        assert engine.gates[-2:] == [frozenset({H2D}), frozenset()]
+    finally:
+        client.close()
+        pump.holds.close(1)
+        engine.close()
 
 
 # -- end to end, sim daemon -------------------------------------------------------------------

@@ -295,3 +295,33 @@ def test_another_contexts_copy_waits_a_slice_behind_fed_bulk_and_only_the_drain_
         assert eng.foreign_copy(H2D, 64 << 10) < 0.25 * SLICE_US / 1e6
     finally:
         eng.close()
+
+
+def test_a_closed_gate_stops_queued_bulk_so_another_contexts_copy_waits_for_the_running_chunk_only() -> None:
+    """The gate (`Engine.set_gates`): the daemon closes it while a client's direct copy holds the
+    lane, and a gated chunk that has not begun waits at it, leaving the engine to the other
+    context. Behind three queued chunks (6 ms, within the 20 ms slice) the copy waits for all
+    three; with the two behind the running one gated, for that one only: they are still at the
+    gate when it is over, go once the gate opens, and every byte lands."""
+    eng = SimEngine(SimSettings(context_slice_us=SLICE_US, context_switch_us=80.0), seed=5)
+    try:
+        size = 4 << 20
+        host, dev = host_region(eng, 6 * size), device_region(eng, 6 * size)
+        host.array[:] = pattern(6 * size, 11)
+
+        def behind_three(first: int, gated: bool) -> tuple[float, list[Completion]]:
+            chunks = [eng.submit(H2D, Path.DMA, dev, (first + i) * size, host, (first + i) * size, size, gated=gated and i > 0) for i in range(3)]
+            if gated:
+                eng.set_gates(frozenset({H2D}))
+            return eng.foreign_copy(H2D, 64 << 10), chunks
+
+        _, chunks = behind_three(0, gated=False)
+        assert all(c.done() for c in chunks)  # the engine stayed with the daemon's context
+        _, chunks = behind_three(3, gated=True)
+        assert chunks[0].done() and not chunks[1].done() and not chunks[2].done()  # still at the gate
+        eng.set_gates(frozenset())
+        for c in chunks:
+            wait(c)
+        assert np.array_equal(dev.array, host.array)
+    finally:
+        eng.close()

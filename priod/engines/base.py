@@ -290,11 +290,14 @@ class Engine(ABC):
         nbytes: int,
         *,
         strict: bool = False,
+        gated: bool = False,
     ) -> Completion:
         """Start one chunk and return at once. DMA chunks of one lane run in submission order.
 
         ``strict`` marks an urgent DMA chunk: an engine with a separate queue for those (CUDA:
         a second stream, which small copies can use to pass the bulk stream) may use it.
+        ``gated`` (a bulk DMA chunk): it may not begin while its lane's gate is closed
+        (`set_gates`); an engine without gates runs it as any other.
         """
 
     def submit_segments(
@@ -308,6 +311,7 @@ class Engine(ABC):
         sizes: npt.NDArray[np.uint64],
         *,
         strict: bool = False,
+        gated: bool = False,
     ) -> Completion:
         """Start one chunk of a batch: ``sizes[i]`` bytes from ``src_offsets[i]`` to
         ``dst_offsets[i]`` for each i, in no set order, as one unit (one completion, FIFO with
@@ -316,10 +320,17 @@ class Engine(ABC):
         This default submits one chunk per segment; engines with a batched call override it.
         """
         parts = [
-            self.submit(lane, path, dst, int(d), src, int(s_), int(n), strict=strict)
+            self.submit(lane, path, dst, int(d), src, int(s_), int(n), strict=strict, gated=gated)
             for d, s_, n in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(), strict=True)
         ]
         return parts[0] if len(parts) == 1 else AllOf(parts)
+
+    def set_gates(self, closed: frozenset[LaneKey]) -> None:  # noqa: B027 - optional hook
+        """Close the gates of the ``closed`` lanes and open every other: a gated chunk of a
+        closed lane that has not begun waits, on the device, until its gate opens (one
+        running keeps running). The pump closes a lane's gate while a client's direct copy
+        holds it, so that copy waits for the chunk running, not for the one queued behind it.
+        An engine without gates ignores this."""
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:  # noqa: B027 - optional hook
         """Register a thread-safe callable the engine may call when some chunk completes.

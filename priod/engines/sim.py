@@ -195,6 +195,7 @@ class SimEngine(Engine):
         nbytes: int,
         *,
         strict: bool = False,
+        gated: bool = False,
     ) -> Completion:
         # One copy engine per lane: strict DMA chunks queue with the rest (the scheduler
         # already put them first), as they would on a single hardware queue.
@@ -206,6 +207,7 @@ class SimEngine(Engine):
             completion,
             fail=nbytes == self.cfg.fault_on_nbytes,
             stall_s=self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
+            gated=gated,
         )
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
@@ -224,6 +226,7 @@ class SimEngine(Engine):
         sizes: npt.NDArray[np.uint64],
         *,
         strict: bool = False,
+        gated: bool = False,
     ) -> Completion:
         """One job for the whole chunk: its segments move one after another on the lane's
         thread, paced by their bytes together, as one entry of the lane's FIFO."""
@@ -236,6 +239,7 @@ class SimEngine(Engine):
             completion,
             fail=nbytes == self.cfg.fault_on_nbytes,
             stall_s=self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
+            gated=gated,
         )
         job.segments = (dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist())
         worker = self._workers[(lane, path)]
@@ -246,6 +250,12 @@ class SimEngine(Engine):
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wake = wakeup
+
+    def set_gates(self, closed: frozenset[LaneKey]) -> None:
+        """A lane's DMA engine holds its gated jobs that have not begun while its gate is closed."""
+        for (lane, path), worker in self._workers.items():
+            if path is Path.DMA:
+                worker.set_gate(lane in closed)
 
     def open_event(self, handle: bytes, device: int, region: Callable[[int], Memory]) -> IpcEvent:
         """A byte of a device region of the client's on GPU ``device`` (priod.ipc_event.SimEvent);
@@ -316,6 +326,7 @@ class SimEngine(Engine):
             return
         self._closed = True
         for w in self._workers.values():
+            w.set_gate(False)  # what is queued drains
             w.jobs.put(None)
         for w in self._workers.values():
             w.join(timeout=30)

@@ -120,12 +120,16 @@ class SimIpcEvent(IpcEvent):
 
 
 class Job:
-    __slots__ = ("completion", "dst", "fail", "nbytes", "segments", "src", "stall_s")
+    __slots__ = ("completion", "dst", "fail", "gated", "nbytes", "segments", "src", "stall_s")
 
-    def __init__(self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool, stall_s: float = 0.0) -> None:
+    def __init__(
+        self, dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], nbytes: int, completion: SimCompletion, fail: bool, stall_s: float = 0.0, gated: bool = False
+    ) -> None:
         self.dst, self.src, self.nbytes, self.completion, self.fail = dst, src, nbytes, completion, fail
         self.stall_s = stall_s
         """Co-tenant compute wait before the copy starts (express only), drawn at submission."""
+        self.gated = gated
+        """It may not begin while its engine's gate is closed (`Worker.set_gate`)."""
         self.segments: tuple[list[int], list[int], list[int]] | None = None
         """A batch's chunk: (dst offsets, src offsets, sizes) into ``dst`` and ``src``, which
         are then the whole regions. The views are cut on the engine's thread, not the loop's."""
@@ -231,6 +235,10 @@ class Worker(threading.Thread):
         """When the other context's copy waiting for this engine arrived (None: none waits)."""
         self._foreign_running = False
         self._slice_s = 0.0
+        self._gate_closed = False
+        """The daemon's gate for gated jobs (`set_gate`), as a stream waiting on a memory word."""
+        self._at_gate = False
+        """The worker waits at the closed gate: the daemon's context has nothing it can run."""
 
     def run_inline(self, job: Job) -> bool:
         """Run a tiny job on the caller's thread if this engine is idle; False if it must queue.
@@ -243,6 +251,8 @@ class Worker(threading.Thread):
             return False
         if self._foreign_running or self._foreign_since is not None:
             return False  # another context has the engine, or is owed it: queue behind it
+        if job.gated and self._gate_closed:
+            return False
         if job.segments is not None and len(job.segments[0]) > INLINE_MAX_SEGMENTS:
             return False  # a Python step per segment: thousands of tiny ones would hold the loop
         started = time.perf_counter()
@@ -265,7 +275,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            self._take_turn()
+            self._take_turn(job.gated)
             if job.stall_s > 0:
                 self._stall(job.stall_s)
             started = time.perf_counter()
@@ -282,13 +292,30 @@ class Worker(threading.Thread):
             job = None  # drop the views now, so a freed region's mapping can close
             self._wakeup()()
 
-    def _take_turn(self) -> None:
+    def _take_turn(self, gated: bool) -> None:
         """Before a chunk of the daemon's context: wait while another context's copy runs, or
-        is owed the engine (its time slice came while this context still had work)."""
+        is owed the engine (its time slice came while this context still had work), and while
+        a gated chunk's gate is closed. Waiting at the gate leaves the engine to another
+        context at once, as a CUDA stream waiting on a memory word was measured to (H200)."""
         with self._contexts:
-            while self._foreign_running or (self._foreign_since is not None and time.perf_counter() >= self._foreign_since + self._slice_s):
+            while (
+                self._foreign_running
+                or (self._foreign_since is not None and time.perf_counter() >= self._foreign_since + self._slice_s)
+                or (gated and self._gate_closed)
+            ):
+                if gated and self._gate_closed and not self._at_gate:
+                    self._at_gate = True
+                    self._contexts.notify_all()
                 self._contexts.wait(0.001)
+            self._at_gate = False
             self._running = True
+
+    def set_gate(self, closed: bool) -> None:
+        """Close or open the gate gated jobs wait at before they begin (one running goes on)."""
+        with self._contexts:
+            if closed != self._gate_closed:
+                self._gate_closed = closed
+                self._contexts.notify_all()
 
     def foreign_copy(self, nbytes: int, slice_s: float, switch_s: float) -> float:
         """Another CUDA context's copy of ``nbytes`` on this engine (a client's own DMA, such
@@ -303,7 +330,7 @@ class Worker(threading.Thread):
         with self._contexts:
             self._slice_s = slice_s
             self._foreign_since = arrived
-            while self._running or (self.submitted != self.completed and time.perf_counter() < arrived + slice_s):
+            while self._running or (self.submitted != self.completed and not self._at_gate and time.perf_counter() < arrived + slice_s):
                 self._contexts.wait(0.0005)
             self._foreign_running = True
             self._foreign_since = None

@@ -93,6 +93,7 @@ class ManualChunk(Completion):
     src_offset: int
     nbytes: int
     strict: bool
+    gated: bool = False
     state: ChunkState = "pending"
     error: PriodError | None = None
     polls: int = 0
@@ -172,6 +173,8 @@ class ManualEngine(Engine):
         """Host memory mapped and not yet released."""
         self.device_memory: list[ManualDeviceMemory] = []
         """Device memory allocated or imported and not yet released."""
+        self.gates: list[frozenset[LaneKey]] = []
+        """Every `set_gates` call's closed lanes, in order."""
         self.closed = False
         self._wakeup: Callable[[], None] | None = None
         self._lock = threading.Lock()
@@ -223,6 +226,7 @@ class ManualEngine(Engine):
         nbytes: int,
         *,
         strict: bool = False,
+        gated: bool = False,
     ) -> Completion:
         """Record the chunk (in `submitted`) and return it; nothing moves until the test says so."""
         if self.closed:
@@ -236,12 +240,16 @@ class ManualEngine(Engine):
             if off < 0 or nbytes < 1 or off + nbytes > mem.nbytes:
                 raise ValueError(f"chunk {what} [{off}, {off + nbytes}) falls outside its memory of {mem.nbytes} bytes")
         with self._lock:
-            chunk = ManualChunk(self, len(self.submitted), lane, path, dst, dst_offset, src, src_offset, nbytes, strict)
+            chunk = ManualChunk(self, len(self.submitted), lane, path, dst, dst_offset, src, src_offset, nbytes, strict, gated)
             self.submitted.append(chunk)
         return chunk
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wakeup = wakeup
+
+    def set_gates(self, closed: frozenset[LaneKey]) -> None:
+        """Recorded in `gates`; the test decides what a closed gate holds back."""
+        self.gates.append(closed)
 
     def statistics(self) -> dict[str, object]:
         return {"engine": self.name, "submitted": len(self.submitted), "pending": len(self.pending), "polls": self.polls}

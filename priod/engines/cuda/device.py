@@ -18,6 +18,7 @@ engine's hook, and creates the streams; `Device.close` undoes it.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,11 +82,45 @@ class Lane:
     peer_access: bool = False
     """A peer lane only: direct peer access is enabled (NVLink or PCIe P2P); without it
     ``cudaMemcpyPeerAsync`` stages through host memory, slower and on the host's bandwidth."""
+    dma_cu: Any = None
+    """The DMA stream as a driver-API ``CUstream``, for ``cuStreamWaitValue32``."""
+    gate: Any = None
+    """The device address of this lane's gate word (`Gates`); None: no gate (peer lanes, or
+    stream memory operations refused)."""
 
     @property
     def streams(self) -> tuple[Any, Any, Any]:
         """The DMA, strict and express streams (None where not created)."""
         return self.dma, self.strict, self.express
+
+
+GATE_LANES = 3
+"""A word for each local lane (h2d, d2h, d2d), in `Device.local_lanes` order."""
+
+
+class Gates:
+    """A page of mapped pinned host memory with a 32-bit word per local lane. A gated bulk
+    chunk is preceded on its lane's DMA stream by ``cuStreamWaitValue32(word == 0)``: while the
+    daemon writes 1 there, a chunk queued but not begun waits on the GPU, and it goes the moment
+    the word is 0 again, with no call on the host. Measured on the H200 (two contexts of one
+    process, docs/gpu/stream_probe/): a stream waiting so leaves the copy engine to the other
+    context at once, and the wait costs the link ~1.5 us a chunk."""
+
+    def __init__(self) -> None:
+        rt, drv = bindings()
+        self.host = check(rt.cudaHostAlloc(4096, rt.cudaHostAllocPortable | rt.cudaHostAllocMapped))
+        self.words = (ctypes.c_uint32 * GATE_LANES).from_address(int(self.host))
+        for i in range(GATE_LANES):
+            self.words[i] = 0
+        base = int(check(rt.cudaHostGetDevicePointer(self.host, 0)))
+        self.addresses = [drv.CUdeviceptr(base + 4 * i) for i in range(GATE_LANES)]
+
+    def set(self, index: int, closed: bool) -> None:
+        self.words[index] = 1 if closed else 0
+
+    def open_all(self) -> None:
+        for i in range(GATE_LANES):
+            self.words[i] = 0
 
 
 class Device:
@@ -114,6 +149,8 @@ class Device:
         self.h2d, self.d2h, self.d2d = (self._new_lane(LaneKey(index, d)) for d in (Direction.H2D, Direction.D2H, Direction.D2D))
         self.peers: dict[int, Lane] = {}
         """Peer lanes from this GPU, by destination ordinal (empty on a one-GPU engine)."""
+        self.gates: Gates | None = None
+        """The local lanes' gate words (None: gates off, see `CudaEngine.statistics`)."""
 
     def _new_lane(self, key: LaneKey) -> Lane:
         host_src, host_dst = HOST_ENDS[key.direction]
@@ -152,7 +189,10 @@ class Device:
             for stream in lane.streams:
                 if stream is not None:
                     attempt(rt.cudaStreamDestroy(stream))
-            lane.dma = lane.strict = lane.express = lane.express_cu = None
+            lane.dma = lane.strict = lane.express = lane.express_cu = lane.dma_cu = lane.gate = None
+        if self.gates is not None:
+            attempt(rt.cudaFreeHost(self.gates.host))
+            self.gates = None
         if self.module is not None:
             attempt(drv.cuModuleUnload(self.module))
             self.module = self.function = None
@@ -196,4 +236,26 @@ def open_device(
         lane.strict = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
         lane.express = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
         lane.express_cu = drv.CUstream(int(lane.express))
+        lane.dma_cu = drv.CUstream(int(lane.dma))
     return dev
+
+
+def open_gates(dev: Device) -> str | None:
+    """Give ``dev``'s local lanes their gates; None, or why they have none (gated chunks then
+    run as any other). Tried once on each DMA stream with the gate open, so a driver that
+    refuses stream memory operations is found here, not on the first gated chunk."""
+    _, drv = bindings()
+    try:
+        gates = Gates()
+    except CudaError as exc:
+        return f"no mapped pinned page for the gates ({exc})"
+    dev.gates = gates
+    eq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+    for i, lane in enumerate(dev.local_lanes):
+        try:
+            check(drv.cuStreamWaitValue32(lane.dma_cu, gates.addresses[i], 0, eq))
+        except CudaError as exc:
+            return f"cuStreamWaitValue32 refused ({exc}): bulk chunks are not gated"
+    for i, lane in enumerate(dev.local_lanes):
+        lane.gate = gates.addresses[i]
+    return None

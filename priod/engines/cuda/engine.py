@@ -44,7 +44,7 @@ from priod.errors import CudaError, EngineError, InvalidRequest
 from ._driver import bindings, check, device_count, event_handle_from_bytes
 from .batched import BatchedDma
 from .calibrate import Log, calibrate
-from .device import Device, Lane, open_device
+from .device import Device, Lane, open_device, open_gates
 from .events import CudaIpcEvent, Done, EventCompletion
 from .express import ExpressKernel, read_ptx
 from .memory import CudaDeviceMemory, CudaHostMemory, Regions
@@ -91,7 +91,7 @@ class CudaEngine(Engine):
         calibrate_bytes: int = 256 << 20,
         log: Log | None = None,
     ) -> None:
-        rt, _ = bindings()
+        rt, drv = bindings()
         self._started = time.perf_counter()
         self._rt = rt
         """The runtime API module, held for the per-chunk path."""
@@ -110,6 +110,10 @@ class CudaEngine(Engine):
         self._pusher = Pusher("priod-cuda-pusher")
         self._ipc_events: set[CudaIpcEvent] = set()
         """Client events opened and not yet closed: destroyed at `close` if a session did not."""
+        self._gates_error: str | None = None
+        """Why bulk chunks are not gated (None: they are, see `Gates`)."""
+        self._wait_value = drv.cuStreamWaitValue32
+        self._gate_eq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
 
         count = device_count()
         wanted = list(range(count)) if devices is None else list(devices)
@@ -125,6 +129,9 @@ class CudaEngine(Engine):
                 self._log.info("cuda batched copies", path="per segment", reason=self._batched.error)
             for index in wanted:
                 open_device(index, self._devices, self._use, lambda dev: self._load_kernel(dev, ptx))
+                self._gates_error = self._gates_error or open_gates(self._devices[index])
+            if self._gates_error:
+                self._log.info("cuda bulk gates off", reason=self._gates_error)
             for dev in self._devices.values():
                 calibrate(dev, calibrate_bytes, use=self._use, kernel=self._kernel, express=self._express_wanted, log=self._log)
             open_peer_lanes(self._devices, self._use, calibrate_bytes, self._log)  # nothing with one GPU
@@ -224,6 +231,7 @@ class CudaEngine(Engine):
         nbytes: int,
         *,
         strict: bool = False,
+        gated: bool = False,
     ) -> Completion:
         """Start one chunk. DMA chunks go on the lane's low-priority stream in FIFO order, or,
         with ``strict=True``, on its high-priority DMA stream (so that small host-to-device
@@ -247,6 +255,8 @@ class CudaEngine(Engine):
         direction = lane.direction
         if path is _DMA:
             stream = info.strict if strict else info.dma
+            if gated and info.gate is not None:
+                check(self._wait_value(info.dma_cu, info.gate, 0, self._gate_eq))
             sp = (s_host.host_pointer if s_host is not None else src.pointer) + src_offset  # type: ignore[attr-defined]
             dp = (d_host.host_pointer if d_host is not None else dst.pointer) + dst_offset  # type: ignore[attr-defined]
             if direction is _PEER:
@@ -275,6 +285,7 @@ class CudaEngine(Engine):
         sizes: npt.NDArray[np.uint64],
         *,
         strict: bool = False,
+        gated: bool = False,
     ) -> Completion:
         """Start one chunk of a batch, followed by one event. DMA: one ``cuMemcpyBatchAsync``
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
@@ -301,8 +312,10 @@ class CudaEngine(Engine):
                 for d, s_, n in zip((dst_offsets + np.uint64(dp)).tolist(), (src_offsets + np.uint64(sp)).tolist(), sizes.tolist(), strict=True):
                     check(copy_peer(d, dst_dev, s_, src_dev, n, stream))
             elif not strict and len(sizes) > 1:
-                return self._push_batch(dev, info, dp, sp, dst_offsets, src_offsets, sizes, stream)
+                return self._push_batch(dev, info, dp, sp, dst_offsets, src_offsets, sizes, stream, gated)
             else:
+                if gated and info.gate is not None:
+                    check(self._wait_value(info.dma_cu, info.gate, 0, self._gate_eq))
                 self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
         else:
             if info.express_max == 0:
@@ -314,16 +327,30 @@ class CudaEngine(Engine):
         return self._record(dev, info, stream)
 
     def _push_batch(
-        self, dev: Device, info: Lane, dp: int, sp: int, dst_offsets: npt.NDArray[np.uint64], src_offsets: npt.NDArray[np.uint64], sizes: npt.NDArray[np.uint64], stream: Any
+        self,
+        dev: Device,
+        info: Lane,
+        dp: int,
+        sp: int,
+        dst_offsets: npt.NDArray[np.uint64],
+        src_offsets: npt.NDArray[np.uint64],
+        sizes: npt.NDArray[np.uint64],
+        stream: Any,
+        gated: bool,
     ) -> Completion:
         """A bulk batch chunk, enqueued and followed by its event on the pusher's thread: the
         driver's ~1 us a segment is spent there, not on the event loop (pusher.py)."""
         pool = dev.events
         event = pool.take()
         rt, batched, kind, device = self._rt, self._bulk_batched, info.kind, dev.index
+        wait: tuple[Any, ...] | None = None
+        if gated and info.gate is not None:
+            wait = (info.dma_cu, info.gate, 0, self._gate_eq)
 
         def enqueue() -> None:
             check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
+            if wait is not None:
+                check(self._wait_value(*wait))
             batched.copy(dp, sp, dst_offsets, src_offsets, sizes, kind, stream)
             check(rt.cudaEventRecord(event, stream))
 
@@ -482,8 +509,18 @@ class CudaEngine(Engine):
             "express_error": self._express_error,
             "batch_dma": "cuMemcpyBatchAsync" if self._batched.error is None else "per segment",
             "batch_dma_error": self._batched.error,
+            "bulk_gates": self._gates_error is None and bool(self._devices),
+            "bulk_gates_error": self._gates_error,
             **self._regions.statistics(),
         }
+
+    def set_gates(self, closed: frozenset[LaneKey]) -> None:
+        """Write every local lane's gate word: 1 for a lane in ``closed``, else 0 (`Gates`)."""
+        for dev in self._devices.values():
+            gates = dev.gates
+            if gates is not None:
+                for i, lane in enumerate(dev.local_lanes):
+                    gates.set(i, lane.key in closed)
 
     def close(self) -> None:
         """Wait for our streams, then destroy events and streams and free everything. Idempotent.
@@ -503,6 +540,8 @@ class CudaEngine(Engine):
                 errors.append(exc)
 
         for dev in self._devices.values():
+            if dev.gates is not None:
+                dev.gates.open_all()  # a gated chunk must not wait on a word no one will write
             dev.synchronize(attempt)
         for ipc in list(self._ipc_events):
             self._use(ipc.device)
