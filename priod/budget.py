@@ -26,7 +26,6 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from .batch import SEGMENT_COST_S
-from .policy import Policy
 
 if TYPE_CHECKING:
     from .lanes import Lane
@@ -58,23 +57,23 @@ class Tenant:
         """Its requests on this lane, queued or in flight."""
 
 
-def tenant(lane: Lane, key: TenantKey, policy: Policy, now: float) -> Tenant:
+def tenant(lane: Lane, key: TenantKey, now: float) -> Tenant:
     """``key``'s tenant on ``lane``; a new one with a full bucket where the lane has none."""
     tenant = lane.tenants.get(key)
     if tenant is None:
         if len(lane.tenants) >= lane.sweep_at:
-            sweep(lane, policy, now)
-        tenant = lane.tenants[key] = Tenant(float(policy.urgent_burst_bytes), now)
+            sweep(lane, now)
+        tenant = lane.tenants[key] = Tenant(lane.burst, now)
     return tenant
 
 
-def refill(lane: Lane, tenant: Tenant, policy: Policy, now: float) -> None:
+def refill(lane: Lane, tenant: Tenant, now: float) -> None:
     if now > tenant.stamp:
-        tenant.tokens = min(float(policy.urgent_burst_bytes), tenant.tokens + lane.budget_rate * (now - tenant.stamp))
+        tenant.tokens = min(lane.burst, tenant.tokens + lane.budget_rate * (now - tenant.stamp))
         tenant.stamp = now
 
 
-def admit(t: Track, policy: Policy, now: float) -> bool:
+def admit(t: Track, now: float) -> bool:
     """Charge a strict request to its tenant's budget; False: past it (nothing charged).
 
     A request costs its bytes (a batch, its segments' engine time as bytes too), but at least
@@ -88,9 +87,11 @@ def admit(t: Track, policy: Policy, now: float) -> bool:
         # A batch also costs the engine time per segment, as its chunks are cut (batch.py): an
         # urgent batch of many tiny segments holds bulk back far longer than its bytes say.
         left += len(req.segments) * int(lane.info.bandwidth * SEGMENT_COST_S)
-    cost = max(left, min(lane.params.urgent_chunk_bytes, policy.urgent_burst_bytes))
-    refill(lane, tenant, policy, now)
-    if cost > tenant.tokens or tenant.pending + cost > policy.urgent_inflight_bytes:
+    cost = max(left, lane.min_strict_cost)
+    if now > tenant.stamp:  # `refill`, inline: this runs once per urgent copy
+        tenant.tokens = min(lane.burst, tenant.tokens + lane.budget_rate * (now - tenant.stamp))
+        tenant.stamp = now
+    if cost > tenant.tokens or tenant.pending + cost > lane.pending_cap:
         return False
     tenant.tokens -= cost
     tenant.pending += cost
@@ -99,12 +100,11 @@ def admit(t: Track, policy: Policy, now: float) -> bool:
     return True
 
 
-def sweep(lane: Lane, policy: Policy, now: float) -> None:
+def sweep(lane: Lane, now: float) -> None:
     """Forget tenants with no requests whose bucket is full again (nothing is lost by it)."""
-    burst = float(policy.urgent_burst_bytes)
     for key, tenant in list(lane.tenants.items()):
         if not tenant.tracks:
-            refill(lane, tenant, policy, now)
-            if tenant.tokens >= burst:
+            refill(lane, tenant, now)
+            if tenant.tokens >= lane.burst:
                 del lane.tenants[key]
     lane.sweep_at = max(64, 2 * len(lane.tenants))

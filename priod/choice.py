@@ -57,13 +57,20 @@ class PathChooser:
         self.explore_s = explore_s
         self._buckets: dict[tuple[LaneKey, int], _Bucket] = {}
 
-    @staticmethod
-    def _bucket_of(nbytes: int) -> int:
-        return max(nbytes - 1, 1).bit_length()
+    def _bucket(self, lane: LaneKey, nbytes: int) -> _Bucket:
+        """The figures for ``lane`` and the size bucket of ``nbytes``, made on first use.
+
+        Not ``setdefault(key, _Bucket())``: that builds a bucket (four dicts) per urgent copy,
+        only to throw it away, and every urgent copy comes here once it is done (`observe`)."""
+        key = (lane, (nbytes - 1 or 1).bit_length())  # copies of (2**(k-1), 2**k] bytes (nbytes >= 1)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket()
+        return b
 
     def choose(self, lane: LaneKey, nbytes: int, now: float) -> Path:
         """The path for an urgent copy of ``nbytes`` that both paths could carry."""
-        b = self._buckets.setdefault((lane, self._bucket_of(nbytes)), _Bucket())
+        b = self._bucket(lane, nbytes)
         ex, dma = b.latency.get(Path.EXPRESS), b.latency.get(Path.DMA)
         if ex is None:
             path = Path.EXPRESS  # the calibrated default: express where the engine offers it
@@ -84,7 +91,7 @@ class PathChooser:
         A figure older than ``explore_s`` is replaced rather than averaged: it describes a GPU
         that may be gone (the co-tenant that slowed the path has stopped).
         """
-        b = self._buckets.setdefault((lane, self._bucket_of(nbytes)), _Bucket())
+        b = self._bucket(lane, nbytes)
         old = b.latency.get(path)
         stale = now - b.seen.get(path, now) >= self.explore_s
         b.latency[path] = latency_s if old is None or stale else old + ALPHA * (latency_s - old)

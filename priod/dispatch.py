@@ -35,8 +35,8 @@ from .queues import ClassQueue, Group, Track, leave_class, park, pick, push
 if TYPE_CHECKING:
     from .records import Chunk
 
-_DMA = Path.DMA
-"""A module global: read per chunk, where ``Path.DMA`` costs ~55 ns more on Python 3.11
+_DMA, _EXPRESS = Path.DMA, Path.EXPRESS
+"""Module globals: read per chunk, where ``Path.DMA`` costs ~55 ns more on Python 3.11
 (EnumType's __getattr__ takes enum classes off the fast attribute path)."""
 
 HandOut = Callable[[Track, int, Path, float], "Chunk"]
@@ -148,18 +148,18 @@ class Dispatcher:
             t = g.head()
             req = t.req
             if t.route is None:
-                if not t.admitted and not admit(t, self.policy, now):
+                if not t.admitted and not admit(t, now):
                     self._demote(t)
                     continue
                 t.route = self._route(t, now)
             left = req.nbytes - req.submitted_bytes
-            if t.route is Path.EXPRESS:
+            if t.route is _EXPRESS:
                 # Express copies do not queue behind the copy engine: only the tenant's cap
                 # bounds them (and its budget, already charged).
                 if g.tenant.inflight[EXPRESS] >= cap:
                     park(g)
                     continue
-                out.append(self.hand_out(t, left, Path.EXPRESS, now))
+                out.append(self.hand_out(t, left, _EXPRESS, now))
             else:
                 if g.tenant.inflight[STRICT] >= cap:
                     park(g)
@@ -184,10 +184,10 @@ class Dispatcher:
             p.express_max
             and req.submitted_bytes == 0
             and p.express_min <= req.nbytes <= p.express_max
-            and self.chooser.choose(t.lane.key, req.nbytes, now) is Path.EXPRESS
+            and self.chooser.choose(t.lane.key, req.nbytes, now) is _EXPRESS
         ):
-            return Path.EXPRESS
-        return Path.DMA
+            return _EXPRESS
+        return _DMA
 
     def _demote(self, t: Track) -> None:
         """Move a strict request past its tenant's budget (its sub-queue's head) to the class
@@ -202,7 +202,7 @@ class Dispatcher:
             req.demoted_from = req.cls
         req.cls = self.below_strict
         t.cq = t.lane.classes[req.cls]
-        push(t, self.policy.mode == "fifo")
+        push(t, False)  # not mode "fifo": that serves whole copies and never demotes (`serve_fifo`)
         self.demoted += 1
 
     def _serve_aged(self, lane: Lane, now: float, out: list[Chunk]) -> None:

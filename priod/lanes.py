@@ -29,6 +29,7 @@ class Lane:
 
     __slots__ = (
         "budget_rate",
+        "burst",
         "classes",
         "express_inflight",
         "fifo",
@@ -40,8 +41,10 @@ class Lane:
         "key",
         "last_strict",
         "min_chunk",
+        "min_strict_cost",
         "nonstrict",
         "params",
+        "pending_cap",
         "queued",
         "rr",
         "strict",
@@ -80,6 +83,14 @@ class Lane:
         """Kept past a tenant's last request until its bucket is full again (see `budget.sweep`)."""
         self.sweep_at = 64
         self.budget_rate = 0.0
+        """Each tenant's urgent budget on this lane, bytes/s; the three figures below are the
+        rest of it: policy-derived, kept here so that admitting a strict copy reads no policy."""
+        self.burst = 0.0
+        """``urgent_burst_bytes``: the depth of a tenant's bucket."""
+        self.min_strict_cost = 0
+        """What a strict copy costs at least: a short-bound chunk, capped at the burst (budget.admit)."""
+        self.pending_cap = 0
+        """``urgent_inflight_bytes``: strict bytes a tenant may have admitted and not finished."""
         self.host_scale = 1.0
         """A host lane's share of its own rate while the host links busy now ask for more host
         memory bandwidth than there is (set by the scheduler each turn); 1.0 otherwise."""
@@ -98,6 +109,9 @@ class Lane:
         self.gate = policy.gate_bulk and policy.mode == "priod"
         self.min_chunk = policy.min_chunk_bytes
         self.budget_rate = min(policy.urgent_budget_bytes_per_s, policy.urgent_budget_share * self.info.bandwidth)
+        self.burst = float(policy.urgent_burst_bytes)
+        self.min_strict_cost = min(self.params.urgent_chunk_bytes, policy.urgent_burst_bytes)
+        self.pending_cap = policy.urgent_inflight_bytes
         for tn in self.tenants.values():
             tn.parked.clear()  # their groups went with the old class queues
 

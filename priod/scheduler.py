@@ -165,11 +165,13 @@ class Scheduler:
         spec = cq.spec
         if spec.strict:
             lane.last_strict = now
-            self._urgent_until = max(self._urgent_until, now + self._policy.urgent_window_ms / 1e3)
+            until = now + lane.window  # urgent_window_ms, in seconds
+            if until > self._urgent_until:
+                self._urgent_until = until
         tkey: TenantKey = ("owner", req.owner) if req.uid is None else ("uid", req.uid)
         tenant = lane.tenants.get(tkey)
         if tenant is None:  # the usual copy finds its tenant: no call
-            tenant = budget.tenant(lane, tkey, self._policy, now)
+            tenant = budget.tenant(lane, tkey, now)
         tenant.tracks += 1
         self._seq += 1
         t = Track(req, lane, cq, self._seq, tkey, tenant)

@@ -269,6 +269,25 @@ def test_budget_is_per_tenant_and_refills() -> None:
     assert (m.finished[-1].request.cls, m.finished[-1].request.demoted_from) == ("high", "urgent")
 
 
+def test_a_reload_applies_its_budget_at_once() -> None:
+    """The budget figures each lane keeps from the policy (the burst, the cap on strict bytes
+    admitted and unfinished) follow a reload: a copy larger than the old burst is strict
+    under a larger one, and one within the tokens but past a smaller cap is demoted."""
+    s = Scheduler(small_budget(), [SMALL])  # a 16 KiB burst, 16 KiB pending at most
+    big = Request(1, "a", LANE, "urgent", 32768, 0.0, uid=1)
+    s.enqueue(big, 0.0)
+    s.next_chunks(0.0)
+    assert (big.cls, big.demoted_from) == ("high", "urgent")
+    s.set_policy(dataclasses.replace(small_budget(), urgent_burst_bytes=64 * 1024, urgent_inflight_bytes=32 * 1024))
+    first = Request(2, "b", LANE, "urgent", 32768, 0.0, uid=2)  # a new tenant: a full 64 KiB bucket
+    second = Request(3, "c", LANE, "urgent", 32768, 0.0, uid=2)  # its other connection, up next
+    s.enqueue(first, 0.0)
+    s.enqueue(second, 0.0)
+    s.next_chunks(0.0)
+    assert (first.cls, first.demoted_from) == ("urgent", None)
+    assert (second.cls, second.demoted_from) == ("high", "urgent")  # 32 KiB of tokens left, but 64 KiB would be pending
+
+
 @pytest.mark.parametrize(
     ("settings_", "message"),
     [
