@@ -209,6 +209,28 @@ def test_the_pump_closes_a_held_lanes_gate_and_opens_it_when_the_copy_ends() -> 
         engine.close()
 
 
+def test_a_copy_never_ended_keeps_its_lanes_gate_closed_for_hold_max_only() -> None:
+    """A hostile page cannot keep a gate closed: the hold is cut after ``direct_hold_max_ms``,
+    and the gate opens with it, though the page still says the copy is under way."""
+    engine = ManualEngine(bandwidth=2e9)
+    sched = Scheduler(Policy(direct_hold_max_ms=20.0), engine.lanes())
+    pump = Pump(sched, engine, lambda f: None)
+    page = pump.holds.open(1, 1000, [H2D, D2H], time.perf_counter())
+    client = HoldPage(os.dup(page.fd), LANES)
+    try:
+        client.begin(client.slot(None, "h2d"))  # and never ends it
+        pump.scan_holds()
+        assert engine.gates == [frozenset({H2D})]
+        time.sleep(0.03)
+        pump.scan_holds()
+        assert engine.gates == [frozenset({H2D}), frozenset()]
+        assert pump.holds.cut == {H2D: 1}
+    finally:
+        client.close()
+        pump.holds.close(1)
+        engine.close()
+
+
 # -- end to end, sim daemon -------------------------------------------------------------------
 LONG_HOLDS = {
     "PRIOD_LOG__LEVEL": '"warning"',
