@@ -77,9 +77,11 @@ def admit(t: Track, now: float) -> bool:
     """Charge a strict request to its tenant's budget; False: past it (nothing charged).
 
     A request costs its bytes (a batch, its segments' engine time as bytes too), but at least
-    one short-bound chunk of the lane (``urgent_chunk_bytes``, capped at the burst): while it
-    is queued or in flight by DMA, bulk is held, which costs the others about that much however
-    small the copy.
+    one short-bound chunk of the lane (``urgent_chunk_bytes``, capped at the burst) while the
+    lane has non-strict work queued or in flight: bulk is then held while the copy is queued or
+    in flight by DMA, which costs the others about that much however small the copy. With none,
+    holding costs no one anything, and the copy costs its bytes (a client's tiny urgent copies on
+    an idle lane do not spend the budget it will need once bulk comes).
     """
     lane, tenant, req = t.lane, t.tenant, t.req
     left = req.nbytes - req.submitted_bytes
@@ -87,7 +89,7 @@ def admit(t: Track, now: float) -> bool:
         # A batch also costs the engine time per segment, as its chunks are cut (batch.py): an
         # urgent batch of many tiny segments holds bulk back far longer than its bytes say.
         left += len(req.segments) * int(lane.info.bandwidth * SEGMENT_COST_S)
-    cost = max(left, lane.min_strict_cost)
+    cost = max(left, lane.min_strict_cost) if lane.inflight or lane.rr else left
     if now > tenant.stamp:  # `refill`, inline: this runs once per urgent copy
         tenant.tokens = min(lane.burst, tenant.tokens + lane.budget_rate * (now - tenant.stamp))
         tenant.stamp = now

@@ -249,6 +249,31 @@ def test_an_honest_urgent_client_never_meets_the_budget() -> None:
         assert len(honest) >= 0.95 / period and all(f.request.cls == "urgent" for f in honest)
 
 
+def test_a_tiny_urgent_copy_costs_a_short_chunk_only_while_there_is_bulk_to_hold() -> None:
+    """An urgent copy costs at least one short-bound chunk of budget because it holds bulk
+    back; on a lane with no bulk queued or in flight it holds nothing, and costs its bytes. So
+    200 copies of 64 B one after another on an idle lane all stay urgent within a 1 MiB burst,
+    and beside another client's bulk only as many as 1 MiB holds short chunks."""
+    policy = Policy(urgent_budget_bytes_per_s=1.0, urgent_burst_bytes=MiB)
+    short = Scheduler(policy, [SIM_LANE]).lane_params(LANE).urgent_chunk_bytes
+    assert 0 < MiB // short < 200
+    for with_bulk in (False, True):
+        s = Scheduler(policy, [SIM_LANE])
+        m = Model(s, [SIM_LANE])
+        ids = Ids()
+        if with_bulk:
+            m.enqueue(request(ids(), "bulk", "bulk", 256 * MiB, 0.0))
+        classes = []
+        for _ in range(200):
+            rid = ids()
+            m.enqueue(request(rid, "tiny", "urgent", 64, m.now))
+            while rid not in m.done_at:
+                m.run(until=m.events[0][0])
+            classes.append(next(f.request.cls for f in m.finished if f.request.id == rid))
+        kept = MiB // short if with_bulk else 200
+        assert classes == ["urgent"] * kept + ["high"] * (200 - kept), (with_bulk, Counter(classes))
+
+
 def test_budget_is_per_tenant_and_refills() -> None:
     """A's budget does not touch B's; A's bucket refills at the lane's rate: after a quiet
     spell long enough, A's next urgent copy is strict again."""
