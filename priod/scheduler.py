@@ -434,7 +434,9 @@ class Scheduler:
         t.charged = 0
         self._finished[outcome] += 1
         if outcome == "done" and t.cq.spec.strict and req.path is not None and req.first_submit is not None and req.last_done is not None:
-            self._chooser.observe(t.lane.key, req.path, req.nbytes, req.last_done - req.first_submit, req.last_done)
+            p = t.lane.params
+            if p.express_max and p.express_min <= req.nbytes <= p.express_max:  # a size with a choice (`Dispatcher._route`)
+                self._chooser.observe(t.lane.key, req.path, req.nbytes, req.last_done - req.first_submit, req.last_done)
         if missed:
             self._misses += 1
         return Finished(req, outcome, req.done_bytes, missed, req.error if outcome == "failed" else None)
