@@ -16,6 +16,8 @@ Rows, per direction set (h2d, d2h, both at once):
   direct      the urgent copies are the measuring process's own DMA (priod.direct: its own
               buffers, its own context, each copy announced on its hold page), while priod runs
               bulk and holds it back during each one; direct-idle: the same, no bulk
+  ahead       as direct, each copy announced AHEAD_US before it is issued (`DirectPair.held`),
+              as a client that knows its next blocks a little ahead can; latency from the issue
 The anchor and priod rows run once per co-tenant (--cotenant, default none,gemm): "gemm" is a
 process of its own, with its own CUDA context as an inference job has, running bf16 GEMMs of
 --gemm-n back to back for the whole row (for priod rows it starts once the daemon listens, as a
@@ -64,6 +66,9 @@ from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_sec
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB)
 URGENT_INTERVAL_S = 0.005
+AHEAD_US = 300.0
+"""The "ahead" row: how long before issuing each copy its hold begins (a chunk of the short
+bound lasts ~75 us on the H200, and the daemon sees the hold within a loop turn or two)."""
 """Pause after each urgent copy of the anchor and priod rows (the same for both, so they compare)."""
 COTENANTS = ("none", "gemm")
 SPAWN = mp.get_context("spawn")
@@ -433,6 +438,7 @@ def urgent_client(
     spin_us: float = 2000,
     warm: int = 5,
     direct: Any = None,
+    ahead_us: float = 0.0,
 ) -> dict[str, Any]:
     """Urgent copies one at a time from a blocking client that busy-polls for its reply
     (``spin_us``), as a latency-critical caller would; client-observed latency per copy, and the
@@ -442,7 +448,8 @@ def urgent_client(
 
     ``direct`` (a `CudaCopies`): the urgent copies are direct ones instead (`priod.direct`), this
     process's own DMA between its own buffers, announced on its hold page; the daemon only holds
-    bulk back."""
+    bulk back. ``ahead_us`` (direct only): each copy's hold begins that long before the copy is
+    issued, and its latency counts from the issue."""
     out: dict[str, Any] = {}
     paths: dict[str, set[str]] = {}
     daemon: dict[str, list[tuple[float, float, float]]] = {}  # the daemon's own queued/transfer/total
@@ -457,7 +464,15 @@ def urgent_client(
             pairs = {"h2d": copier.pair(dev, host), "d2h": copier.pair(host, dev)}  # resolved once, as a KV cache would
 
             def one(direction: str, n: int) -> Any:
-                return pairs[direction].copy(n)
+                if not ahead_us:
+                    return pairs[direction].copy(n)
+                with pairs[direction].held():
+                    until = time.perf_counter() + ahead_us / 1e6
+                    while time.perf_counter() < until:
+                        pass
+                    issued = time.perf_counter()
+                    pairs[direction].copy(n)
+                return issued
         else:
             h, d = c.alloc_host(max(SIZES)), c.alloc_device(max(SIZES))
             assert h.array is not None
@@ -478,6 +493,8 @@ def urgent_client(
                 for _ in range(count):
                     t0 = time.perf_counter()
                     r = one(direction, n)
+                    if ahead_us:
+                        t0 = r  # when the copy was issued, its hold having begun ahead_us before
                     lat.append((time.perf_counter() - t0) * 1e6)
                     if direct is None:
                         paths.setdefault(key, set()).add(r.path)
@@ -496,10 +513,11 @@ def cpu_per_copy_us(probe: dict[str, Any], count: int, baseline_cpu_s_per_s: flo
     return {key: (cpu - baseline_cpu_s_per_s * wall) / count * 1e6 for key, (cpu, wall) in probe["_cpu_s"].items()}
 
 
-def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str = "cuda", direct: bool = False) -> dict[str, Any]:
+def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str = "cuda", direct: bool = False, ahead_us: float = 0.0) -> dict[str, Any]:
     """priod-idle (urgent copies only), then urgent copies under bulk from one client process per
-    direction. ``direct``: the urgent copies are direct ones (this process's own DMA, `priod.direct`)."""
-    urgent = functools.partial(urgent_client, direct=CudaCopies() if direct else None)
+    direction. ``direct``: the urgent copies are direct ones (this process's own DMA, `priod.direct`);
+    ``ahead_us``: each announced that long before it is issued."""
+    urgent = functools.partial(urgent_client, direct=CudaCopies() if direct else None, ahead_us=ahead_us)
     env = {
         "PRIOD_SCHEDULER__EXPRESS": "true" if express else "false",
         "PRIOD_LOG__LEVEL": '"warning"',
@@ -554,7 +572,7 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
     }
     per_copy = {"idle": cpu_per_copy_us(idle, load.count), "loaded": cpu_per_copy_us(loaded, load.count, cpu["bulk_alone_cpu_s_per_s"])}
     return {
-        "row": "direct" if direct else "express" if express else "dma",
+        "row": ("ahead" if ahead_us else "direct") if direct else "express" if express else "dma",
         "bulk_poll": bulk_poll,
         "cotenant": ct,
         "idle_via_priod": idle,
@@ -602,7 +620,8 @@ def main() -> int:
         "--rows",
         default="dma,express,direct",
         help="the priod rows, comma-separated: dma (express lane off), express (as shipped), direct (the urgent "
-        "copies are the client's own DMA, priod.direct, while the daemon runs bulk)",
+        "copies are the client's own DMA, priod.direct, while the daemon runs bulk), ahead (direct, each copy "
+        "announced AHEAD_US before it is issued)",
     )
     ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="a daemon setting for every priod row, e.g. scheduler__urgent_block_us=300")
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
@@ -613,7 +632,7 @@ def main() -> int:
     bulk = int(args.bulk_gib * GiB)
     modes = csv_choices(ap, args.bulk_poll, ("timer", "spin"), "--bulk-poll")
     cotenants = csv_choices(ap, args.cotenant, COTENANTS, "--cotenant")
-    kinds = csv_choices(ap, args.rows, ("dma", "express", "direct"), "--rows")
+    kinds = csv_choices(ap, args.rows, ("dma", "express", "direct", "ahead"), "--rows")
     try:
         DAEMON_ENV.update(settings_env(args.set))
     except ValueError as exc:
@@ -638,7 +657,13 @@ def main() -> int:
         for i, mode in enumerate(modes):
             for kind in kinds:
                 for cot in cotenants:
-                    r = priod_row(dataclasses.replace(base, cotenant=cot), kind != "dma", bulk_poll=mode, direct=kind == "direct")
+                    r = priod_row(
+                        dataclasses.replace(base, cotenant=cot),
+                        kind != "dma",
+                        bulk_poll=mode,
+                        direct=kind in ("direct", "ahead"),
+                        ahead_us=AHEAD_US if kind == "ahead" else 0.0,
+                    )
                     r["label"] = r["row"] if i == 0 else f"{r['row']}/{mode}"
                     rows.append(r)
                     save()
@@ -692,9 +717,9 @@ def table_lines(s: dict[str, Any], key: str) -> list[Line]:
             if r["row"] == "anchor":
                 lines.append(Line("anchor", cot, r["loaded"][key], mean_of(r["bulk_gbps"]), mean_of(r["urgent_gbps"])))
         for r in priod_rows:
-            if r["row"] in ("express", "direct"):
+            if r["row"] in ("express", "direct", "ahead"):
                 idle = r["idle_via_priod"]
-                label = r["label"].replace("express", "priod-idle").replace("direct", "direct-idle")
+                label = r["label"].replace("express", "priod-idle").replace("direct", "direct-idle").replace("ahead", "ahead-idle")
                 lines.append(Line(label, cot, idle[key], daemon_us=daemon_p50(idle, key), cpu_us=r["cpu_per_copy_us"]["idle"][key], anchor=anchor))
         for r in priod_rows:
             loaded = r["loaded"]

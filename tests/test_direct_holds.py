@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import time
+import types
 from typing import cast
 
 import numpy as np
@@ -229,6 +230,24 @@ def test_a_copy_never_ended_keeps_its_lanes_gate_closed_for_hold_max_only() -> N
         client.close()
         pump.holds.close(1)
         engine.close()
+
+
+def test_a_pair_held_ahead_holds_its_lane_from_the_announcement_through_its_copies() -> None:
+    """`DirectPair.held`: the lane is held from the block's start, stays held through a copy's
+    own announcement inside it, and is free when the block ends (the counters nest)."""
+    holds = Holds(hold_max_s=1.0, share=0.25, burst_s=1.0)
+    client = page_pair(holds)
+    owner = cast(DirectCopies, types.SimpleNamespace(page=client))
+    pair = DirectPair(owner, 0, 4096, 0, 4096, 0, client.slot(None, "d2h"))
+    with pair.held():
+        assert holds.scan(0.001).held == {D2H}
+        slot = client.slot(None, "d2h")
+        client.begin(slot)  # a copy inside the block, as DirectCopies._run announces it
+        assert holds.scan(0.002).held == {D2H}
+        client.end(slot)
+        assert holds.scan(0.003).held == {D2H}  # the block's hold goes on
+    assert holds.scan(0.004).held == frozenset()
+    assert holds.copies == {D2H: 2}
 
 
 # -- end to end, sim daemon -------------------------------------------------------------------
