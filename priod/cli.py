@@ -70,24 +70,15 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
     from .server import Daemon
 
     log = get_logger("priod")
-    try:
-        engine = make_engine(cfg, log)
-        activated = systemd.listen_fds()
-        daemon = Daemon(cfg, engine, listen_sock=activated[0] if activated else None, notify=systemd.notify)
-        await daemon.start()
-    except PriodError as exc:
-        log.error("start_failed", error=str(exc))
-        print(f"priod: {exc}", file=sys.stderr)
-        return 1
     loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[Any]] = set()
-
-    def spawn(coro: Any) -> None:
-        t = asyncio.ensure_future(coro)
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
+    daemon: Daemon | None = None
+    reload_pending = False
 
     def reload() -> None:
+        nonlocal reload_pending
+        if daemon is None:
+            reload_pending = True  # during start: applied once the daemon serves
+            return
         try:
             new = _load(args)
         except ConfigError as exc:
@@ -95,10 +86,30 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
             return
         daemon.reload(new)
 
+    # Before the socket exists: whoever sees it may signal at once (`systemctl reload` right
+    # after start), and a SIGHUP meeting its default action would end the daemon.
     stop_requested = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop_requested.set)
     loop.add_signal_handler(signal.SIGINT, stop_requested.set)
     loop.add_signal_handler(signal.SIGHUP, reload)
+    try:
+        engine = make_engine(cfg, log)
+        activated = systemd.listen_fds()
+        starting = Daemon(cfg, engine, listen_sock=activated[0] if activated else None, notify=systemd.notify)
+        await starting.start()
+    except PriodError as exc:
+        log.error("start_failed", error=str(exc))
+        print(f"priod: {exc}", file=sys.stderr)
+        return 1
+    daemon = starting
+    if reload_pending:
+        reload()
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(coro: Any) -> None:
+        t = asyncio.ensure_future(coro)
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
 
     async def keepalive() -> None:
         interval = systemd.watchdog_interval()
