@@ -77,6 +77,10 @@ class HoldPage:
     view: mmap.mmap
     slots: list[_Slot]
     unpack: struct.Struct
+    seen: tuple[int, ...] = ()
+    """The counters as the last scan that looked at the slots read them."""
+    holding: bool = False
+    """Some slot held its lane at that scan."""
 
     def counters(self) -> tuple[int, ...]:
         return self.unpack.unpack_from(self.view, 0)
@@ -160,6 +164,12 @@ class Holds:
         begun: set[LaneKey] = set()
         for page in self.pages.values():
             values = page.counters()
+            if values == page.seen and not page.holding:
+                # Nothing written since the last look and nothing held: nothing to do (a bucket
+                # refills from its own timestamp whenever it is next looked at). Most pages are
+                # idle at any moment, and the pump scans every loop turn under the short bound.
+                continue
+            page.seen, page.holding = values, False
             for i, slot in enumerate(page.slots):
                 b, e = values[2 * i], values[2 * i + 1]
                 lane = slot.lane
@@ -187,6 +197,7 @@ class Holds:
                     self.cut[lane] = self.cut.get(lane, 0) + 1
                     continue
                 slot.held_at = now
+                page.holding = True
                 held.add(lane)
         frozen = frozenset(held) if held != self.held else self.held
         self.held = frozen

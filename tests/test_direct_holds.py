@@ -76,6 +76,30 @@ def test_a_copy_never_ended_holds_for_hold_max_only() -> None:
     assert holds.scan(0.6).held == {D2H}
 
 
+def test_a_page_left_alone_is_skipped_and_its_budget_still_refills() -> None:
+    """A scan skips a page whose counters did not change and that holds nothing (the pump scans
+    every loop turn under the short bound, and most pages are idle); the page's budget refills
+    as if every scan had looked: after a hold that spent part of it and a long quiet spell of
+    scans, the next copy finds the bucket full again, and holds."""
+    holds = Holds(hold_max_s=1.0, share=0.25, burst_s=0.004)
+    client = page_pair(holds)
+    slot = client.slot(None, "h2d")
+    client.begin(slot)
+    for k in range(10):  # held 9 ms: the 4 ms burst is spent and the hold cut
+        holds.scan(0.001 * k)
+    client.end(slot)
+    holds.scan(0.010)
+    bucket = holds._buckets[(1000, H2D)]
+    assert bucket.tokens < 0.001 and holds.cut == {H2D: 1}
+    for k in range(1, 1000):  # a second of scans with nothing written
+        assert holds.scan(0.010 + 0.001 * k).held == frozenset()
+    assert bucket.at == 0.010  # none of them looked at the page's slots
+    client.begin(slot)
+    scan = holds.scan(1.5)
+    assert scan.held == {H2D} and scan.begun == {H2D}
+    assert bucket.tokens == pytest.approx(0.004 - 50e-6)  # full (the burst) less one copy's charge
+
+
 def test_holding_is_budgeted_per_uid_over_its_connections() -> None:
     # 10 ms of holding at once, then 10% of the time; two connections of one uid share it.
     holds = Holds(hold_max_s=1.0, share=0.1, burst_s=0.010)
