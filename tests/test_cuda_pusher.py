@@ -180,3 +180,34 @@ def test_an_event_closed_while_its_record_waits_is_destroyed_after_it(monkeypatc
     idle.close()
     assert [c[1:3] for c in rt.calls] == [("destroy", "idle-event")]
     eng._pusher.close()
+
+
+def test_a_gated_bulk_batch_chunk_waits_on_its_gate_first_on_the_pushers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gated bulk chunk (`Engine.set_gates`): the wait on the lane's gate word goes on the
+    lane's bulk stream right before the batched call, both on the pusher's thread; a chunk not
+    gated, or a lane without a gate, enqueues no wait."""
+    eng, rt, blocked = _pushing_engine(monkeypatch)
+    lane = eng._devices[0].d2d
+    lane.dma_cu = "bulk-cu"
+    eng._gate_eq = "eq"
+
+    def wait_value(stream: Any, address: Any, value: int, flags: Any) -> tuple[Any, ...]:
+        rt.calls.append((rt.current, "wait", stream, address, value, flags, threading.current_thread().name))
+        return (rt.cudaError_t.cudaSuccess,)
+
+    eng._wait_value = wait_value
+    blocked.release.set()
+    offs, sizes = np.array([0, 64], np.uint64), np.array([16, 32], np.uint64)
+    for gated, gate in ((True, "gate-word"), (False, "gate-word"), (True, None)):
+        lane.gate = gate
+        rt.calls.clear()
+        c = eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), offs, _dev(9000, 0), offs, sizes, gated=gated)
+        _wait(lambda c=c: not c.pending)
+        kinds = [call[1] for call in rt.calls if call[1] in ("wait", "batched", "record")]
+        if gated and gate is not None:
+            assert kinds == ["wait", "batched", "record"]
+            wait = next(call for call in rt.calls if call[1] == "wait")
+            assert wait[2:6] == ("bulk-cu", "gate-word", 0, "eq") and wait[6] == "priod-cuda-pusher"
+        else:
+            assert kinds == ["batched", "record"]
+    eng._pusher.close()

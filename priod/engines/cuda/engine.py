@@ -256,7 +256,7 @@ class CudaEngine(Engine):
         if path is _DMA:
             stream = info.strict if strict else info.dma
             if gated and info.gate is not None:
-                check(self._wait_value(info.dma_cu, info.gate, 0, self._gate_eq))
+                self._wait_gate(info)
             sp = (s_host.host_pointer if s_host is not None else src.pointer) + src_offset  # type: ignore[attr-defined]
             dp = (d_host.host_pointer if d_host is not None else dst.pointer) + dst_offset  # type: ignore[attr-defined]
             if direction is _PEER:
@@ -315,7 +315,7 @@ class CudaEngine(Engine):
                 return self._push_batch(dev, info, dp, sp, dst_offsets, src_offsets, sizes, stream, gated)
             else:
                 if gated and info.gate is not None:
-                    check(self._wait_value(info.dma_cu, info.gate, 0, self._gate_eq))
+                    self._wait_gate(info)
                 self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
         else:
             if info.express_max == 0:
@@ -343,14 +343,12 @@ class CudaEngine(Engine):
         pool = dev.events
         event = pool.take()
         rt, batched, kind, device = self._rt, self._bulk_batched, info.kind, dev.index
-        wait: tuple[Any, ...] | None = None
-        if gated and info.gate is not None:
-            wait = (info.dma_cu, info.gate, 0, self._gate_eq)
+        gate = gated and info.gate is not None
 
         def enqueue() -> None:
             check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
-            if wait is not None:
-                check(self._wait_value(*wait))
+            if gate:
+                self._wait_gate(info)
             batched.copy(dp, sp, dst_offsets, src_offsets, sizes, kind, stream)
             check(rt.cudaEventRecord(event, stream))
 
@@ -513,6 +511,11 @@ class CudaEngine(Engine):
             "bulk_gates_error": self._gates_error,
             **self._regions.statistics(),
         }
+
+    def _wait_gate(self, info: Lane) -> None:
+        """Enqueue, on the lane's bulk stream, the wait on its gate word that a gated chunk
+        follows (`Gates`)."""
+        check(self._wait_value(info.dma_cu, info.gate, 0, self._gate_eq))
 
     def set_gates(self, closed: frozenset[LaneKey]) -> None:
         """Write every local lane's gate word: 1 for a lane in ``closed``, else 0 (`Gates`)."""
