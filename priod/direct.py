@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -40,9 +40,10 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
+WORDS_PER_SLOT = SLOT_BYTES // 8
+
 __all__ = ["KERNEL_BATCH_MEAN", "DirectCopies", "DirectPair", "HoldPage"]
 
-_U64 = struct.Struct("<Q")
 
 
 class HoldPage:
@@ -53,11 +54,19 @@ class HoldPage:
     def __init__(self, fd: int, lanes: list[dict[str, Any]]) -> None:
         """``fd`` (the page's memfd, from the reply) is closed here once mapped."""
         try:
+            if sys.byteorder != "little":  # the page's counters are little-endian words (protocol.md)
+                raise InvalidRequest("direct copies need a little-endian host")
             self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.lanes = lanes
         """``lanes[i]``: slot i's ``device`` (the daemon's ordinal), ``device_uuid``, ``direction``."""
+        self._words = memoryview(self._map).cast("Q")
+        """The page as uint64 words. Each counter is written by one aligned 8-byte store: the
+        daemon reads the page while it is written, and `struct.pack_into` zeroes its field before
+        it packs (CPython's ``s_pack_internal``), so a scan could catch a counter at 0. Measured on
+        the H200: such a read made the daemon charge a 50-ms hold debt and hold nothing for the
+        next ~200 ms, the ~900-us tails of the direct rows (docs/benchmarks.md)."""
         self._begun = [0] * len(lanes)
         self._ended = [0] * len(lanes)
         """What this process wrote, the page's only writer (so no read back of the page)."""
@@ -78,14 +87,15 @@ class HoldPage:
         """Announce a copy on ``slot``'s lane: the daemon holds bulk there until `end`."""
         with self._lock:  # one writer per counter: threads of this process take turns
             n = self._begun[slot] = self._begun[slot] + 1
-            _U64.pack_into(self._map, slot * SLOT_BYTES, n)
+            self._words[slot * WORDS_PER_SLOT] = n
 
     def end(self, slot: int) -> None:
         with self._lock:
             n = self._ended[slot] = self._ended[slot] + 1
-            _U64.pack_into(self._map, slot * SLOT_BYTES + 8, n)
+            self._words[slot * WORDS_PER_SLOT + 1] = n
 
     def close(self) -> None:
+        self._words.release()
         self._map.close()
 
 

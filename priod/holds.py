@@ -12,7 +12,8 @@ stands between the client and its copy.
 The page: one 4 KiB memfd per connection, made by the daemon and sealed so that its size never
 changes (the client cannot make the daemon's mapping fault). Slot ``i`` (lane ``i`` of the
 reply's list) is two little-endian uint64 at ``16 * i``: ``begun`` and ``ended``, written only by
-the client, each counting up by one per copy. A lane is held while ``begun != ended``, for at
+the client, each counting up by one per copy, each with one aligned 8-byte store (the daemon
+reads them while they are written; a ``begun`` that reads lower than before is no copy). A lane is held while ``begun != ended``, for at
 most ``direct_hold_max_ms`` per copy, and only while the uid has hold budget left on that lane
 (a token bucket of held seconds: ``urgent_budget_share`` of the time, ``direct_hold_burst_ms``
 deep; each copy costs at least `BEGIN_CHARGE_S`). So a buggy or hostile client can delay bulk
@@ -26,7 +27,6 @@ import fcntl
 import math
 import mmap
 import os
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +40,8 @@ SLOT_BYTES = 16
 """Two uint64 per lane: begun, ended."""
 MAX_COUNTED = 1_000_000
 """Copies counted from one scan's jump in ``begun`` at most (a client may write any number)."""
+BACKWARDS = 1 << 63
+"""A change in ``begun`` of this much or more, modulo 2**64, is a step back, not copies."""
 BEGIN_CHARGE_S = 50e-6
 """What each announced copy costs its uid's hold budget at least, however short its hold: enough
 that a flood of announcements empties the bucket (and an empty bucket starts no short bound),
@@ -76,14 +78,16 @@ class HoldPage:
     fd: int
     view: mmap.mmap
     slots: list[_Slot]
-    unpack: struct.Struct
-    seen: tuple[int, ...] = ()
+    words: memoryview
+    """The slots' counters as native uint64 words: read one aligned 8-byte load each, so a
+    counter the client is writing reads as its old value or its new one, never a mix."""
+    seen: list[int] = field(default_factory=list)
     """The counters as the last scan that looked at the slots read them."""
     holding: bool = False
     """Some slot held its lane at that scan."""
 
-    def counters(self) -> tuple[int, ...]:
-        return self.unpack.unpack_from(self.view, 0)
+    def counters(self) -> list[int]:
+        return self.words.tolist()
 
 
 @dataclass
@@ -134,7 +138,7 @@ class Holds:
             os.close(fd)
             raise
         slots = [_Slot(lane, self._bucket(uid, lane, now)) for lane in lanes]
-        page = HoldPage(owner, uid, fd, view, slots, struct.Struct(f"<{2 * len(lanes)}Q"))
+        page = HoldPage(owner, uid, fd, view, slots, memoryview(view).cast("Q")[: 2 * len(lanes)])
         self.pages[owner] = page
         return page
 
@@ -142,6 +146,7 @@ class Holds:
         """Forget ``owner``'s page (the connection ended): its holds end with it."""
         page = self.pages.pop(owner, None)
         if page is not None:
+            page.words.release()  # the mapping cannot close while a view of it is exported
             page.view.close()
             os.close(page.fd)
 
@@ -176,8 +181,13 @@ class Holds:
                 bucket = slot.bucket
                 bucket.tokens = min(self.burst_s, bucket.tokens + (now - bucket.at) * self.share)
                 bucket.at = now
-                if b != slot.seen_begun:
-                    n = min((b - slot.seen_begun) % (1 << 64), MAX_COUNTED)
+                step = (b - slot.seen_begun) % (1 << 64)
+                if 0 < step < BACKWARDS:
+                    # A step back is no copy: ``begun`` only counts up, and reads lower only from
+                    # a writer that is not one 8-byte store (Python's struct.pack_into zeroes a
+                    # field before it packs) or a buggy one. Counted from the last good value,
+                    # an honest client is not charged for a copy it did not announce.
+                    n = min(step, MAX_COUNTED)
                     self.copies[lane] = self.copies.get(lane, 0) + n
                     slot.seen_begun, slot.since, slot.cut = b, now, False
                     # A copy costs its uid at least BEGIN_CHARGE_S of holding however short it is

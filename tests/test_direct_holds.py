@@ -16,6 +16,8 @@ import asyncio
 import errno
 import fcntl
 import os
+import subprocess
+import sys
 import time
 import types
 from typing import cast
@@ -127,17 +129,80 @@ def test_garbage_counters_count_boundedly_and_spend_the_budget() -> None:
     holds = Holds(hold_max_s=0.005, share=1.0, burst_s=1.0)
     client = page_pair(holds)
     raw = np.frombuffer(client._map, dtype="<u8", count=4)
-    raw[:] = [2**64 - 1, 7, 123, 2**63]
+    raw[:] = [2**62, 7, 123, 2**63]
     scan = holds.scan(0.0)
-    # h2d jumped by 2**64-1: a million copies, 200 s of charges: nothing held, no short bound.
+    # h2d jumped by 2**62: a million copies, 50 s of charges: nothing held, no short bound.
     # d2h jumped by 123 (ended says 2**63): 25 ms of charges, held (for hold_max at most).
     assert scan.held == {D2H} and scan.begun == {D2H}
     assert holds.copies == {H2D: 1_000_000, D2H: 123}
     assert holds.scan(0.01).held == frozenset()  # d2h cut at hold_max
-    raw[0] = 5  # six more h2d copies (the counter wraps), once its bucket has refilled (1 s of debt at 1 s/s)
+    raw[0] = 2**62 + 6  # six more h2d copies, once its bucket has refilled (1 s of debt at 1 s/s)
     assert holds.scan(2.5).held == {H2D}
     assert holds.scan(2.51).held == frozenset()  # then cut at hold_max
     del raw
+
+
+def test_a_begun_counter_that_steps_back_is_no_copy() -> None:
+    """``begun`` only counts up; a value below the last one seen (a half-written counter, a
+    buggy writer) announces nothing and costs nothing, and counting resumes from the last good
+    value. Past 2**64 it wraps: that is a step forward."""
+    holds = Holds(hold_max_s=1.0, share=0.1, burst_s=1.0)
+    client = page_pair(holds)
+    raw = np.frombuffer(client._map, dtype="<u8", count=2)
+    raw[:] = [10, 10]
+    holds.scan(0.0)
+    tokens = holds._buckets[(1000, H2D)].tokens
+    raw[0] = 0  # read back at 0: no copy, no charge
+    scan = holds.scan(0.001)
+    assert scan.begun == frozenset() and holds.copies == {H2D: 10}
+    assert holds._buckets[(1000, H2D)].tokens == pytest.approx(tokens + 0.0001)  # refilled, nothing charged
+    raw[:] = [11, 11]  # the next copy counts one
+    holds.scan(0.002)
+    assert holds.copies == {H2D: 11}
+    for t, value in enumerate((2**63, 2**64 - 1)):  # forward (by < 2**63 each: a million copies)
+        raw[:] = [value, value]
+        holds.scan(0.003 + t * 0.001)
+    raw[:] = [1, 1]  # wrapped: two copies on
+    holds.scan(0.006)
+    assert holds.copies == {H2D: 11 + 2_000_000 + 2}
+    del raw
+
+
+def test_counters_written_while_the_daemon_scans_never_read_as_copies_not_announced() -> None:
+    """A client process announces copies as fast as it can while the daemon side scans: every
+    copy counts once, none more. (`struct.pack_into` zeroes a field before it
+    packs: a scan that caught ``begun`` at 0 took it for a wrap past 2**64, a million copies and
+    50 s of charges, and the daemon held nothing for the next ~200 ms: the H200's direct rows had
+    runs of ~900-us copies.)"""
+    holds = Holds(hold_max_s=1.0, share=1.0, burst_s=1.0)
+    page = holds.open(1, 1000, [H2D, D2H], 0.0)
+    copies = 200_000
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(page.fd), str(copies)], pass_fds=[page.fd], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    )
+    scans = 0
+    while writer.poll() is None:
+        holds.scan(time.perf_counter())
+        scans += 1
+    out, _ = writer.communicate()
+    assert writer.returncode == 0 and out.split() == [b"done"]
+    holds.scan(time.perf_counter())
+    assert scans > 100  # the two really ran side by side
+    assert holds.copies == {H2D: copies, D2H: copies}
+
+
+WRITER = """
+import sys
+from priod.direct import HoldPage
+lanes = [{"device": 0, "device_uuid": None, "direction": d} for d in ("h2d", "d2h")]
+page = HoldPage(int(sys.argv[1]), lanes)
+for _ in range(int(sys.argv[2])):
+    for slot in (0, 1):
+        page.begin(slot)
+        page.end(slot)
+page.close()
+print("done")
+"""
 
 
 def test_the_page_cannot_be_resized_and_one_connection_gets_one() -> None:

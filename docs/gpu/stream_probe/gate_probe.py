@@ -11,6 +11,8 @@ urgent h2d copies in U, one every 5 ms.
 - gate: each bulk chunk is preceded on its stream by cuStreamWaitValue32(word == 0), the word in
   B's mapped pinned memory; the main thread writes 1 to it before its urgent copy and 0 after, so
   a queued chunk that has not started waits on the GPU, and goes the moment the word is 0 again.
+DIR=d2h: both directions device to host; CASES=early-only: gate-early alone; ROUNDS (2); N
+copies per size (100); with OUT set, every copy's latency goes to $OUT/gate_probe.json.
 Prints urgent p50/p99 per size, bulk GB/s while urgent copies come (x one 2 GiB copy), and bulk
 alone. The question for the gate: does a channel waiting on a semaphore let the copy engine switch
 to the other context at once (else the urgent copy waits out a time slice)?
@@ -65,13 +67,23 @@ lo, hi = check(cu.cuCtxGetStreamPriorityRange())
 su = check(cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, hi))
 EQ = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
 EARLY_S = 300e-6
+D2H = os.environ.get("DIR", "h2d") == "d2h"
+"""DIR=d2h: bulk and urgent copies device to host instead (both the same direction)."""
+
+
+def copy(dst_dev: object, dst_host: object, n: int, stream: object) -> None:
+    """One copy of ``n`` bytes between a device and a host buffer, in the probe's direction."""
+    if D2H:
+        check(cu.cuMemcpyDtoHAsync(dst_host, dst_dev, n, stream))
+    else:
+        check(cu.cuMemcpyHtoDAsync(dst_dev, dst_host, n, stream))
 
 
 def raw_gbps() -> float:
     check(cu.cuCtxSetCurrent(ctx_b))
     check(cu.cuStreamSynchronize(sb))
     t0 = time.perf_counter()
-    check(cu.cuMemcpyHtoDAsync(db, hb, 2 * GiB, sb))
+    copy(db, hb, 2 * GiB, sb)
     check(cu.cuStreamSynchronize(sb))
     return 2 * GiB / (time.perf_counter() - t0) / 1e9
 
@@ -94,7 +106,7 @@ def case(mode: str, ch_mib: int, depth: int, n: int) -> dict:
             if len(evs) < depth and not hold.is_set():
                 if mode.startswith("gate"):
                     check(cu.cuStreamWaitValue32(sb, gate_dev, 0, EQ))
-                check(cu.cuMemcpyHtoDAsync(int(db) + off, int(hb) + off, ch, sb))
+                copy(int(db) + off, int(hb) + off, ch, sb)
                 e = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
                 check(cu.cuEventRecord(e, sb))
                 evs.append((e, ch))
@@ -113,6 +125,7 @@ def case(mode: str, ch_mib: int, depth: int, n: int) -> dict:
     check(cu.cuCtxSetCurrent(ctx_u))
     ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
     rows = {}
+    series: dict = {}
     t_u0 = time.perf_counter()
     for s in SIZES:
         lat = []
@@ -126,7 +139,7 @@ def case(mode: str, ch_mib: int, depth: int, n: int) -> dict:
                 # and the daemon's stream sits at its closed gate with nothing else on the engine.
                 while time.perf_counter() < t0 + EARLY_S:
                     pass
-            check(cu.cuMemcpyHtoDAsync(du, hu, s, su))
+            copy(du, hu, s, su)
             check(cu.cuEventRecord(ev, su))
             while cu.cuEventQuery(ev)[0] != OK:
                 pass
@@ -137,13 +150,14 @@ def case(mode: str, ch_mib: int, depth: int, n: int) -> dict:
             while time.perf_counter() < t0 + 0.005:
                 time.sleep(0.0005)
         rows[s] = (float(np.percentile(lat, 50)), float(np.percentile(lat, 99)))
+        series[s] = lat
     t_u1 = time.perf_counter()
     stop.set()
     th.join()
 
     def gbps(a: float, b: float) -> float:
         return sum(nb for t, nb in moved if a <= t < b) / (b - a) / 1e9
-    return {"mode": mode, "ch_mib": ch_mib, "depth": depth, "urgent": rows,
+    return {"mode": mode, "ch_mib": ch_mib, "depth": depth, "urgent": rows, "series": {str(k): v for k, v in series.items()},
             "bulk_alone": gbps(t_alone0, t_alone1), "bulk_urgent": gbps(t_u0, t_u1)}
 
 
@@ -154,9 +168,11 @@ def main() -> int:
     if os.environ.get("CASES") == "early":
         # The latency is then from the copy's issue, not from the gate's closing (that is 300 us sooner).
         cases = [("hold", 4, 2), ("gate", 4, 2), ("gate-early", 4, 2)]
+    elif os.environ.get("CASES") == "early-only":
+        cases = [("gate-early", 4, 2)]
     raw = max(raw_gbps() for _ in range(3))
     results = []
-    for rnd in range(2):
+    for rnd in range(int(os.environ.get("ROUNDS", "2"))):
         for mode, ch, depth in cases:
             r = case(mode, ch, depth, n)
             results.append(r)
