@@ -145,3 +145,17 @@ if os.environ.get("PROBE_EXECUTOR_LOG"):
             with open(os.environ["PROBE_EXECUTOR_LOG"], "w") as f:
                 _js6.dump(_subs.most_common(20), f, indent=1)
     _ax6.register(_dump6)
+if os.environ.get("PROBE_HOLD_GIL"):
+    # the daemon's batched calls keep the GIL (ctypes.PYFUNCTYPE): no wait for it after each call
+    import sys as _sys3
+    if "serve" in _sys3.argv:
+        import ctypes as _ct
+        import priod.engines.cuda.batched as _bm
+        _orig_bd_init = _bm.BatchedDma.__init__
+        def _bd_init(self, *a, **k):
+            _orig_bd_init(self, *a, **k)
+            if self._batch is not None:
+                address = _ct.cast(self._batch, _ct.c_void_p).value
+                p, n = _ct.c_void_p, _ct.c_size_t
+                self._batch = _ct.PYFUNCTYPE(_ct.c_int, p, p, p, n, p, p, n, p, p)(address)
+        _bm.BatchedDma.__init__ = _bd_init
