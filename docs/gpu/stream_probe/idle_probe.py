@@ -51,8 +51,8 @@ def sync() -> None:
     check(rt.cudaStreamSynchronize(stream))
 
 
-def query() -> None:
-    check(rt.cudaMemcpyAsync(dev.ptr, host.ptr, N, kind, stream))
+def query(copy_kind: object = kind) -> None:
+    check(rt.cudaMemcpyAsync(dev.ptr, host.ptr, N, copy_kind, stream))
     while True:
         (err,) = rt.cudaStreamQuery(stream)
         if err == ok:
@@ -62,13 +62,7 @@ def query() -> None:
 
 
 def query_default() -> None:
-    check(rt.cudaMemcpyAsync(dev.ptr, host.ptr, N, rt.cudaMemcpyKind.cudaMemcpyDefault, stream))
-    while True:
-        (err,) = rt.cudaStreamQuery(stream)
-        if err == ok:
-            return
-        if err != not_ready:
-            check((err,))
+    query(rt.cudaMemcpyKind.cudaMemcpyDefault)
 
 
 def by_pair() -> None:
