@@ -40,10 +40,10 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
-WORDS_PER_SLOT = SLOT_BYTES // 8
-
 __all__ = ["KERNEL_BATCH_MEAN", "DirectCopies", "DirectPair", "HoldPage"]
 
+WORDS_PER_SLOT = SLOT_BYTES // 8
+"""A slot's uint64 words: ``begun``, then ``ended``."""
 
 
 class HoldPage:

@@ -13,12 +13,13 @@ The page: one 4 KiB memfd per connection, made by the daemon and sealed so that 
 changes (the client cannot make the daemon's mapping fault). Slot ``i`` (lane ``i`` of the
 reply's list) is two little-endian uint64 at ``16 * i``: ``begun`` and ``ended``, written only by
 the client, each counting up by one per copy, each with one aligned 8-byte store (the daemon
-reads them while they are written; a ``begun`` that reads lower than before is no copy). A lane is held while ``begun != ended``, for at
-most ``direct_hold_max_ms`` per copy, and only while the uid has hold budget left on that lane
-(a token bucket of held seconds: ``urgent_budget_share`` of the time, ``direct_hold_burst_ms``
-deep; each copy costs at least `BEGIN_CHARGE_S`). So a buggy or hostile client can delay bulk
-by that much and no more; what it writes is only numbers to the daemon. This module is the bookkeeping; the pump calls `Holds.scan` each
-turn and tells the scheduler which lanes are held.
+reads them while they are written; a ``begun`` that reads lower than before is no copy). A lane
+is held while ``begun != ended``, for at most ``direct_hold_max_ms`` per copy, and only while
+the uid has hold budget left on that lane (a token bucket of held seconds:
+``urgent_budget_share`` of the time, ``direct_hold_burst_ms`` deep; each copy costs at least
+`BEGIN_CHARGE_S`). So a buggy or hostile client can delay bulk by that much and no more; what it
+writes is only numbers to the daemon. This module is the bookkeeping; the pump calls
+`Holds.scan` each turn and tells the scheduler which lanes are held.
 """
 
 from __future__ import annotations
