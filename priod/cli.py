@@ -182,6 +182,9 @@ def format_status(st: dict[str, Any]) -> str:
         copies = " ".join(f"{lane}={n}" for lane, n in direct["copies"].items()) or "-"
         cut = " ".join(f"{lane}={n}" for lane, n in direct["cut"].items()) or "-"
         lines += ["", f"direct copies: hold pages {direct['pages']}  held now {', '.join(direct['held']) or '-'}  copies {copies}  holds cut {cut}"]
+        back = direct.get("stepped_back")
+        if back:  # a client's page writer tears its counters (protocol.md, hold_page)
+            lines.append("  counters read stepping back (no copy counted): " + " ".join(f"{lane}={n}" for lane, n in back.items()))
     clients = st.get("clients_total", len(st["clients"]))  # a non-root viewer sees only its own lines
     lines += ["", f"clients: {clients}   copies: {st['totals']['copies']}   bytes: {st['totals']['bytes'] / 1e9:.3f} GB   deadline misses: {st['deadline_misses']}"]
     for c in st["clients"]:

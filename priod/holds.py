@@ -114,6 +114,9 @@ class Holds:
     """Direct copies announced per lane (for status and metrics)."""
     cut: dict[LaneKey, int] = field(default_factory=dict)
     """Holds cut short per lane: a copy announced for longer than hold_max, or past its budget."""
+    stepped_back: dict[LaneKey, int] = field(default_factory=dict)
+    """Reads of a ``begun`` lower than the last one per lane: a page writer that is not one 8-byte
+    store per counter, or a buggy one (no copy is counted for them)."""
     held: frozenset[LaneKey] = frozenset()
     """Lanes held at the last scan."""
     _buckets: dict[tuple[int | None, LaneKey], _Bucket] = field(default_factory=dict)
@@ -198,6 +201,8 @@ class Holds:
                     bucket.tokens = max(-self.burst_s, bucket.tokens - n * BEGIN_CHARGE_S)  # a debt of one burst at most
                     if bucket.tokens > 0:
                         begun.add(lane)
+                elif step:
+                    self.stepped_back[lane] = self.stepped_back.get(lane, 0) + 1
                 if slot.held_at is not None:
                     bucket.tokens -= now - slot.held_at
                     slot.held_at = None
@@ -215,10 +220,12 @@ class Holds:
         return HoldsScan(frozen, frozenset(begun)) if begun or frozen else _NOTHING
 
     def figures(self) -> dict[str, object]:
-        """For `priod status`: pages open, copies announced and holds cut short per lane."""
+        """For `priod status`: pages open, copies announced, holds cut short and counters read
+        stepping back, per lane."""
         return {
             "pages": len(self.pages),
             "held": sorted(str(k) for k in self.held),
             "copies": {str(k): n for k, n in sorted(self.copies.items())},
             "cut": {str(k): n for k, n in sorted(self.cut.items())},
+            "stepped_back": {str(k): n for k, n in sorted(self.stepped_back.items())},
         }

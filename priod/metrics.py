@@ -182,6 +182,12 @@ class Metrics:
             lane,
             registry=r,
         )
+        self.direct_steps_back = Counter(
+            "priod_direct_steps_back",
+            "Hold-page begun counters read lower than before, no copy counted: a client whose page writer is not one 8-byte store per counter",
+            lane,
+            registry=r,
+        )
         self.clients = Gauge("priod_clients", "Connected clients", registry=r)
         self.pinned = Gauge("priod_pinned_bytes", "Host bytes mapped and pinned for clients", registry=r)
         Info("priod_build", "priod version", registry=r).info({"version": __version__})
@@ -229,10 +235,11 @@ class Metrics:
         """Move the busy counter to ``busy_seconds``, the engine's running total for the lane."""
         self._advance(self.busy, "busy", lane, busy_seconds)
 
-    def add_direct(self, lane: LaneKey, copies: int, cut: int) -> None:
+    def add_direct(self, lane: LaneKey, copies: int, cut: int, stepped_back: int) -> None:
         """Move the direct-copy counters to the daemon's running totals for the lane."""
         self._advance(self.direct_copies, "direct", lane, copies)
         self._advance(self.direct_holds_cut, "cut", lane, cut)
+        self._advance(self.direct_steps_back, "stepped_back", lane, stepped_back)
 
     def _advance(self, counter: Counter, name: str, lane: LaneKey, total: float) -> None:
         """Move ``counter``'s series for ``lane`` up to ``total``, a running total kept elsewhere."""

@@ -113,7 +113,7 @@ def refresh_metrics(d: Daemon) -> None:
             if us is not None:
                 m.urgent_path_latency.labels(gpu, direction, path, str(e.size_bytes)).set(us / 1e6)
     holds = d.pump.holds
-    for key in holds.copies.keys() | holds.cut.keys():
-        m.add_direct(key, holds.copies.get(key, 0), holds.cut.get(key, 0))
+    for key in holds.copies.keys() | holds.cut.keys() | holds.stepped_back.keys():
+        m.add_direct(key, holds.copies.get(key, 0), holds.cut.get(key, 0), holds.stepped_back.get(key, 0))
     m.clients.set(len(d.sessions))
     m.pinned.set(sum(s.holdings.pinned_bytes for s in d.sessions.values()))

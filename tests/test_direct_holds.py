@@ -152,9 +152,9 @@ def test_a_begun_counter_that_steps_back_is_no_copy() -> None:
     raw[:] = [10, 10]
     holds.scan(0.0)
     tokens = holds._buckets[(1000, H2D)].tokens
-    raw[0] = 0  # read back at 0: no copy, no charge
+    raw[0] = 0  # read back at 0: no copy, no charge, counted as a step back
     scan = holds.scan(0.001)
-    assert scan.begun == frozenset() and holds.copies == {H2D: 10}
+    assert scan.begun == frozenset() and holds.copies == {H2D: 10} and holds.stepped_back == {H2D: 1}
     assert holds._buckets[(1000, H2D)].tokens == pytest.approx(tokens + 0.0001)  # refilled, nothing charged
     raw[:] = [11, 11]  # the next copy counts one
     holds.scan(0.002)
@@ -375,6 +375,17 @@ async def test_bulk_waits_while_a_direct_copy_is_announced_and_lands_whole_after
         st = full["direct"]
         assert st["copies"] == {"gpu0/h2d": 1} and st["held"] == [] and st["pages"] == 1
         assert "direct copies: hold pages 1  held now -  copies gpu0/h2d=1  holds cut -" in format_status(full)
+        assert st["stepped_back"] == {} and "stepping back" not in format_status(full)
+        # A writer that tears its counters (here: both written back to 0) is named in status,
+        # once the daemon looks again (any submission makes it).
+        raw = np.frombuffer(page._map, dtype="<u8", count=2 * len(page.lanes))
+        raw[2 * slot : 2 * slot + 2] = 0
+        small_host, small_dev = urgent.alloc_host(4096), urgent.alloc_device(4096)
+        urgent.copy(small_dev, small_host, priority="urgent")
+        full = wait_until(lambda: (s := urgent.status())["direct"]["stepped_back"] and s, 10, "the step back to be seen")
+        assert full["direct"]["stepped_back"] == {"gpu0/h2d": 1} and full["direct"]["copies"] == {"gpu0/h2d": 1}
+        assert "counters read stepping back (no copy counted): gpu0/h2d=1" in format_status(full)
+        del raw
         page.close()
 
 
