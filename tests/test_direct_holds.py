@@ -389,6 +389,41 @@ async def test_bulk_waits_while_a_direct_copy_is_announced_and_lands_whole_after
         page.close()
 
 
+async def test_a_client_announcing_copies_fast_under_bulk_is_counted_exactly() -> None:
+    """A client process announces copies as fast as it can while bulk runs and the daemon scans
+    its page on every kick: each copy counts once, none is lost, no counter reads as stepping
+    back. (The sim's daemon scans too seldom to catch a torn write reliably; the test that does
+    is `test_counters_written_while_the_daemon_scans_never_read_as_copies_not_announced`.)"""
+    announced = 50_000
+    with daemon_process(LONG_HOLDS) as d, priod.SyncClient(d.socket_path) as watcher:
+        async with await priod.connect(d.socket_path) as bulk:
+            host, dev = await bulk.alloc_host(4 * MiB), await bulk.alloc_device(4 * MiB)
+            streaming = [asyncio.ensure_future(bulk.copy(dev, host, priority="bulk")) for _ in range(4)]
+            writer = await asyncio.create_subprocess_exec(sys.executable, "-c", ANNOUNCER, d.socket_path, str(announced), stdout=subprocess.PIPE)
+            out, _ = await asyncio.wait_for(writer.communicate(), 60)
+            await asyncio.wait_for(asyncio.gather(*streaming), 30)
+        assert writer.returncode == 0 and out.split() == [b"done"]
+        st = watcher.status()["direct"]
+        assert st["copies"] == {"gpu0/h2d": announced} and st["stepped_back"] == {}
+
+
+ANNOUNCER = """
+import sys, time
+import priod
+with priod.SyncClient(sys.argv[1]) as c:
+    page = c.hold_page()
+    slot = page.slot(page.lanes[0]["device_uuid"], "h2d")
+    n = int(sys.argv[2])
+    for _ in range(n):
+        page.begin(slot)
+        page.end(slot)
+    deadline = time.monotonic() + 30  # the daemon has seen them all before the page goes
+    while c.status()["direct"]["copies"].get("gpu0/h2d", 0) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+print("done")
+"""
+
+
 async def test_a_copy_announced_and_never_ended_delays_bulk_by_hold_max_only() -> None:
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SCHEDULER__DIRECT_HOLD_MAX_MS": "50"}
     with daemon_process(env) as d, priod.SyncClient(d.socket_path) as urgent:
