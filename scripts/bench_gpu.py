@@ -585,6 +585,7 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
         "cpu_per_copy_us": per_copy,
         "lanes": st["lanes"],
         "engine": st["engine"],
+        "direct": st.get("direct", {}),
     }
 
 
@@ -778,9 +779,16 @@ def row_summary(r: dict[str, Any], raw_gbps: dict[str, float]) -> str:
         return f"{head} bulk process GB/s over its whole run " + ", ".join(f"{d} {v:.1f}" for d, v in r["bulk_process_gbps"].items()) + tenant
     cpu = r["daemon_cpu"]
     alone = ", ".join(f"{d} {v:.1f} (x raw {v / raw_gbps[d]:.3f})" for d, v in r["bulk_alone_gbps"].items())
+    holds = ""
+    if r["row"] in ("direct", "ahead"):
+        # What the daemon saw of the client's hold page: copies counted should be what was
+        # announced, and holds cut or counters stepping back mean copies that held nothing.
+        d = r.get("direct", {})
+        copies, cut, back = (sum(d.get(key, {}).values()) for key in ("copies", "cut", "stepped_back"))
+        holds = f"; holds: copies {copies:,}, cut {cut}, counters stepped back {back}"
     return (
         f"{head} bulk_poll {r['bulk_poll']}; daemon CPU {cpu['loaded_cpu_s_per_s']:.2f} s/s under urgent load; with bulk alone "
-        f"{cpu['bulk_alone_cpu_s_per_s']:.2f} s/s, {cpu['bulk_alone_cpu_s_per_gb']:.4f} s/GB, {cpu['bulk_alone_polls_per_s']:,.0f} polls/s, GB/s {alone}{tenant}"
+        f"{cpu['bulk_alone_cpu_s_per_s']:.2f} s/s, {cpu['bulk_alone_cpu_s_per_gb']:.4f} s/GB, {cpu['bulk_alone_polls_per_s']:,.0f} polls/s, GB/s {alone}{tenant}{holds}"
     )
 
 
