@@ -25,7 +25,7 @@ import priod
 from priod.config import load_config
 from priod.engines.base import Completion, IpcEvent
 from priod.engines.sim import SimEngine, SimSettings
-from priod.errors import Cancelled, CopyTimeout, EngineError, InvalidRequest, LimitExceeded, NotFound
+from priod.errors import Cancelled, ConnectionClosed, CopyTimeout, EngineError, InvalidRequest, LimitExceeded, NotFound
 from priod.gates import GATE_MAX_INTERVAL_S, GATE_POLLS_PER_S, GATE_POLLS_PER_TURN, GATE_SPIN_S, Gates
 from priod.ipc_event import SimEvent, event_handle, parse_sim_handle, sim_handle
 from priod.messages import Copy, CopyBatch, decode_request
@@ -301,6 +301,9 @@ async def test_event_and_request_limits_bound_a_flood_of_held_copies() -> None:
                 await asyncio.sleep(0.01)
             assert (await watcher.status())["held_copies"] == 0
         assert all(h.done() for h in handles)
+        for h in handles:  # each ended with its connection, and says so (an error left unread
+            with pytest.raises(ConnectionClosed):  # would be reported whenever it is collected)
+                await h
 
 
 def test_sync_client_records_and_waits(daemon: DaemonProcess) -> None:
