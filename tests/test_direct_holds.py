@@ -122,6 +122,28 @@ def test_holding_is_budgeted_per_uid_over_its_connections() -> None:
     assert holds.cut.get(H2D, 0) > 100
 
 
+def test_one_uids_flood_and_torn_counters_leave_another_uids_holds_alone() -> None:
+    """Budgets are per uid: a uid that announces a million copies at once and writes counters
+    that step back holds nothing and starts no short bound, while another uid's copy on the same
+    lane still holds it."""
+    holds = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05)
+    hostile, honest = page_pair(holds, owner=1, uid=1000), page_pair(holds, owner=2, uid=2000)
+    raw = np.frombuffer(hostile._map, dtype="<u8", count=2)
+    raw[:] = [2**62, 0]  # a million copies announced, none ended: 50 s of charges
+    scan = holds.scan(0.0)
+    assert scan.held == frozenset() and scan.begun == frozenset()
+    for t in range(1, 50):  # then its counters step back and forth: no copies, no holds
+        raw[0] = 2**62 - (t % 2)
+        assert holds.scan(t * 1e-4).held == frozenset()
+    assert holds.stepped_back == {H2D: 25} and holds.copies == {H2D: 1_000_000}  # counted from the last good value
+    honest.begin(honest.slot(None, "h2d"))
+    scan = holds.scan(0.01)
+    assert scan.held == {H2D} and scan.begun == {H2D}  # the other uid's copy holds the lane
+    honest.end(honest.slot(None, "h2d"))
+    assert holds.scan(0.011).held == frozenset()
+    del raw
+
+
 def test_garbage_counters_count_boundedly_and_spend_the_budget() -> None:
     """Counters that jump by billions count at most a million copies a scan, and each copy costs
     the uid's hold budget: such a page holds nothing, and its uid holds again once the budget

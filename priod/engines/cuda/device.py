@@ -110,8 +110,7 @@ class Gates:
         rt, drv = bindings()
         self.host = check(rt.cudaHostAlloc(4096, rt.cudaHostAllocPortable | rt.cudaHostAllocMapped))
         self.words = (ctypes.c_uint32 * GATE_LANES).from_address(int(self.host))
-        for i in range(GATE_LANES):
-            self.words[i] = 0
+        self.open_all()
         base = int(check(rt.cudaHostGetDevicePointer(self.host, 0)))
         self.addresses = [drv.CUdeviceptr(base + 4 * i) for i in range(GATE_LANES)]
 
