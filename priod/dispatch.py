@@ -99,6 +99,7 @@ class Dispatcher:
         # cap of chunks in flight is passed over and keeps its turn for when it comes round.
         rr = lane.rr
         cap = self.policy.depth
+        batch_chunk, batch_bound = lane.bound(now, batch=True)
         skipped = 0
         while rr and skipped < len(rr):
             cq = rr[0]
@@ -112,11 +113,12 @@ class Dispatcher:
                 skipped += 1
                 continue
             t = g.head()
-            size = min(chunk, t.req.nbytes - t.req.submitted_bytes)
-            if lane.inflight and lane.inflight + size > bound:
+            batch = t.req.segments is not None
+            size = min(batch_chunk if batch else chunk, t.req.nbytes - t.req.submitted_bytes)
+            if lane.inflight and lane.inflight + size > (batch_bound if batch else bound):
                 return
             if not cq.in_turn:
-                # quantum >= chunk_bytes >= size, so every turn hands out at least one chunk.
+                # quantum >= the lane's largest chunk >= size, so every turn hands out at least one chunk.
                 cq.deficit += cq.quantum
                 cq.in_turn = True
             if cq.deficit < size:

@@ -99,7 +99,8 @@ class Lane:
     def configure(self, policy: Policy) -> None:
         """Fresh class queues and parameters for ``policy`` (requests are re-placed by the caller)."""
         self.params = lane_params(self.info, policy)
-        self.classes = {c.name: ClassQueue(c, self.params.chunk_bytes) for c in policy.classes}
+        # quantum >= the largest chunk, so a class's every turn hands out at least one (dispatch.py).
+        self.classes = {c.name: ClassQueue(c, max(self.params.chunk_bytes, self.params.batch_chunk_bytes)) for c in policy.classes}
         self.strict = [cq for cq in self.classes.values() if cq.spec.strict]
         self.nonstrict = [cq for cq in self.classes.values() if not cq.spec.strict]
         self.rr = deque()
@@ -128,8 +129,9 @@ class Lane:
             self.inflight += n * size
             tenant.inflight[BULK] += n
 
-    def bound(self, now: float) -> tuple[int, int]:
-        """Chunk size and in-flight bound now: short while urgent copies are recent.
+    def bound(self, now: float, batch: bool = False) -> tuple[int, int]:
+        """Chunk size and in-flight bound now, for a batch's chunks or others: short while
+        urgent copies are recent, else ``batch_block_us`` for batches, ``max_block_us`` for the rest.
 
         Measured on the H200 (one CUDA context, bulk held while urgent work is pending): with
         27 MiB bulk chunks in flight a 64 KiB urgent DMA copy waited 550 us p50, ~1 ms p99; with
@@ -140,6 +142,8 @@ class Lane:
         p = self.params
         if now - self.last_strict < self.window:
             chunk, bound = p.urgent_chunk_bytes, p.urgent_inflight_bytes
+        elif batch:
+            chunk, bound = p.batch_chunk_bytes, p.batch_inflight_bytes
         else:
             chunk, bound = p.chunk_bytes, p.inflight_bytes
         scale = self.host_scale

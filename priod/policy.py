@@ -84,6 +84,11 @@ class SchedulerSettings:
     (smaller chunks, so an urgent DMA copy waits for less bulk). 0: keep ``max_block_us``."""
     urgent_window_ms: float = 100.0
     """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
+    batch_block_us: float = 4000.0
+    """The bound that replaces ``max_block_us`` for bulk *batch* chunks while no urgent copy is
+    recent on the lane (0: keep ``max_block_us``). The driver takes about as long to enqueue a
+    chunk of 64 KiB blocks as the link takes to move it, so such chunks need more in flight to
+    keep the link fed; an urgent DMA copy that comes after a quiet spell may wait that long."""
     gate_bulk: bool = True
     """While a lane runs its short bound, each bulk DMA chunk waits on the GPU behind a gate the
     daemon closes while a client's direct urgent copy holds the lane: a chunk queued but not
@@ -143,6 +148,7 @@ def validate_policy(policy: Policy) -> None:
         f"[scheduler] min_chunk_bytes = {policy.min_chunk_bytes} is invalid; set min_chunk_bytes >= {ALIGN}",
     )
     need(policy.aging_ms > 0, f"[scheduler] aging_ms = {policy.aging_ms} is invalid; set it > 0")
+    need(policy.batch_block_us >= 0, f"[scheduler] batch_block_us = {policy.batch_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
     need(policy.urgent_block_us >= 0, f"[scheduler] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
     need(policy.urgent_window_ms >= 0, f"[scheduler] urgent_window_ms = {policy.urgent_window_ms} is invalid; set it >= 0")
     for name in ("direct_hold_max_ms", "direct_hold_burst_ms"):
@@ -193,6 +199,9 @@ class LaneParams:
     urgent_chunk_bytes: int = 0
     """Chunk size while urgent copies are recent (``urgent_block_us``); 0: ``chunk_bytes``."""
     urgent_inflight_bytes: int = 0
+    batch_chunk_bytes: int = 0
+    """Chunk size of bulk batches while no urgent copy is recent (``batch_block_us``); 0: ``chunk_bytes``."""
+    batch_inflight_bytes: int = 0
 
 
 def lane_params(info: LaneInfo, policy: SchedulerSettings) -> LaneParams:
@@ -208,5 +217,6 @@ def lane_params(info: LaneInfo, policy: SchedulerSettings) -> LaneParams:
 
     chunk = chunk_for(policy.max_block_us)
     short = chunk_for(min(policy.urgent_block_us, policy.max_block_us)) if policy.urgent_block_us else chunk
+    batch = chunk_for(policy.batch_block_us) if policy.batch_block_us else chunk
     express_max = info.express_max if policy.express else 0
-    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max, short, short * policy.depth)
+    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max, short, short * policy.depth, batch, batch * policy.depth)

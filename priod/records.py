@@ -127,6 +127,9 @@ class LaneStats:
     urgent_chunk_bytes: int = 0
     urgent_inflight_bound: int = 0
     """The short bound, used while urgent copies are recent on the lane."""
+    batch_chunk_bytes: int = 0
+    batch_inflight_bound: int = 0
+    """The bound for bulk batch chunks while no urgent copy is recent (``batch_block_us``)."""
     tenants: int = 0
     """Clients (uids, or connections where unknown) the lane keeps state for."""
     urgent_budget_bytes_per_s: float = 0.0

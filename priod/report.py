@@ -62,6 +62,8 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
                 "express_inflight_bytes": ls.express_inflight_bytes,
                 "urgent_chunk_bytes": ls.urgent_chunk_bytes,
                 "urgent_inflight_bound": ls.urgent_inflight_bound,
+                "batch_chunk_bytes": ls.batch_chunk_bytes,
+                "batch_inflight_bound": ls.batch_inflight_bound,
                 "host_scale": round(ls.host_scale, 4),
             }
             for ls in st.lanes

@@ -367,6 +367,8 @@ class Scheduler:
                 express_inflight_bytes=lane.express_inflight,
                 urgent_chunk_bytes=lane.params.urgent_chunk_bytes,
                 urgent_inflight_bound=lane.params.urgent_inflight_bytes,
+                batch_chunk_bytes=lane.params.batch_chunk_bytes,
+                batch_inflight_bound=lane.params.batch_inflight_bytes,
                 tenants=len(lane.tenants),
                 urgent_budget_bytes_per_s=lane.budget_rate,
             )
@@ -453,7 +455,7 @@ class Scheduler:
                 # The cost budget is a whole chunk of the lane even when fewer bytes are left
                 # (``size`` is then the rest): else each chunk would be cut against what remains
                 # and a batch would shrink into ever smaller chunks.
-                budget = max(size, lane.bound(now)[0])
+                budget = max(size, lane.bound(now, batch=True)[0])
                 size = min(size, req.segments.cut(offset, budget, int(lane.info.bandwidth * SEGMENT_COST_S)))
         if req.state is _QUEUED:
             req.state = _ACTIVE

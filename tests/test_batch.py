@@ -169,7 +169,7 @@ def test_largest_batch_is_checked_quickly() -> None:
 
 def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
     """A batch is one request; its chunks cost (bytes + a per-segment cost) no more than a
-    contiguous chunk, and fifo mode hands out all of it too."""
+    bulk batch's chunk (``batch_block_us``), and fifo mode hands out all of it too."""
     lane = LaneKey(0, Direction.H2D)
     info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)
     per_segment = int(info.bandwidth * SEGMENT_COST_S)  # 100 bytes at 0.1 us a segment
@@ -180,7 +180,7 @@ def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
         chunks = s.next_chunks(0.0)
         assert chunks and all(c.request.id == 1 for c in chunks)
         if mode == "priod":
-            chunk_bytes = s.lane_params(lane).chunk_bytes
+            chunk_bytes = s.lane_params(lane).batch_chunk_bytes
             assert all(c.nbytes + per_segment * len(table.piece(c.offset, c.nbytes)[2]) <= chunk_bytes for c in chunks)
         done = handed = 0
         while not s.idle:
@@ -434,24 +434,53 @@ async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonPro
     before it) and segments_done (the segments those hold whole); those segments landed."""
     async with priod.connect(daemon.socket_path) as probe:
         lane = next(ln for ln in (await probe.status())["lanes"] if ln["lane"].endswith("h2d"))
-    chunk, cost = lane["chunk_bytes"], int(lane["bandwidth_gbps"] * 1e9 * SEGMENT_COST_S)  # 2 GB/s: exact
-    segs = scattered(8, 700_000, 16, seed=30)
-    segs[:2, 2] = 300_000  # two small segments first: the first chunk ends inside the third
+    chunk, cost = lane["batch_chunk_bytes"], int(lane["bandwidth_gbps"] * 1e9 * SEGMENT_COST_S)  # 2 GB/s: exact
+    big = chunk * 7 // 10
+    segs = scattered(8, big, 16, seed=30)
+    segs[:2, 2] = chunk * 3 // 10  # two small segments first: the first chunk ends inside the third
     table = Segments.decode(encode_segments(segs))
     first = table.cut(0, chunk, cost)
     second = table.cut(first, chunk, cost)
     assert first != second and table.segments_done(first) == 2, (first, second)  # the batch's shape, as designed
     with daemon_process({"PRIOD_LOG__LEVEL": '"error"', "PRIOD_SIM__FAULT_ON_NBYTES": str(second)}) as faulty:
         async with priod.connect(faulty.socket_path) as c:
-            h, d = await c.alloc_host(16 * 700_000), await c.alloc_device(16 * 700_000)
+            h, d = await c.alloc_host(16 * big), await c.alloc_device(16 * big)
             assert h.array is not None and d.array is not None
-            h.array[:] = np.random.default_rng(31).integers(0, 256, 16 * 700_000, dtype=np.uint8)
+            h.array[:] = np.random.default_rng(31).integers(0, 256, 16 * big, dtype=np.uint8)
             with pytest.raises(EngineError, match=r"injected engine fault") as info:
                 await c.copy_batch(d, h, segs, priority="bulk")
             assert (info.value.bytes_done, info.value.segments_done) == (first, 2)
             assert "(2 of 8 segments whole)" in str(info.value)
             for dd, ss, n in segs[:2]:
                 assert np.array_equal(d.array[dd : dd + n], h.array[ss : ss + n])
+
+
+def test_a_bulk_batch_runs_under_batch_block_us_until_an_urgent_copy_is_recent() -> None:
+    """While no urgent copy is recent on the lane, a bulk batch fills ``batch_block_us`` of it
+    and a contiguous bulk copy only ``max_block_us``; once an urgent copy has come, the batch
+    keeps to ``urgent_block_us`` like any bulk."""
+    lane = LaneKey(0, Direction.H2D)
+    info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)
+    policy = Policy(min_chunk_bytes=4096, max_block_us=1000.0, batch_block_us=4000.0, urgent_block_us=100.0, urgent_window_ms=10.0)
+    table = Segments.decode(encode_segments(scattered(400, 64 << 10, 800, seed=3)))  # 26 MB, 26 ms at 1 GB/s
+    s = Scheduler(policy, [info])
+    p = s.lane_params(lane)
+    s.enqueue(Request(1, "a", lane, "bulk", table.total, 0.0, segments=table), 0.0)
+    batch_chunks = s.next_chunks(0.0)
+    assert p.inflight_bytes < sum(c.nbytes for c in batch_chunks) <= p.batch_inflight_bytes
+
+    plain = Scheduler(policy, [info])
+    plain.enqueue(Request(2, "a", lane, "bulk", table.total, 0.0), 0.0)
+    assert 0 < sum(c.nbytes for c in plain.next_chunks(0.0)) <= p.inflight_bytes
+
+    s.enqueue(Request(3, "b", lane, "urgent", 4096, 0.001), 0.001)
+    urgent = s.next_chunks(0.001)
+    assert [c.request.id for c in urgent] == [3]
+    for c in [*batch_chunks, *urgent]:
+        s.chunk_done(c, 0.002)
+    after = s.next_chunks(0.002)  # within urgent_window_ms of the urgent copy
+    assert after and all(c.request.id == 1 for c in after)
+    assert sum(c.nbytes for c in after) <= p.urgent_inflight_bytes < p.inflight_bytes
 
 
 def test_urgent_budget_charges_a_batch_its_segments_too() -> None:

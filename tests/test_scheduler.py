@@ -105,10 +105,11 @@ def make(policy: Policy = POLICY) -> tuple[Scheduler, Sim]:
 
 
 def test_lane_params_from_bandwidth() -> None:
-    """55 GB/s, 1000 us, depth 2 gives 27.5 MB chunks rounded down to 4 KiB, two in flight."""
+    """55 GB/s, 1000 us, depth 2 gives 27.5 MB chunks rounded down to 4 KiB, two in flight;
+    150 us (urgent recent) 4.1 MB chunks; 4000 us (bulk batches) 110 MB chunks."""
     info = LaneInfo(L0, bandwidth=55e9, express_min=4096, express_max=1 << 20)
-    p = lane_params(info, Policy(max_block_us=1000.0, depth=2, urgent_block_us=150.0))
-    assert p == LaneParams(27_496_448, 2 * 27_496_448, 4096, 1 << 20, 4_124_672, 2 * 4_124_672)
+    p = lane_params(info, Policy(max_block_us=1000.0, depth=2, urgent_block_us=150.0, batch_block_us=4000.0))
+    assert p == LaneParams(27_496_448, 2 * 27_496_448, 4096, 1 << 20, 4_124_672, 2 * 4_124_672, 109_998_080, 2 * 109_998_080)
     assert p.chunk_bytes % 4096 == 0
 
 
@@ -122,7 +123,7 @@ def test_lane_params_floor_and_express_off() -> None:
 def test_scheduler_lane_params_and_unknown_lane() -> None:
     """Scheduler.lane_params answers per lane and names the known lanes for an unknown one."""
     s, _ = make()
-    assert s.lane_params(L0) == LaneParams(CHUNK, BOUND, 512, 4096, CHUNK, BOUND)
+    assert s.lane_params(L0) == LaneParams(CHUNK, BOUND, 512, 4096, CHUNK, BOUND, 4 * CHUNK, 4 * BOUND)  # batches: 4 ms, not 1
     assert s.lane_params(L1).express_max == 0
     with pytest.raises(InvalidRequest, match=r"^no lane gpu5/h2d; the lanes are gpu0/d2h, gpu0/h2d$"):
         s.lane_params(LaneKey(5, Direction.H2D))
@@ -557,7 +558,7 @@ def test_set_policy_keeps_queued_requests() -> None:
     sim.pump(0.0)
     classes = (ClassSpec("urgent", strict=True), ClassSpec("high", 8), ClassSpec("bulk", 2), ClassSpec("scavenger", 1))
     s.set_policy(Policy(min_chunk_bytes=4096, max_block_us=2000.0, urgent_block_us=0, classes=classes))
-    assert s.lane_params(L0) == LaneParams(2 * CHUNK, 2 * BOUND, 512, 4096, 2 * CHUNK, 2 * BOUND)
+    assert s.lane_params(L0) == LaneParams(2 * CHUNK, 2 * BOUND, 512, 4096, 2 * CHUNK, 2 * BOUND, 4 * CHUNK, 4 * BOUND)
     r2 = s.get(2)
     assert r2 is not None and r2.cls == "scavenger"
     stats = lane_stats(s, L0)

@@ -33,7 +33,7 @@ from priod.errors import CudaError
 
 from ._driver import bindings, check, error
 
-__all__ = ["BATCH_MIN_DRIVER", "CALL_SEGMENTS", "BatchedDma"]
+__all__ = ["BATCH_MIN_DRIVER", "BULK_CALL_SEGMENTS", "CALL_SEGMENTS", "BatchedDma"]
 
 BATCH_MIN_DRIVER = 12080
 """``cuDriverGetVersion`` of the first driver with ``cuMemcpyBatchAsync`` (CUDA 12.8)."""
@@ -46,6 +46,13 @@ moves before the call returns, and the driver takes 0.6-1.1 us a segment plus ~1
 calls of 8 took 748, and calls of 16, 32, 64, 128 458 (each waited for the next to be enqueued).
 At 64 a call takes about as long to enqueue as its 64 KiB blocks take to copy, so the engine
 copies one call's blocks while the next is enqueued."""
+
+BULK_CALL_SEGMENTS = 256
+"""Most segments one batched call of a *bulk* chunk takes (the pusher's thread makes them). A
+bulk chunk's latency does not matter, its rate does, and each call ends with a wait for the GIL
+(the event loop may hold it), so bulk calls are longer. A/B on the H200, bulk batches of 64 KiB
+blocks, GB/s, two rounds (docs/gpu/batch_probe/ab_bound_out.txt): calls of 64 / 256 ran at
+35.7, 31.0 / 42.3, 36.5 with a 1 ms in-flight bound; 44.1, 48.9 / 46.8, 54.6 with 4 ms."""
 
 U64 = npt.NDArray[np.uint64]
 

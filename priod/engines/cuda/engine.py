@@ -42,7 +42,7 @@ from priod.engines.base import (
 from priod.errors import CudaError, EngineError, InvalidRequest
 
 from ._driver import bindings, check, device_count, event_handle_from_bytes
-from .batched import BatchedDma
+from .batched import BULK_CALL_SEGMENTS, BatchedDma
 from .calibrate import Log, calibrate
 from .device import Device, Lane, open_device, open_gates
 from .events import CudaIpcEvent, Done, EventCompletion
@@ -124,7 +124,7 @@ class CudaEngine(Engine):
         if express:
             ptx, self._express_error = read_ptx()
         try:
-            self._batched, self._bulk_batched = BatchedDma(), BatchedDma()
+            self._batched, self._bulk_batched = BatchedDma(), BatchedDma(BULK_CALL_SEGMENTS)
             if self._batched.error:
                 self._log.info("cuda batched copies", path="per segment", reason=self._batched.error)
             for index in wanted:
