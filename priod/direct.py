@@ -134,22 +134,31 @@ def _device_address(attributes: Any) -> int:
 
 class _BatchKernel:
     """The daemon's copy kernel (engines/cuda/express.py) loaded into this process's current
-    context on one GPU, launched over a batch's table on this process's urgent stream. Holds
-    what `ExpressKernel.load` fills and `ExpressKernel.launch_table` reads of a device."""
+    context on one GPU, launched over a batch's table on this process's urgent stream (and a
+    side stream, for batches of more than one table). Holds what `ExpressKernel.load` fills and
+    `ExpressKernel.launch_table` reads of a device."""
 
     def __init__(self, device: int, sm_count: int) -> None:
-        from .engines.cuda.express import ExpressKernel
+        from .engines.cuda.express import TABLE_MAX, ExpressKernel
 
         self.index, self.sm_count = device, sm_count
+        self.table_max = TABLE_MAX
         self.module: Any = None
         self.function: Any = None
         self.table_function: Any = None
         self.kernel_registers = 0
         self._express = ExpressKernel()
         self._launching = threading.Lock()
-        """`ExpressKernel` fills one parameter block per launch: one launch at a time."""
-        _, drv = bindings()
+        """`ExpressKernel` fills one parameter block per launch, and the fork and join events
+        are shared: one batch's launches at a time."""
+        rt, drv = bindings()
         self._stream_type = drv.CUstream
+        self._rt = rt
+        self._side: Any = None
+        """A second stream, made on the first batch of more than one table."""
+        self._join: Any = None
+        self._as_cu: dict[int, Any] = {}
+        """Each stream as the driver API's type, made once (cuda-python objects cost microseconds)."""
 
     @classmethod
     def load(cls, device: int) -> _BatchKernel | None:
@@ -165,11 +174,37 @@ class _BatchKernel:
         return kernel if ExpressKernel.load(cast(Any, kernel), ptx) is None else None
 
     def launch(self, dst: int, src: int, dst_offs: Any, src_offs: Any, sizes: Any, stream: Any) -> None:
+        """Enqueue the batch on ``stream`` (this GPU current). Past one table, every other table
+        runs on the side stream, joined back into ``stream``, so waiting for ``stream`` waits for
+        the whole batch. The side stream is not ordered after ``stream``'s earlier work: every
+        direct copy is waited for before it returns, so all ``stream`` can hold is another
+        thread's copy, which is not ordered with this one anyway."""
+        rt, express = self._rt, self._express
         with self._launching:
-            self._express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, self._stream_type(int(stream)))
+            main = self._cu(stream)
+            if len(sizes) <= self.table_max:
+                express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main)
+                return
+            if self._side is None:
+                _, greatest = check(rt.cudaDeviceGetStreamPriorityRange())
+                self._side = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
+                self._join = check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
+            express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main, self._cu(self._side))
+            check(rt.cudaEventRecord(self._join, self._side))
+            check(rt.cudaStreamWaitEvent(stream, self._join, 0))
+
+    def _cu(self, stream: Any) -> Any:
+        key = int(stream)
+        cu = self._as_cu.get(key)
+        if cu is None:
+            cu = self._as_cu[key] = self._stream_type(key)
+        return cu
 
     def unload(self) -> None:
-        _, drv = bindings()
+        rt, drv = self._rt, bindings()[1]
+        if self._side is not None:
+            rt.cudaStreamDestroy(self._side)
+            rt.cudaEventDestroy(self._join)
         drv.cuModuleUnload(self.module)
 
 
@@ -228,18 +263,25 @@ class DirectPair:
         bytes (see `DirectCopies`), else by ``cuMemcpyBatchAsync`` (or one ``cudaMemcpyAsync``
         per block where the driver has no batched call). Returns the bytes copied."""
         table = np.asarray(segments)
-        if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or not np.issubdtype(table.dtype, np.integer):
+        if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
             raise InvalidRequest(f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}")
-        if (table < 0).any() or (table[:, 2] == 0).any():
+        # Few numpy calls: each costs microseconds, 5-10 when the process has just woken, and
+        # the checks took ~110 us of a 256-block batch with twice as many
+        # (docs/gpu/batch_probe/direct_batch_out.txt).
+        if table.dtype.kind == "i" and int(table.min()) < 0:
             raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1")
-        rows = table.astype(np.uint64)
-        dst_offs, src_offs, sizes = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
-        if (dst_offs + sizes > self.dst_bytes).any() or (src_offs + sizes > self.src_bytes).any():
+        rows = np.ascontiguousarray(table.T, dtype=np.uint64)  # dst_offsets, src_offsets, sizes
+        sizes = rows[2]
+        # Each figure below 2**62 first, so that an offset plus a size cannot wrap.
+        ends = (rows[:2] + sizes).max(axis=1).tolist() if int(rows.max()) < 1 << 62 else None
+        if not sizes.all():
+            raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1")
+        if ends is None or ends[0] > self.dst_bytes or ends[1] > self.src_bytes:
             raise InvalidRequest(f"a segment does not fit the buffers ({self.dst_bytes} bytes of destination, {self.src_bytes} of source)")
-        owner = self._owner
+        total = int(sizes.sum())
         with DeviceScope(self._device):
-            owner._run_batch(self, dst_offs, src_offs, sizes)
-        return int(sizes.sum())
+            self._owner._run_batch(self, rows[0], rows[1], sizes, total)
+        return total
 
 
 class DirectCopies:
@@ -262,7 +304,7 @@ class DirectCopies:
         self.page = page
         self.spin_s = spin_s
         self.batch_kernel = batch_kernel
-        self._kernels: dict[int, Any] = {}
+        self._kernels: dict[int, _BatchKernel | None] = {}
         """Per GPU: the loaded copy kernel (`_BatchKernel`), or None where it could not load."""
         self._rt, _ = bindings()
         self._ok, self._not_ready = status_codes()
@@ -306,11 +348,11 @@ class DirectCopies:
         finally:
             page.end(slot)
 
-    def _run_batch(self, pair: DirectPair, dst_offs: Any, src_offs: Any, sizes: Any) -> None:
-        """A batch on the pair's GPU (current): announced once, enqueued, waited for."""
+    def _run_batch(self, pair: DirectPair, dst_offs: Any, src_offs: Any, sizes: Any, total: int) -> None:
+        """A batch of ``total`` bytes on the pair's GPU (current): announced once, enqueued, waited for."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
-        kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and int(sizes.sum()) < KERNEL_BATCH_MEAN * len(sizes) else None
+        kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and total < KERNEL_BATCH_MEAN * len(sizes) else None
         if kernel is None and self._batched is None:
             from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
 
@@ -329,6 +371,8 @@ class DirectCopies:
     def _kernel(self, device: int) -> _BatchKernel | None:
         """The copy kernel in this process's context on ``device`` (current), loaded on first
         use; None where it cannot load (an older driver than the PTX: batches go by DMA)."""
+        if device in self._kernels:
+            return self._kernels[device]
         with self._lock:
             if device not in self._kernels:
                 self._kernels[device] = _BatchKernel.load(device)

@@ -159,3 +159,11 @@ if os.environ.get("PROBE_HOLD_GIL"):
                 p, n = _ct.c_void_p, _ct.c_size_t
                 self._batch = _ct.PYFUNCTYPE(_ct.c_int, p, p, p, n, p, p, n, p, p)(address)
         _bm.BatchedDma.__init__ = _bd_init
+if os.environ.get("PROBE_NO_SIDE"):
+    # a direct batch's copy-kernel launches one after the other on the urgent stream (no side stream)
+    import priod.direct as _dr
+    def _one_stream(self, dst, src, d, s, z, stream):
+        from typing import Any as _Any, cast as _cast
+        with self._launching:
+            self._express.launch_table(_cast(_Any, self), dst, src, d, s, z, self._stream_type(int(stream)))
+    _dr._BatchKernel.launch = _one_stream
