@@ -173,23 +173,25 @@ class _BatchKernel:
         kernel = cls(device, int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device))))
         return kernel if ExpressKernel.load(cast(Any, kernel), ptx) is None else None
 
-    def launch(self, dst: int, src: int, dst_offs: Any, src_offs: Any, sizes: Any, stream: Any) -> None:
-        """Enqueue the batch on ``stream`` (this GPU current). Past one table, every other table
+    def launch(self, dst: int, src: int, cells: Any, stream: Any) -> None:
+        """Enqueue the batch, ``cells`` its (N, 3) uint64 segments row by row (C order), on
+        ``stream`` (this GPU current). Past one table, every other table
         runs on the side stream, joined back into ``stream``, so waiting for ``stream`` waits for
         the whole batch. The side stream is not ordered after ``stream``'s earlier work: every
         direct copy is waited for before it returns, so all ``stream`` can hold is another
         thread's copy, which is not ordered with this one anyway."""
         rt, express = self._rt, self._express
+        dst_offs, src_offs, sizes = cells[:, 0], cells[:, 1], cells[:, 2]
         with self._launching:
             main = self._cu(stream)
-            if len(sizes) <= self.table_max:
-                express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main)
+            if len(cells) <= self.table_max:
+                express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main, cells=cells)
                 return
             if self._side is None:
                 _, greatest = check(rt.cudaDeviceGetStreamPriorityRange())
                 self._side = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
                 self._join = check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
-            express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main, self._cu(self._side))
+            express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main, self._cu(self._side), cells=cells)
             check(rt.cudaEventRecord(self._join, self._side))
             check(rt.cudaStreamWaitEvent(stream, self._join, 0))
 
@@ -270,17 +272,19 @@ class DirectPair:
         # (docs/gpu/batch_probe/direct_batch_out.txt).
         if table.dtype.kind == "i" and int(table.min()) < 0:
             raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1")
-        rows = np.ascontiguousarray(table.T, dtype=np.uint64)  # dst_offsets, src_offsets, sizes
-        sizes = rows[2]
+        # Row by row, as the copy kernel's table lays segments out: no copy at all for a C-ordered
+        # table of 8-byte integers.
+        cells = np.ascontiguousarray(table, dtype=np.uint64)
+        sizes = cells[:, 2]
         # Each figure below 2**62 first, so that an offset plus a size cannot wrap.
-        ends = (rows[:2] + sizes).max(axis=1).tolist() if int(rows.max()) < 1 << 62 else None
+        ends = (cells[:, :2] + cells[:, 2:]).max(axis=0).tolist() if int(cells.max()) < 1 << 62 else None
         if not sizes.all():
             raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1")
         if ends is None or ends[0] > self.dst_bytes or ends[1] > self.src_bytes:
             raise InvalidRequest(f"a segment does not fit the buffers ({self.dst_bytes} bytes of destination, {self.src_bytes} of source)")
         total = int(sizes.sum())
         with DeviceScope(self._device):
-            self._owner._run_batch(self, rows[0], rows[1], sizes, total)
+            self._owner._run_batch(self, cells, total)
         return total
 
 
@@ -348,11 +352,12 @@ class DirectCopies:
         finally:
             page.end(slot)
 
-    def _run_batch(self, pair: DirectPair, dst_offs: Any, src_offs: Any, sizes: Any, total: int) -> None:
-        """A batch of ``total`` bytes on the pair's GPU (current): announced once, enqueued, waited for."""
+    def _run_batch(self, pair: DirectPair, cells: Any, total: int) -> None:
+        """A batch of ``total`` bytes on the pair's GPU (current), ``cells`` its (N, 3) uint64
+        segments row by row: announced once, enqueued, waited for."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
-        kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and total < KERNEL_BATCH_MEAN * len(sizes) else None
+        kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and total < KERNEL_BATCH_MEAN * len(cells) else None
         if kernel is None and self._batched is None:
             from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
 
@@ -361,9 +366,9 @@ class DirectCopies:
         page.begin(pair._slot)
         try:
             if kernel is not None:
-                kernel.launch(pair.on_device[0], pair.on_device[1], dst_offs, src_offs, sizes, stream)
+                kernel.launch(pair.on_device[0], pair.on_device[1], cells, stream)
             else:
-                self._batched.copy(pair.dst, pair.src, dst_offs, src_offs, sizes, self._default, stream)
+                self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
             self._wait(stream)
         finally:
             page.end(pair._slot)

@@ -484,21 +484,25 @@ class Pump:
             if gate_wait == 0.0:
                 await asyncio.sleep(0)  # a copy held for under GATE_SPIN_S: poll it every turn
                 continue
-            if self.holds.held:
+            if self.holds.held and (self._inflight or self.scheduler.has_queued):
                 # A client's direct copy holds bulk back: look again every turn, so bulk goes
                 # on as soon as the copy is over (the client writes its end; nothing wakes us).
+                # With no bulk about there is nothing to hold: bulk that comes scans the pages
+                # before anything is handed out (`_kick`).
                 await asyncio.sleep(0)
                 self.kick()
                 continue
             timeout: float | None = None  # None: no CPU at all until something wakes us
-            if not self._inflight and self.scheduler.urgent_recent(time.perf_counter()):
+            if not self._inflight and self.scheduler.urgent_requests_recent(time.perf_counter()):
                 # Urgent copies are about: keep the loop awake (one core) so the next one is read
                 # at once instead of after a wake-up from epoll, for urgent_window_ms. On both
                 # engines: on the 2-vCPU VM (sim) that wake-up was 20 of a 64-byte copy's 81 us
                 # round trip. Only with nothing in flight: on sim, chunks in flight run on the
                 # engine's threads, and a loop turning beside them holds the GIL they need (under
                 # bulk an urgent 64 KiB copy took 470-490 us p50 instead of 370-380); their
-                # completion wakes the loop (below) within the window as outside it.
+                # completion wakes the loop (below) within the window as outside it. Not for
+                # clients' direct copies: they send nothing to read, and a loop spinning beside
+                # them only takes a core (and the host's caches) from the clients.
                 self.awake_turns += 1
                 await asyncio.sleep(0)
                 continue

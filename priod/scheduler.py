@@ -101,6 +101,8 @@ class Scheduler:
         self._finished = dict.fromkeys(_OUTCOMES, 0)
         self._chooser = PathChooser(policy.explore_ms / 1e3)
         self._urgent_until = -math.inf
+        self._requests_until = -math.inf
+        """Like ``_urgent_until``, from urgent requests only (not clients' direct copies)."""
         self._held: frozenset[LaneKey] = frozenset()
         self._dispatch = Dispatcher(policy, self._chooser, self._hand_out)
 
@@ -168,6 +170,7 @@ class Scheduler:
             until = now + lane.window  # urgent_window_ms, in seconds
             if until > self._urgent_until:
                 self._urgent_until = until
+            self._requests_until = max(self._requests_until, until)
         tkey: TenantKey = ("owner", req.owner) if req.uid is None else ("uid", req.uid)
         tenant = lane.tenants.get(tkey)
         if tenant is None:  # the usual copy finds its tenant: no call
@@ -337,6 +340,11 @@ class Scheduler:
     def urgent_recent(self, now: float) -> bool:
         """Some lane runs its short bound: its small chunks want polling every loop turn."""
         return now < self._urgent_until
+
+    def urgent_requests_recent(self, now: float) -> bool:
+        """An urgent request came within ``urgent_window_ms``: another may follow soon. A
+        client's direct copy does not count: the daemon has nothing to read or answer for it."""
+        return now < self._requests_until
 
     def path_estimates(self) -> list[PathEstimate]:
         """Each urgent path's recent latency per lane and size, and the current choice."""

@@ -73,3 +73,44 @@ async def test_loop_stays_awake_in_the_urgent_window_only_and_sleeps_after() -> 
             assert pump._wake is not None and not pump._wake.done()  # asleep in `run`
     finally:
         await daemon.stop()
+
+
+async def test_direct_copies_with_no_bulk_about_leave_the_loop_asleep() -> None:
+    """A client's direct copies give the daemon nothing to read, and nothing to hold back while no
+    bulk is about: the loop does not turn for them (it would only take a core from the clients).
+    Bulk that comes while one is announced still waits for it, and lands whole after."""
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    long_holds = {"urgent_window_ms": WINDOW_MS, "direct_hold_max_ms": 3000.0, "direct_hold_burst_ms": 10000.0}
+    cfg = load_config(None, environ={}).replace(server={"socket": path}, scheduler=long_holds, log={"level": "warning"})
+    daemon = Daemon(cfg, SimEngine(cfg.sim))
+    await daemon.start()
+    pump = daemon.pump
+    try:
+        async with priod.connect(path) as c:
+            page = await c.hold_page()
+            slot = page.slot(page.lanes[0]["device_uuid"], "h2d")
+            hs, ds = await c.alloc_host(64), await c.alloc_device(64)
+            for _ in range(20):  # direct copies announced and ended, no bulk anywhere
+                page.begin(slot)
+                # A small copy the other way meanwhile: the daemon looks at the page (it does
+                # before anything is handed out), so it sees the direct copy begin.
+                await c.copy(hs, ds, 64, priority="normal")
+                page.end(slot)
+                await asyncio.sleep(0.002)
+            assert pump.awake_turns == 0
+            assert sum(pump.holds.copies.values()) >= 10  # it saw them (a scan can miss a begin-end pair)
+            assert pump._wake is not None and not pump._wake.done()  # asleep in `run`
+
+            h, d = await c.alloc_host(BULK_BYTES), await c.alloc_device(BULK_BYTES)
+            assert h.array is not None and d.array is not None
+            h.array[:] = np.arange(BULK_BYTES, dtype=np.uint32).astype(np.uint8)
+            page.begin(slot)
+            bulk = asyncio.ensure_future(c.copy(d, h, priority="bulk"))
+            await asyncio.sleep(0.1)  # 16 ms of bulk at the sim's 2 GB/s
+            assert not bulk.done()
+            page.end(slot)
+            r = await asyncio.wait_for(bulk, 10)
+            assert r.nbytes == BULK_BYTES and np.array_equal(d.array, h.array)
+            page.close()
+    finally:
+        await daemon.stop()

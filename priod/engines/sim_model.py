@@ -365,12 +365,15 @@ class Worker(threading.Thread):
         now = time.perf_counter()
         due = max(self._last_due, now - OVERSHOOT_CREDIT_S)
         moved = 0  # bytes since the last pause: a batch's small segments are paced together
-        for dst, src in job.parts():
-            size = len(dst)
+        dst, src = job.dst, job.src
+        # Offsets into the two arrays, not a view per segment: a batch of 512 blocks of 16 KiB
+        # moved in 1.0 ms through views, 0.77 without (this VM).
+        spans = zip(*job.segments, strict=True) if job.segments is not None else ((0, 0, len(dst)),)
+        for d, s, size in spans:
             done = 0
             while done < size:
                 k = min(SLICE_BYTES - moved, size - done)
-                dst[done : done + k] = src[done : done + k]
+                dst[d + done : d + done + k] = src[s + done : s + done + k]
                 done += k
                 moved += k
                 if moved >= SLICE_BYTES:

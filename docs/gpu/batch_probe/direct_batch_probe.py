@@ -45,7 +45,7 @@ def main() -> None:
     rng = np.random.default_rng(6)
     segs = np.stack([rng.choice(2 * N, N, replace=False) * BLOCK, rng.choice(2 * N, N, replace=False) * BLOCK, np.full(N, BLOCK)], axis=1)
     rows = segs.astype(np.uint64)
-    d_offs, s_offs, sizes = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
+    cells = np.ascontiguousarray(rows)  # (N, 3) row by row: what copy_batch hands the kernel
 
     def measure(page: HoldPage) -> dict[str, dict[str, float]]:
         direct = DirectCopies(page)
@@ -56,11 +56,11 @@ def main() -> None:
         assert kernel is not None
 
         def parts() -> None:
-            kernel.launch(pair.on_device[0], pair.on_device[1], d_offs, s_offs, sizes, stream)
+            kernel.launch(pair.on_device[0], pair.on_device[1], cells, stream)
             direct._wait(stream)
 
         def sync() -> None:
-            kernel.launch(pair.on_device[0], pair.on_device[1], d_offs, s_offs, sizes, stream)
+            kernel.launch(pair.on_device[0], pair.on_device[1], cells, stream)
             check(rt.cudaStreamSynchronize(stream))
 
         from priod.direct import KERNEL_BATCH_MEAN
@@ -69,7 +69,7 @@ def main() -> None:
         steps: list[list[float]] = []
 
         def stepped() -> None:
-            """copy_batch's and _run_batch's code as they were at b98be4a (before this probe), timed step by step."""
+            """b98be4a's copy_batch checks, then _run_batch's steps with the current launch, timed step by step."""
             t = [time.perf_counter()]
             table = np.asarray(segs)
             if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or not np.issubdtype(table.dtype, np.integer):
@@ -89,7 +89,7 @@ def main() -> None:
                 t.append(time.perf_counter())
                 page.begin(pair._slot)
                 t.append(time.perf_counter())
-                k.launch(pair.on_device[0], pair.on_device[1], do, so, sz, st)
+                k.launch(pair.on_device[0], pair.on_device[1], cells, st)
                 t.append(time.perf_counter())
                 direct._wait(st)
                 t.append(time.perf_counter())
@@ -107,13 +107,13 @@ def main() -> None:
                 main, side = kernel._cu(stream), kernel._cu(kernel._side)
                 t.append(time.perf_counter())
                 ek._table[0], ek._table[1] = pair.on_device[1], pair.on_device[0]
-                cells = np.array((d_offs, s_offs, sizes), dtype=np.uint64).T.ravel()
+                flat = cells.ravel()
                 t.append(time.perf_counter())
-                ek._table_view[2 : 2 + 3 * 128] = cells[: 3 * 128]
+                ek._table_view[2 : 2 + 3 * 128] = flat[: 3 * 128]
                 t.append(time.perf_counter())
                 check(ek._cu_launch(kernel.table_function, 1, 128, 1, 1024, 1, 1, 0, main, ek._tparams, 0))
                 t.append(time.perf_counter())
-                ek._table_view[2 : 2 + 3 * 128] = cells[3 * 128 :]
+                ek._table_view[2 : 2 + 3 * 128] = flat[3 * 128 :]
                 check(ek._cu_launch(kernel.table_function, 1, 128, 1, 1024, 1, 1, 0, side, ek._tparams, 0))
                 t.append(time.perf_counter())
                 check(rt.cudaEventRecord(kernel._join, kernel._side))

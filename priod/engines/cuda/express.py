@@ -158,7 +158,9 @@ class ExpressKernel:
         args[2] = nbytes
         check(self._cu_launch(dev.function, blocks, 1, 1, threads, 1, 1, 0, stream, self._kparams, 0))
 
-    def launch_table(self, dev: Device, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, stream: Any, side: Any = None) -> None:
+    def launch_table(
+        self, dev: Device, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, stream: Any, side: Any = None, cells: U64 | None = None
+    ) -> None:
         """Copy a batch's segments (offsets relative to ``dst`` and ``src``): one launch of
         ``priod_copy_table`` per `TABLE_MAX` of them, a row of blocks per segment, the rows
         together about one wave. Where the kernel is not loaded, one `launch` per segment.
@@ -168,7 +170,8 @@ class ExpressKernel:
         before it on ``stream`` where that matters). One table of 64 KiB blocks fills half the GPU's blocks; one
         after the other, 256 scattered 64 KiB blocks took 501 / 612 us (p50 / p99, h2d, with
         2 GiB copies running in another process), two at once 446 / 465
-        (docs/gpu/batch_probe/urgent_batch_out.txt)."""
+        (docs/gpu/batch_probe/urgent_batch_out.txt). ``cells``: the same segments as one (N, 3)
+        C-ordered uint64 array, where the caller has them so (the kernel's table layout)."""
         count = len(sizes)
         if dev.table_function is None:
             for d, s_, n in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(), strict=True):
@@ -178,11 +181,11 @@ class ExpressKernel:
         table[0] = src
         table[1] = dst
         wave = dev.sm_count * self.blocks_per_sm
-        # The segments row by row, as the kernel's table lays them out: one copy here, then one
-        # slice per launch. Code that has not run for a few milliseconds runs ~15x slower (on
+        # The segments row by row, as the kernel's table lays them out: one copy here (none where
+        # the caller has them so), then one slice per launch. Code that has not run for a few milliseconds runs ~15x slower (on
         # the H200's host, 5 ms after the last copy: cold caches), so few calls: ``np.stack``
         # alone took ~40 us of a direct batch there (docs/gpu/batch_probe/direct_batch_out.txt).
-        cells = np.array((dst_offsets, src_offsets, sizes), dtype=np.uint64).T.ravel()
+        flat = (np.array((dst_offsets, src_offsets, sizes), dtype=np.uint64).T if cells is None else cells).ravel()
         # Threads for one 16-byte unrolled step each of the batch's largest segment, as `launch`
         # sizes its grid; rows share the wave (a row gets at least one block).
         wanted = max(1, -(-(int(sizes.max()) // 16) // EXPRESS_UNROLL))
@@ -190,7 +193,7 @@ class ExpressKernel:
         streams = (stream, stream if side is None else side)
         for first in range(0, count, TABLE_MAX):
             rows = min(count, first + TABLE_MAX) - first
-            view[2 : 2 + 3 * rows] = cells[3 * first : 3 * (first + rows)]
+            view[2 : 2 + 3 * rows] = flat[3 * first : 3 * (first + rows)]
             per_row = max(1, min(-(-wanted // threads), wave // rows))
             on = streams[first // TABLE_MAX % 2]
             check(self._cu_launch(dev.table_function, per_row, rows, 1, threads, 1, 1, 0, on, self._tparams, 0))
