@@ -149,8 +149,8 @@ class _BatchKernel:
         self.kernel_registers = 0
         self._express = ExpressKernel()
         self._launching = threading.Lock()
-        """`ExpressKernel` fills one parameter block per launch, and the fork and join events
-        are shared: one batch's launches at a time."""
+        """`ExpressKernel` fills one parameter block per launch, and the join event is shared:
+        one batch's launches at a time."""
         rt, drv = bindings()
         self._stream_type = drv.CUstream
         self._rt = rt
@@ -196,6 +196,7 @@ class _BatchKernel:
             check(rt.cudaStreamWaitEvent(stream, self._join, 0))
 
     def _cu(self, stream: Any) -> Any:
+        """``stream`` (the runtime API's) as the driver API's ``CUstream``."""
         key = int(stream)
         cu = self._as_cu.get(key)
         if cu is None:

@@ -1,6 +1,7 @@
 #!/bin/bash
 # A/B on the H200: a direct batch's copy-kernel launches on the urgent stream and a side stream
 # (shipped) against one after the other (PROBE_NO_SIDE); bench_gpu_batch.py --direct, two rounds.
+# (Run at 18:01 UTC with the launch of that time; PROBE_NO_SIDE now patches the current one.)
 set -u
 ROOT=$PWD
 for r in 1 2; do

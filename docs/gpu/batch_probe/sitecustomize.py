@@ -162,8 +162,8 @@ if os.environ.get("PROBE_HOLD_GIL"):
 if os.environ.get("PROBE_NO_SIDE"):
     # a direct batch's copy-kernel launches one after the other on the urgent stream (no side stream)
     import priod.direct as _dr
-    def _one_stream(self, dst, src, d, s, z, stream):
+    def _one_stream(self, dst, src, cells, stream):
         from typing import Any as _Any, cast as _cast
         with self._launching:
-            self._express.launch_table(_cast(_Any, self), dst, src, d, s, z, self._stream_type(int(stream)))
+            self._express.launch_table(_cast(_Any, self), dst, src, cells[:, 0], cells[:, 1], cells[:, 2], self._stream_type(int(stream)), cells=cells)
     _dr._BatchKernel.launch = _one_stream

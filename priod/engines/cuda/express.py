@@ -167,11 +167,13 @@ class ExpressKernel:
 
         With ``side``, a second stream, every other launch goes there, so that two tables run at
         once; the caller orders ``stream`` after ``side``'s launches (and ``side`` after the work
-        before it on ``stream`` where that matters). One table of 64 KiB blocks fills half the GPU's blocks; one
-        after the other, 256 scattered 64 KiB blocks took 501 / 612 us (p50 / p99, h2d, with
-        2 GiB copies running in another process), two at once 446 / 465
-        (docs/gpu/batch_probe/urgent_batch_out.txt). ``cells``: the same segments as one (N, 3)
-        C-ordered uint64 array, where the caller has them so (the kernel's table layout)."""
+        before it on ``stream``, where that matters). One table of 64 KiB blocks fills half the
+        GPU's blocks. 256 scattered 64 KiB blocks took 501 / 612 us (p50 / p99, h2d, with 2 GiB
+        copies running in another process) one table after the other, 446 / 465 two at once
+        (docs/gpu/batch_probe/urgent_batch_out.txt).
+
+        ``cells``: the same segments as one (N, 3) C-ordered uint64 array, where the caller has
+        them so (the kernel's table layout): then no table is built here."""
         count = len(sizes)
         if dev.table_function is None:
             for d, s_, n in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(), strict=True):
@@ -182,8 +184,8 @@ class ExpressKernel:
         table[1] = dst
         wave = dev.sm_count * self.blocks_per_sm
         # The segments row by row, as the kernel's table lays them out: one copy here (none where
-        # the caller has them so), then one slice per launch. Code that has not run for a few milliseconds runs ~15x slower (on
-        # the H200's host, 5 ms after the last copy: cold caches), so few calls: ``np.stack``
+        # the caller has them so), then one slice per launch. Few numpy calls: code that has not
+        # run for a few milliseconds ran several times slower on the H200's host, and ``np.stack``
         # alone took ~40 us of a direct batch there (docs/gpu/batch_probe/direct_batch_out.txt).
         flat = (np.array((dst_offsets, src_offsets, sizes), dtype=np.uint64).T if cells is None else cells).ravel()
         # Threads for one 16-byte unrolled step each of the batch's largest segment, as `launch`
