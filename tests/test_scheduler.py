@@ -606,3 +606,13 @@ def test_bulk_held_while_strict_dma_in_flight() -> None:
     assert s.next_chunks(0.001) == []  # bulk room, but the urgent chunk is still in flight
     s.chunk_done(urgent[0], 0.002)
     assert [c.request.id for c in s.next_chunks(0.002)] == [1, 1]
+
+
+def test_a_reload_rederives_the_batch_bound() -> None:
+    """``batch_block_us`` is re-read on reload like ``max_block_us``: half the time, half the bytes."""
+    s, _ = make()
+    before = s.lane_params(L0)
+    s.set_policy(Policy(min_chunk_bytes=4096, urgent_block_us=0, batch_block_us=2000.0))
+    after = s.lane_params(L0)
+    assert (after.batch_chunk_bytes, after.batch_inflight_bytes) == (before.batch_chunk_bytes // 2, before.batch_inflight_bytes // 2)
+    assert (after.chunk_bytes, after.inflight_bytes) == (before.chunk_bytes, before.inflight_bytes)
