@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from .errors import InvalidRequest
 
-__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "Segments", "encode_segments"]
+__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "SMALL_BLOCK_MEAN", "Segments", "encode_segments"]
 
 SEGMENT_BYTES = 24
 """One segment on the wire: three little-endian uint64 (dst_offset, src_offset, nbytes)."""
@@ -37,6 +37,10 @@ contiguous chunk would: the in-flight bound (what an urgent copy waits for) keep
 Measured on the H200, batches of 256 scattered 64 KiB blocks back to back against one
 contiguous copy: 0.03 us a segment h2d, 0.1 us d2h (1 us, the first estimate, cut bulk chunks
 of 64 KiB blocks to half the bound, and the link ran dry between them)."""
+SMALL_BLOCK_MEAN = 256 << 10
+"""A batch whose segments average under this many bytes is one of small blocks: the driver's
+~1 us of enqueueing a segment is then a good part of its time on the link (64 KiB: as long), and
+its bulk chunks run under ``batch_block_us`` (policy.py). Larger blocks keep ``max_block_us``."""
 MAX_SEGMENTS_PER_CHUNK = 4096
 """Most segments one chunk covers whatever their cost: bounds one engine submission's work."""
 
@@ -76,6 +80,10 @@ class Segments:
 
     def __len__(self) -> int:
         return len(self.size)
+
+    def small_blocks(self) -> bool:
+        """Its segments average under `SMALL_BLOCK_MEAN` bytes."""
+        return self.total < SMALL_BLOCK_MEAN * len(self.size)
 
     @classmethod
     def decode(cls, raw: bytes) -> Segments:

@@ -113,7 +113,7 @@ class Dispatcher:
                 skipped += 1
                 continue
             t = g.head()
-            batch = t.req.segments is not None
+            batch = t.req.segments is not None and t.req.segments.small_blocks()
             size = min(batch_chunk if batch else chunk, t.req.nbytes - t.req.submitted_bytes)
             if lane.inflight and lane.inflight + size > (batch_bound if batch else bound):
                 return

@@ -130,8 +130,9 @@ class Lane:
             tenant.inflight[BULK] += n
 
     def bound(self, now: float, batch: bool = False) -> tuple[int, int]:
-        """Chunk size and in-flight bound now, for a batch's chunks or others: short while
-        urgent copies are recent, else ``batch_block_us`` for batches, ``max_block_us`` for the rest.
+        """Chunk size and in-flight bound now, for chunks of a batch of small blocks or others:
+        short while urgent copies are recent, else ``batch_block_us`` for such batches,
+        ``max_block_us`` for the rest.
 
         Measured on the H200 (one CUDA context, bulk held while urgent work is pending): with
         27 MiB bulk chunks in flight a 64 KiB urgent DMA copy waited 550 us p50, ~1 ms p99; with

@@ -85,8 +85,8 @@ class SchedulerSettings:
     urgent_window_ms: float = 100.0
     """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
     batch_block_us: float = 4000.0
-    """The bound that replaces ``max_block_us`` for bulk *batch* chunks while no urgent copy is
-    recent on the lane (0: keep ``max_block_us``). The driver takes about as long to enqueue a
+    """The bound that replaces ``max_block_us`` for bulk chunks of batches of small blocks
+    (``SMALL_BLOCK_MEAN``, batch.py) while no urgent copy is recent on the lane (0: keep ``max_block_us``). The driver takes about as long to enqueue a
     chunk of 64 KiB blocks as the link takes to move it, so such chunks need more in flight to
     keep the link fed; an urgent DMA copy that comes after a quiet spell may wait that long."""
     gate_bulk: bool = True

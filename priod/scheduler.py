@@ -463,7 +463,7 @@ class Scheduler:
                 # The cost budget is a whole chunk of the lane even when fewer bytes are left
                 # (``size`` is then the rest): else each chunk would be cut against what remains
                 # and a batch would shrink into ever smaller chunks.
-                budget = max(size, lane.bound(now, batch=True)[0])
+                budget = max(size, lane.bound(now, batch=req.segments.small_blocks())[0])
                 size = min(size, req.segments.cut(offset, budget, int(lane.info.bandwidth * SEGMENT_COST_S)))
         if req.state is _QUEUED:
             req.state = _ACTIVE

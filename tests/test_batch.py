@@ -434,7 +434,7 @@ async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonPro
     before it) and segments_done (the segments those hold whole); those segments landed."""
     async with priod.connect(daemon.socket_path) as probe:
         lane = next(ln for ln in (await probe.status())["lanes"] if ln["lane"].endswith("h2d"))
-    chunk, cost = lane["batch_chunk_bytes"], int(lane["bandwidth_gbps"] * 1e9 * SEGMENT_COST_S)  # 2 GB/s: exact
+    chunk, cost = lane["chunk_bytes"], int(lane["bandwidth_gbps"] * 1e9 * SEGMENT_COST_S)  # 2 GB/s: exact; blocks this large keep max_block_us
     big = chunk * 7 // 10
     segs = scattered(8, big, 16, seed=30)
     segs[:2, 2] = chunk * 3 // 10  # two small segments first: the first chunk ends inside the third
@@ -455,10 +455,10 @@ async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonPro
                 assert np.array_equal(d.array[dd : dd + n], h.array[ss : ss + n])
 
 
-def test_a_bulk_batch_runs_under_batch_block_us_until_an_urgent_copy_is_recent() -> None:
-    """While no urgent copy is recent on the lane, a bulk batch fills ``batch_block_us`` of it
-    and a contiguous bulk copy only ``max_block_us``; once an urgent copy has come, the batch
-    keeps to ``urgent_block_us`` like any bulk."""
+def test_a_bulk_batch_of_small_blocks_runs_under_batch_block_us_until_an_urgent_copy_is_recent() -> None:
+    """While no urgent copy is recent on the lane, a bulk batch of small blocks fills
+    ``batch_block_us`` of it, a contiguous bulk copy or a batch of large blocks only
+    ``max_block_us``; once an urgent copy has come, the batch keeps to ``urgent_block_us`` like any bulk."""
     lane = LaneKey(0, Direction.H2D)
     info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)
     policy = Policy(min_chunk_bytes=4096, max_block_us=1000.0, batch_block_us=4000.0, urgent_block_us=100.0, urgent_window_ms=10.0)
@@ -472,6 +472,11 @@ def test_a_bulk_batch_runs_under_batch_block_us_until_an_urgent_copy_is_recent()
     plain = Scheduler(policy, [info])
     plain.enqueue(Request(2, "a", lane, "bulk", table.total, 0.0), 0.0)
     assert 0 < sum(c.nbytes for c in plain.next_chunks(0.0)) <= p.inflight_bytes
+    # Large blocks: the driver's cost per block is small beside their bytes, max_block_us holds.
+    large = Segments.decode(encode_segments(scattered(26, 1 << 20, 52, seed=4)))
+    big = Scheduler(policy, [info])
+    big.enqueue(Request(4, "a", lane, "bulk", large.total, 0.0, segments=large), 0.0)
+    assert 0 < sum(c.nbytes for c in big.next_chunks(0.0)) <= p.inflight_bytes
 
     s.enqueue(Request(3, "b", lane, "urgent", 4096, 0.001), 0.001)
     urgent = s.next_chunks(0.001)
