@@ -181,17 +181,16 @@ class _BatchKernel:
         direct copy is waited for before it returns, so all ``stream`` can hold is another
         thread's copy, which is not ordered with this one anyway."""
         rt, express = self._rt, self._express
-        dst_offs, src_offs, sizes = cells[:, 0], cells[:, 1], cells[:, 2]
         with self._launching:
             main = self._cu(stream)
             if len(cells) <= self.table_max:
-                express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main, cells=cells)
+                express.launch_table(cast(Any, self), dst, src, cells, main)
                 return
             if self._side is None:
                 _, greatest = check(rt.cudaDeviceGetStreamPriorityRange())
                 self._side = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
                 self._join = check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
-            express.launch_table(cast(Any, self), dst, src, dst_offs, src_offs, sizes, main, self._cu(self._side), cells=cells)
+            express.launch_table(cast(Any, self), dst, src, cells, main, self._cu(self._side))
             check(rt.cudaEventRecord(self._join, self._side))
             check(rt.cudaStreamWaitEvent(stream, self._join, 0))
 

@@ -184,7 +184,8 @@ def test_express_table_launches_hold_128_segments_each(fake: Bindings) -> None:
         return original(*args)
 
     kernel._cu_launch = launch
-    kernel.launch_table(dev, 1 << 40, 1 << 41, u64(*range(0, 300 * 100, 100)), u64(*range(0, 300 * 7, 7)), u64(*([70_000] * n)), "stream")  # type: ignore[arg-type]
+    cells = np.stack((u64(*range(0, 300 * 100, 100)), u64(*range(0, 300 * 7, 7)), u64(*([70_000] * n))), axis=1)
+    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream")  # type: ignore[arg-type]
     launches = [c for c in fake.calls if c[0] == "launch"]
     assert [c[3] for c in launches] == [128, 128, 44]  # grid y: one row per segment
     # 70,000 bytes a row: 1,094 threads of four 16-byte steps, so two 1024-thread blocks a row.
@@ -194,10 +195,17 @@ def test_express_table_launches_hold_128_segments_each(fake: Bindings) -> None:
     assert rows[0].tolist() == [256 * 100, 256 * 7, 70_000] and rows[-1].tolist() == [299 * 100, 299 * 7, 70_000]
     assert TABLE_MAX == 128
 
+    # With a side stream, every other launch goes there (two tables at once); same tables.
+    fake.calls.clear()
+    seen.clear()
+    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream", "side")  # type: ignore[arg-type]
+    assert [c[9] for c in fake.calls if c[0] == "launch"] == ["stream", "side", "stream"]
+    assert seen[2][2 : 2 + 3 * 44].reshape(44, 3)[-1].tolist() == [299 * 100, 299 * 7, 70_000]
+
 
 def test_express_without_the_table_kernel_launches_per_segment(fake: Bindings) -> None:
     """A module without priod_copy_table (an older PTX): one priod_copy launch per segment."""
     kernel = ExpressKernel()
     dev = types.SimpleNamespace(table_function=None, function="one", sm_count=132)
-    kernel.launch_table(dev, 1000, 2000, u64(0, 10), u64(5, 6), u64(3, 4), "s")  # type: ignore[arg-type]
+    kernel.launch_table(dev, 1000, 2000, np.stack((u64(0, 10), u64(5, 6), u64(3, 4)), axis=1), "s")  # type: ignore[arg-type]
     assert [(c[0], c[1]) for c in fake.calls] == [("launch", "one"), ("launch", "one")]

@@ -165,5 +165,5 @@ if os.environ.get("PROBE_NO_SIDE"):
     def _one_stream(self, dst, src, cells, stream):
         from typing import Any as _Any, cast as _cast
         with self._launching:
-            self._express.launch_table(_cast(_Any, self), dst, src, cells[:, 0], cells[:, 1], cells[:, 2], self._stream_type(int(stream)), cells=cells)
+            self._express.launch_table(_cast(_Any, self), dst, src, cells, self._stream_type(int(stream)))
     _dr._BatchKernel.launch = _one_stream

@@ -323,7 +323,7 @@ class CudaEngine(Engine):
             stream = info.express
             sp = s_host.device_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
             dp = d_host.device_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
-            self._kernel.launch_table(dev, dp, sp, dst_offsets, src_offsets, sizes, info.express_cu)
+            self._kernel.launch_table(dev, dp, sp, np.stack((dst_offsets, src_offsets, sizes), axis=1), info.express_cu)
         return self._record(dev, info, stream)
 
     def _push_batch(

@@ -158,10 +158,10 @@ class ExpressKernel:
         args[2] = nbytes
         check(self._cu_launch(dev.function, blocks, 1, 1, threads, 1, 1, 0, stream, self._kparams, 0))
 
-    def launch_table(
-        self, dev: Device, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, stream: Any, side: Any = None, cells: U64 | None = None
-    ) -> None:
-        """Copy a batch's segments (offsets relative to ``dst`` and ``src``): one launch of
+    def launch_table(self, dev: Device, dst: int, src: int, cells: U64, stream: Any, side: Any = None) -> None:
+        """Copy a batch's segments, ``cells`` an (N, 3) uint64 array of (dst_offset, src_offset,
+        nbytes) rows, offsets relative to ``dst`` and ``src`` (the kernel's table layout: a
+        C-ordered array goes in without a copy): one launch of
         ``priod_copy_table`` per `TABLE_MAX` of them, a row of blocks per segment, the rows
         together about one wave. Where the kernel is not loaded, one `launch` per segment.
 
@@ -170,27 +170,24 @@ class ExpressKernel:
         before it on ``stream``, where that matters). One table of 64 KiB blocks fills half the
         GPU's blocks. 256 scattered 64 KiB blocks took 501 / 612 us (p50 / p99, h2d, with 2 GiB
         copies running in another process) one table after the other, 446 / 465 two at once
-        (docs/gpu/batch_probe/urgent_batch_out.txt).
-
-        ``cells``: the same segments as one (N, 3) C-ordered uint64 array, where the caller has
-        them so (the kernel's table layout): then no table is built here."""
-        count = len(sizes)
+        (docs/gpu/batch_probe/urgent_batch_out.txt)."""
+        count = len(cells)
         if dev.table_function is None:
-            for d, s_, n in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(), strict=True):
+            for d, s_, n in cells.tolist():
                 self.launch(dev, dst + d, src + s_, n, stream)
             return
         table, view = self._table, self._table_view
         table[0] = src
         table[1] = dst
         wave = dev.sm_count * self.blocks_per_sm
-        # The segments row by row, as the kernel's table lays them out: one copy here (none where
-        # the caller has them so), then one slice per launch. Few numpy calls: code that has not
-        # run for a few milliseconds ran several times slower on the H200's host, and ``np.stack``
-        # alone took ~40 us of a direct batch there (docs/gpu/batch_probe/direct_batch_out.txt).
-        flat = (np.array((dst_offsets, src_offsets, sizes), dtype=np.uint64).T if cells is None else cells).ravel()
+        # The rows end to end, then one slice per launch. Few numpy calls: code that has not run
+        # for a few milliseconds ran several times slower on the H200's host, and building this
+        # table with ``np.stack`` took ~40 us of a direct batch there
+        # (docs/gpu/batch_probe/direct_batch_out.txt).
+        flat = np.ascontiguousarray(cells, dtype=np.uint64).ravel()
         # Threads for one 16-byte unrolled step each of the batch's largest segment, as `launch`
         # sizes its grid; rows share the wave (a row gets at least one block).
-        wanted = max(1, -(-(int(sizes.max()) // 16) // EXPRESS_UNROLL))
+        wanted = max(1, -(-(int(cells[:, 2].max()) // 16) // EXPRESS_UNROLL))
         threads = min(EXPRESS_THREADS, max(32, -(-wanted // 32) * 32))
         streams = (stream, stream if side is None else side)
         for first in range(0, count, TABLE_MAX):
