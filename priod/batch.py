@@ -101,10 +101,12 @@ class Segments:
             i = int(np.argmin(size))
             raise InvalidRequest(f"segment {i} has nbytes = 0; every segment copies at least 1 byte")
         # Offsets and sizes past 2**62 cannot fit any region; refusing them here keeps every sum
-        # below within int64 (and an overflowing sum cannot pass a bounds check).
-        if int(max(dst.max(), src.max(), size.max())) >= 1 << 62:
+        # below within int64 (and an overflowing sum cannot pass a bounds check). Whole-table
+        # reductions, few numpy calls: on the H200's host each cost 5-10 us on a loop that had
+        # just woken, and a 256-segment batch spent 90 us here with twice as many.
+        if int(table.max()) >= 1 << 62:
             raise InvalidRequest("a segment's offset or size is 2**62 or more, past any region; check the triples' order (dst_offset, src_offset, nbytes)")
-        ends = np.cumsum(size.astype(np.int64))
+        ends = np.cumsum(size, dtype=np.int64)
         return cls(dst, src, size, ends, int(ends[-1]))
 
     def check_regions(self, dst_nbytes: int, src_nbytes: int, shift: int | None, dst_id: int, src_id: int) -> None:
@@ -115,18 +117,26 @@ class Segments:
         share memory (0 for one region, the pointers' difference for two views of one device
         allocation), None when they cannot overlap. Sort-based, O(N log N), no Python loop.
         """
+        # Every figure is below 2**62 (`decode`), so uint64 sums cannot wrap. The largest offset
+        # plus the largest size within the region proves every segment fits (blocks of one size,
+        # the usual batch); only where it does not are the segments' own ends compared.
+        size = self.size
+        largest = int(size.max())
         for name, offs, limit, rid in (("dst", self.dst, dst_nbytes, dst_id), ("src", self.src, src_nbytes, src_id)):
-            bad = np.flatnonzero(offs.astype(np.int64) + self.size.astype(np.int64) > limit)
+            if int(offs.max()) + largest <= limit:
+                continue
+            bad = np.flatnonzero(offs + size > limit)
             if bad.size:
                 i = int(bad[0])
                 raise InvalidRequest(
-                    f"segment {i}: {name}_offset {int(offs[i])} + nbytes {int(self.size[i])} is outside region {rid} of {limit} bytes; "
+                    f"segment {i}: {name}_offset {int(offs[i])} + nbytes {int(size[i])} is outside region {rid} of {limit} bytes; "
                     "keep every segment within its region"
                 )
-        d_start = self.dst.astype(np.int64)
-        order = np.argsort(d_start, kind="stable")
-        starts = d_start[order]
-        stops = starts + self.size.astype(np.int64)[order]
+        # Not a stable sort: 4x faster on 4,096 segments (36 against 158 us), and two segments
+        # with one start overlap whichever comes first.
+        order = np.argsort(self.dst)
+        starts = self.dst[order]
+        stops = starts + size[order]
         clash = np.flatnonzero(starts[1:] < stops[:-1])
         if clash.size:
             a, b = int(order[clash[0]]), int(order[clash[0] + 1])
@@ -137,6 +147,8 @@ class Segments:
             return
         # Destination intervals are now sorted and disjoint, so their ends rise too: for each
         # source interval the last destination starting before its end is the only candidate.
+        # In int64 here: a shift can be negative, and numpy compares uint64 with int64 as floats.
+        starts, stops = starts.astype(np.int64), stops.astype(np.int64)
         s_start = self.src.astype(np.int64) + shift
         s_stop = s_start + self.size.astype(np.int64)
         k = np.searchsorted(starts, s_stop, side="left") - 1
@@ -157,6 +169,8 @@ class Segments:
         its bytes plus ``seg_cost`` per segment it touches, and at least the rest of the segment
         it starts in (up to ``size``)."""
         ends = self.ends
+        if seg_cost <= 0 and offset == 0 and len(ends) <= MAX_SEGMENTS_PER_CHUNK:
+            return min(size, self.total)  # an express batch, whole: no numpy call
         first = int(np.searchsorted(ends, offset, side="right"))
         last = min(len(ends), first + MAX_SEGMENTS_PER_CHUNK)
         if seg_cost <= 0:
@@ -175,7 +189,10 @@ class Segments:
         return max(end, min(int(ends[first]), offset + size)) - offset
 
     def piece(self, offset: int, nbytes: int) -> tuple[U64, U64, U64]:
-        """(dst offsets, src offsets, sizes) of batch bytes [offset, offset + nbytes)."""
+        """(dst offsets, src offsets, sizes) of batch bytes [offset, offset + nbytes): the
+        table's own columns (read-only) for the whole batch, else copies."""
+        if offset == 0 and nbytes == self.total:
+            return self.dst, self.src, self.size  # an express batch, or one chunk: no numpy call
         ends = self.ends
         first = int(np.searchsorted(ends, offset, side="right"))
         last = int(np.searchsorted(ends, offset + nbytes, side="left")) + 1

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .cuda_ipc import _is_torch_tensor, device_span
 from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, status_codes
@@ -40,7 +41,9 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
-__all__ = ["KERNEL_BATCH_MEAN", "DirectCopies", "DirectPair", "HoldPage"]
+U64 = npt.NDArray[np.uint64]
+
+__all__ = ["KERNEL_BATCH_MEAN", "DirectCopies", "DirectPair", "HoldPage", "direct_table"]
 
 WORDS_PER_SLOT = SLOT_BYTES // 8
 """A slot's uint64 words: ``begun``, then ``ended``."""
@@ -173,9 +176,9 @@ class _BatchKernel:
         kernel = cls(device, int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device))))
         return kernel if ExpressKernel.load(cast(Any, kernel), ptx) is None else None
 
-    def launch(self, dst: int, src: int, cells: Any, stream: Any) -> None:
-        """Enqueue the batch, ``cells`` its (N, 3) uint64 segments row by row (C order), on
-        ``stream`` (this GPU current). Past one table, every other table
+    def launch(self, dst: int, src: int, cells: U64, largest: int, stream: Any) -> None:
+        """Enqueue the batch, ``cells`` its (N, 3) uint64 segments row by row (C order) and
+        ``largest`` the largest segment, on ``stream`` (this GPU current). Past one table, every other table
         runs on the side stream, joined back into ``stream``, so waiting for ``stream`` waits for
         the whole batch. The side stream is not ordered after ``stream``'s earlier work: every
         direct copy is waited for before it returns, so all ``stream`` can hold is another
@@ -184,13 +187,13 @@ class _BatchKernel:
         with self._launching:
             main = self._cu(stream)
             if len(cells) <= self.table_max:
-                express.launch_table(cast(Any, self), dst, src, cells, main)
+                express.launch_table(cast(Any, self), dst, src, cells, main, largest=largest)
                 return
             if self._side is None:
                 _, greatest = check(rt.cudaDeviceGetStreamPriorityRange())
                 self._side = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
                 self._join = check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming))
-            express.launch_table(cast(Any, self), dst, src, cells, main, self._cu(self._side))
+            express.launch_table(cast(Any, self), dst, src, cells, main, self._cu(self._side), largest=largest)
             check(rt.cudaEventRecord(self._join, self._side))
             check(rt.cudaStreamWaitEvent(stream, self._join, 0))
 
@@ -208,6 +211,36 @@ class _BatchKernel:
             rt.cudaStreamDestroy(self._side)
             rt.cudaEventDestroy(self._join)
         drv.cuModuleUnload(self.module)
+
+
+def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[U64, int, int]:
+    """Check a direct batch's ``segments`` against buffers of ``dst_bytes`` and ``src_bytes``:
+    the (N, 3) uint64 table row by row (C order, as the copy kernel reads it; no copy of such a
+    table), its total bytes and its largest segment. Raises InvalidRequest naming the fault.
+
+    Few numpy calls, whole-table ones: each costs microseconds, 5-10 when the process has just
+    woken, and the checks took ~110 us of a 256-block batch on the H200's host with three times
+    as many (docs/gpu/batch_probe/direct_batch_out.txt).
+    """
+    table = np.asarray(segments)
+    if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
+        raise InvalidRequest(f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}")
+    # A negative int64 becomes 2**63 or more here, caught with the figures no buffer can reach.
+    # Reductions over a whole array or one column: numpy's across-rows ones (axis=0) cost 4 us
+    # each, against under 1.
+    cells: U64 = np.ascontiguousarray(table, dtype=np.uint64)
+    sizes = cells[:, 2]
+    if int(cells.max()) >= 1 << 62 or not sizes.all():
+        raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1, each below 2**62")
+    # Below 2**62 an offset plus a size cannot wrap. The largest offset plus the largest size
+    # within the buffer proves every row fits (the common case: blocks of one size); only where
+    # it does not are the rows' own ends taken.
+    largest = int(sizes.max())
+    if int(cells[:, 0].max()) + largest > dst_bytes or int(cells[:, 1].max()) + largest > src_bytes:
+        ends = (cells[:, :2] + cells[:, 2:]).max(axis=0).tolist()
+        if ends[0] > dst_bytes or ends[1] > src_bytes:
+            raise InvalidRequest(f"a segment does not fit the buffers ({dst_bytes} bytes of destination, {src_bytes} of source)")
+    return cells, int(sizes.sum()), largest
 
 
 class DirectPair:
@@ -264,27 +297,9 @@ class DirectPair:
         table form on this process's urgent stream where they average under `KERNEL_BATCH_MEAN`
         bytes (see `DirectCopies`), else by ``cuMemcpyBatchAsync`` (or one ``cudaMemcpyAsync``
         per block where the driver has no batched call). Returns the bytes copied."""
-        table = np.asarray(segments)
-        if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
-            raise InvalidRequest(f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}")
-        # Few numpy calls: each costs microseconds, 5-10 when the process has just woken, and
-        # the checks took ~110 us of a 256-block batch with twice as many
-        # (docs/gpu/batch_probe/direct_batch_out.txt).
-        if table.dtype.kind == "i" and int(table.min()) < 0:
-            raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1")
-        # Row by row, as the copy kernel's table lays segments out: no copy at all for a C-ordered
-        # table of 8-byte integers.
-        cells = np.ascontiguousarray(table, dtype=np.uint64)
-        sizes = cells[:, 2]
-        # Each figure below 2**62 first, so that an offset plus a size cannot wrap.
-        ends = (cells[:, :2] + cells[:, 2:]).max(axis=0).tolist() if int(cells.max()) < 1 << 62 else None
-        if not sizes.all():
-            raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1")
-        if ends is None or ends[0] > self.dst_bytes or ends[1] > self.src_bytes:
-            raise InvalidRequest(f"a segment does not fit the buffers ({self.dst_bytes} bytes of destination, {self.src_bytes} of source)")
-        total = int(sizes.sum())
+        cells, total, largest = direct_table(segments, self.dst_bytes, self.src_bytes)
         with DeviceScope(self._device):
-            self._owner._run_batch(self, cells, total)
+            self._owner._run_batch(self, cells, total, largest)
         return total
 
 
@@ -352,9 +367,10 @@ class DirectCopies:
         finally:
             page.end(slot)
 
-    def _run_batch(self, pair: DirectPair, cells: Any, total: int) -> None:
+    def _run_batch(self, pair: DirectPair, cells: U64, total: int, largest: int) -> None:
         """A batch of ``total`` bytes on the pair's GPU (current), ``cells`` its (N, 3) uint64
-        segments row by row: announced once, enqueued, waited for."""
+        segments row by row (checked: `direct_table`), ``largest`` the largest: announced once,
+        enqueued, waited for."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
         kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and total < KERNEL_BATCH_MEAN * len(cells) else None
@@ -366,7 +382,7 @@ class DirectCopies:
         page.begin(pair._slot)
         try:
             if kernel is not None:
-                kernel.launch(pair.on_device[0], pair.on_device[1], cells, stream)
+                kernel.launch(pair.on_device[0], pair.on_device[1], cells, largest, stream)
             else:
                 self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
             self._wait(stream)

@@ -143,6 +143,20 @@ def test_chunks_cover_every_segment_byte_exactly_once() -> None:
         assert table.segments_done(int(sizes[0])) == 1 and table.segments_done(int(sizes[0]) - 1) == 0
 
 
+def test_a_whole_batch_is_one_piece_of_its_own_columns() -> None:
+    """An express batch goes out whole: its cut is every byte and its piece the table's own
+    columns (no copy), as the general path would give them; a part still gets copies."""
+    segs = scattered(300, 64, 1024, seed=5)
+    table = Segments.decode(encode_segments(segs))
+    assert table.cut(0, 1 << 40, 0) == table.total == 300 * 64
+    assert table.cut(0, 1000, 0) == 1000
+    d, s_, k = table.piece(0, table.total)
+    assert d is table.dst and s_ is table.src and k is table.size
+    assert np.stack([d, s_, k], axis=1).tolist() == segs.tolist()
+    head = table.piece(0, table.total - 1)
+    assert head[2][-1] == 63 and head[0] is not table.dst and head[0].tolist() == segs[:, 0].tolist()
+
+
 def test_largest_batch_is_checked_quickly() -> None:
     """The checks of a batch at the cap (32,768 scattered segments) take a few milliseconds of
     the daemon's loop, and a table past the cap is refused before any O(N) work."""

@@ -170,12 +170,12 @@ def test_a_first_failure_falls_back_for_good_a_later_one_is_the_copy_s(fake: Bin
     assert proven.error is None
 
 
-def test_express_table_launches_hold_128_segments_each(fake: Bindings) -> None:
-    """300 segments: three launches of 128, 128 and 44 rows; the parameter block holds the two
+def test_express_table_launches_hold_256_segments_each(fake: Bindings) -> None:
+    """600 segments: three launches of 256, 256 and 88 rows; the parameter block holds the two
     bases, then each launch's (dst_offset, src_offset, nbytes) rows; rows share about one wave."""
     kernel = ExpressKernel()
     dev = types.SimpleNamespace(table_function="fn", sm_count=132)
-    n = 300
+    n = 600
     seen: list[Any] = []
     original = kernel._cu_launch
 
@@ -184,23 +184,30 @@ def test_express_table_launches_hold_128_segments_each(fake: Bindings) -> None:
         return original(*args)
 
     kernel._cu_launch = launch
-    cells = np.stack((u64(*range(0, 300 * 100, 100)), u64(*range(0, 300 * 7, 7)), u64(*([70_000] * n))), axis=1)
+    cells = np.stack((u64(*range(0, n * 100, 100)), u64(*range(0, n * 7, 7)), u64(*([70_000] * n))), axis=1)
     kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream")  # type: ignore[arg-type]
     launches = [c for c in fake.calls if c[0] == "launch"]
-    assert [c[3] for c in launches] == [128, 128, 44]  # grid y: one row per segment
-    # 70,000 bytes a row: 1,094 threads of four 16-byte steps, so two 1024-thread blocks a row.
-    assert all(c[1] == "fn" and c[2] == 2 and c[5] == 1024 and c[9] == "stream" for c in launches)
+    assert [c[3] for c in launches] == [256, 256, 88]  # grid y: one row per segment
+    # 70,000 bytes a row: 1,094 threads of four 16-byte steps, two 1024-thread blocks a row,
+    # within the wave (132 SMs x 2 blocks): one a row for 256 rows, two for 88.
+    assert all(c[1] == "fn" and c[5] == 1024 and c[9] == "stream" for c in launches)
+    assert [c[2] for c in launches] == [1, 1, 2]
     assert seen[0][0] == 1 << 41 and seen[0][1] == 1 << 40  # src base, then dst base
-    rows = seen[2][2 : 2 + 3 * 44].reshape(44, 3)
-    assert rows[0].tolist() == [256 * 100, 256 * 7, 70_000] and rows[-1].tolist() == [299 * 100, 299 * 7, 70_000]
-    assert TABLE_MAX == 128
+    rows = seen[2][2 : 2 + 3 * 88].reshape(88, 3)
+    assert rows[0].tolist() == [512 * 100, 512 * 7, 70_000] and rows[-1].tolist() == [599 * 100, 599 * 7, 70_000]
+    assert TABLE_MAX == 256
 
     # With a side stream, every other launch goes there (two tables at once); same tables.
     fake.calls.clear()
     seen.clear()
     kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream", "side")  # type: ignore[arg-type]
     assert [c[9] for c in fake.calls if c[0] == "launch"] == ["stream", "side", "stream"]
-    assert seen[2][2 : 2 + 3 * 44].reshape(44, 3)[-1].tolist() == [299 * 100, 299 * 7, 70_000]
+    assert seen[2][2 : 2 + 3 * 88].reshape(88, 3)[-1].tolist() == [599 * 100, 599 * 7, 70_000]
+
+    # A caller that knows the largest segment passes it: it sizes the grid, as the rows would.
+    fake.calls.clear()
+    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream", largest=4096)  # type: ignore[arg-type]
+    assert {c[5] for c in fake.calls if c[0] == "launch"} == {64}  # 4 KiB: 64 threads of four 16-byte steps
 
 
 def test_express_without_the_table_kernel_launches_per_segment(fake: Bindings) -> None:

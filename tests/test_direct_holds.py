@@ -27,7 +27,7 @@ import pytest
 
 import priod
 from priod.cli import format_status
-from priod.direct import DirectCopies, DirectPair, HoldPage
+from priod.direct import DirectCopies, DirectPair, HoldPage, direct_table
 from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.errors import InvalidRequest
 from priod.holds import PAGE_BYTES, Holds
@@ -253,6 +253,27 @@ def test_a_direct_batch_table_is_checked_before_anything_moves() -> None:
             pair.copy_batch(bad)
     with pytest.raises(InvalidRequest, match="do not fit"):
         pair.copy(4097)
+
+
+def test_a_direct_batch_table_is_checked_row_by_row() -> None:
+    """`direct_table` accepts exactly the rows that fit: the largest offset plus the largest
+    size may overrun when no single row does; a negative figure, a zero size, an offset that
+    would wrap past 2**64 and a row past either buffer are refused with what is wrong."""
+    rows = np.array([[0, 0, 4096], [4095, 8000, 1]], dtype=np.uint64)  # 4095 + 4096 > 4096, yet each row fits
+    cells, total, largest = direct_table(rows, 4096, 8192)
+    assert cells is rows and (total, largest) == (4097, 4096)  # a C-ordered uint64 table is not copied
+    cells, total, largest = direct_table([[8, 16, 24], [100, 200, 10]], 4096, 8192)
+    assert cells.dtype == np.uint64 and cells.tolist() == [[8, 16, 24], [100, 200, 10]] and (total, largest) == (34, 24)
+    for bad, why in (
+        ([[4095, 0, 2]], "does not fit"),
+        ([[0, 8000, 200], [300, 0, 1]], "does not fit"),
+        (np.array([[2**64 - 64, 0, 128]], dtype=np.uint64), "below 2\\*\\*62"),
+        ([[0, -64, 64]], "offsets >= 0"),
+        ([[0, 0, 64], [64, 64, 0]], "nbytes >= 1"),
+        ([[0, 0]], "shape"),
+    ):
+        with pytest.raises(InvalidRequest, match=why):
+            direct_table(bad, 4096, 8192)
 
 
 # -- the scheduler ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.getcwd())
 
 import priod
-from priod.direct import DirectCopies, HoldPage
+from priod.direct import DirectCopies, HoldPage, direct_table
 from priod.engines.cuda._driver import bindings, check, gpu_uuid
 from priod.holds import PAGE_BYTES
 from priod.testing import daemon_process
@@ -56,11 +56,11 @@ def main() -> None:
         assert kernel is not None
 
         def parts() -> None:
-            kernel.launch(pair.on_device[0], pair.on_device[1], cells, stream)
+            kernel.launch(pair.on_device[0], pair.on_device[1], cells, BLOCK, stream)
             direct._wait(stream)
 
         def sync() -> None:
-            kernel.launch(pair.on_device[0], pair.on_device[1], cells, stream)
+            kernel.launch(pair.on_device[0], pair.on_device[1], cells, BLOCK, stream)
             check(rt.cudaStreamSynchronize(stream))
 
         from priod.direct import KERNEL_BATCH_MEAN
@@ -69,27 +69,19 @@ def main() -> None:
         steps: list[list[float]] = []
 
         def stepped() -> None:
-            """b98be4a's copy_batch checks, then _run_batch's steps with the current launch, timed step by step."""
+            """copy_batch's checks (direct_table), then _run_batch's steps, timed step by step."""
             t = [time.perf_counter()]
-            table = np.asarray(segs)
-            if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or not np.issubdtype(table.dtype, np.integer):
-                raise AssertionError
-            if (table < 0).any() or (table[:, 2] == 0).any():
-                raise AssertionError
-            r = table.astype(np.uint64)
-            do, so, sz = r[:, 0].copy(), r[:, 1].copy(), r[:, 2].copy()
-            if (do + sz > pair.dst_bytes).any() or (so + sz > pair.src_bytes).any():
-                raise AssertionError
+            cells_, total, largest = direct_table(segs, pair.dst_bytes, pair.src_bytes)
             t.append(time.perf_counter())
             with DeviceScope(pair._device):
                 t.append(time.perf_counter())
                 st = direct._streams.get(0)
-                k = direct._kernel(0) if direct.batch_kernel and all(pair.on_device) and int(sz.sum()) < KERNEL_BATCH_MEAN * len(sz) else None
+                k = direct._kernel(0) if direct.batch_kernel and all(pair.on_device) and total < KERNEL_BATCH_MEAN * len(cells_) else None
                 assert k is not None
                 t.append(time.perf_counter())
                 page.begin(pair._slot)
                 t.append(time.perf_counter())
-                k.launch(pair.on_device[0], pair.on_device[1], cells, st)
+                k.launch(pair.on_device[0], pair.on_device[1], cells_, largest, st)
                 t.append(time.perf_counter())
                 direct._wait(st)
                 t.append(time.perf_counter())
@@ -101,23 +93,18 @@ def main() -> None:
         ek = kernel._express
 
         def launch_stepped() -> None:
-            """_BatchKernel.launch and ExpressKernel.launch_table, timed call by call, then the wait."""
+            """_BatchKernel.launch and ExpressKernel.launch_table, timed call by call, then the wait
+            (one table of 256 rows since TABLE_MAX went to 256: no side stream, no join)."""
             t = [time.perf_counter()]
             with kernel._launching:
-                main, side = kernel._cu(stream), kernel._cu(kernel._side)
+                main = kernel._cu(stream)
                 t.append(time.perf_counter())
                 ek._table[0], ek._table[1] = pair.on_device[1], pair.on_device[0]
                 flat = cells.ravel()
                 t.append(time.perf_counter())
-                ek._table_view[2 : 2 + 3 * 128] = flat[: 3 * 128]
+                ek._table_view[2 : 2 + 3 * N] = flat
                 t.append(time.perf_counter())
-                check(ek._cu_launch(kernel.table_function, 1, 128, 1, 1024, 1, 1, 0, main, ek._tparams, 0))
-                t.append(time.perf_counter())
-                ek._table_view[2 : 2 + 3 * 128] = flat[3 * 128 :]
-                check(ek._cu_launch(kernel.table_function, 1, 128, 1, 1024, 1, 1, 0, side, ek._tparams, 0))
-                t.append(time.perf_counter())
-                check(rt.cudaEventRecord(kernel._join, kernel._side))
-                check(rt.cudaStreamWaitEvent(stream, kernel._join, 0))
+                check(ek._cu_launch(kernel.table_function, 1, N, 1, 1024, 1, 1, 0, main, ek._tparams, 0))
                 t.append(time.perf_counter())
             direct._wait(stream)
             t.append(time.perf_counter())
@@ -147,7 +134,7 @@ def main() -> None:
         out = {k: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))} for k, v in lat.items()}
         names = ("validate", "scope", "choose", "begin", "launch", "wait", "end+scope")
         out["steps_p50"] = {n: float(np.percentile([x[i] for x in steps], 50)) for i, n in enumerate(names)}
-        lnames = ("streams", "cells", "fill 1", "launch 1", "fill+launch 2", "join", "wait")
+        lnames = ("streams", "cells", "fill", "launch", "wait")
         out["launch_steps_p50"] = {n: float(np.percentile([x[i] for x in lsteps], 50)) for i, n in enumerate(lnames)}
         return out
 

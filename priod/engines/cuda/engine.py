@@ -291,12 +291,16 @@ class CudaEngine(Engine):
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
         stream `submit` would use; a bulk chunk of several segments is enqueued by the pusher's
         thread (`_push_batch`), an urgent one at once. Express: the copy kernel's table form, one
-        launch per 128 segments (a launch per segment where the kernel has no table form). A
+        launch per `TABLE_MAX` (256) segments (a launch per segment where the kernel has no table form). A
         peer lane's chunk (DMA only) is one ``cudaMemcpyPeerAsync`` per segment."""
         dev, info, s_host, d_host = self._ends(lane, dst, src)
         if not len(sizes):
             return Done()
-        if int((dst_offsets + sizes).max()) > dst.nbytes or int((src_offsets + sizes).max()) > src.nbytes:
+        # The daemon checked the batch (batch.py); a bound here costs little and keeps a wrong
+        # table off the GPU. Largest offset plus largest size first: a few numpy calls fewer.
+        largest = int(sizes.max())
+        fits = int(dst_offsets.max()) + largest <= dst.nbytes and int(src_offsets.max()) + largest <= src.nbytes
+        if not fits and (int((dst_offsets + sizes).max()) > dst.nbytes or int((src_offsets + sizes).max()) > src.nbytes):
             raise InvalidRequest(f"a segment of this chunk falls outside its region ({dst.nbytes} / {src.nbytes} bytes)")
         self._use(lane.device)
         if path is _DMA:
@@ -323,7 +327,7 @@ class CudaEngine(Engine):
             stream = info.express
             sp = s_host.device_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
             dp = d_host.device_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
-            self._kernel.launch_table(dev, dp, sp, np.stack((dst_offsets, src_offsets, sizes), axis=1), info.express_cu)
+            self._kernel.launch_table(dev, dp, sp, np.stack((dst_offsets, src_offsets, sizes), axis=1), info.express_cu, largest=largest)
         return self._record(dev, info, stream)
 
     def _push_batch(

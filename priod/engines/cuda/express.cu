@@ -3,7 +3,7 @@
 // see priod/engines/cuda/express.py). Shipped as PTX text (express.ptx, made by
 // scripts/build_ptx.sh) and loaded with cuModuleLoadData, so no NVRTC is needed at run time.
 //
-// Two entry points: priod_copy(src, dst, n), one range, and priod_copy_table(table), up to 128
+// Two entry points: priod_copy(src, dst, n), one range, and priod_copy_table(table), up to 256
 // ranges of a batch in one launch (see below). Each range is copied correctly for any size and
 // any pair of addresses:
 //   - the widest word w in {16, 8, 4, 2, 1} bytes for which src and dst share alignment is used;
@@ -76,10 +76,13 @@ priod_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ ds
 
 // A batch's chunk in one launch: the segment table travels in the kernel's parameters (the
 // driver copies them at launch, so no buffer has to outlive the call), TABLE_MAX segments at
-// most (3,096 bytes, within the 4 KiB every driver takes). Segment i is copied by the blocks
-// of row blockIdx.y == i, grid-stride over blockIdx.x, each with the widest word its own
-// addresses allow. Offsets are relative to the two bases.
-#define TABLE_MAX 128
+// most: 6,160 bytes, past the 4 KiB of old drivers, within the 32 KiB of CUDA 12.1 and later
+// (every driver that loads this PTX). 256 rows is a KV-cache step's batch in one launch; two
+// launches of 128 cost the host a launch and a join more, ~40 us when it has just woken
+// (docs/gpu/batch_probe/direct_batch_out.txt). Segment i is copied by the blocks of row
+// blockIdx.y == i, grid-stride over blockIdx.x, each with the widest word its own addresses
+// allow. Offsets are relative to the two bases.
+#define TABLE_MAX 256
 
 struct SegmentTable {
   u64 src;

@@ -88,9 +88,10 @@ EXPRESS_UNROLL = 4
 PTX_PATH = Path(__file__).with_name("express.ptx")
 KERNEL_NAME = b"priod_copy"
 TABLE_KERNEL_NAME = b"priod_copy_table"
-TABLE_MAX = 128
+TABLE_MAX = 256
 """Segments one ``priod_copy_table`` launch takes (``TABLE_MAX`` in ``express.cu``): its table
-rides in the kernel's parameters, 3,088 bytes, within the 4 KiB every driver accepts."""
+rides in the kernel's parameters, 6,160 bytes, within the 32 KiB of CUDA 12.1 and later (every
+driver that loads the PTX)."""
 
 
 def read_ptx() -> tuple[bytes | None, str | None]:
@@ -158,19 +159,21 @@ class ExpressKernel:
         args[2] = nbytes
         check(self._cu_launch(dev.function, blocks, 1, 1, threads, 1, 1, 0, stream, self._kparams, 0))
 
-    def launch_table(self, dev: Device, dst: int, src: int, cells: U64, stream: Any, side: Any = None) -> None:
+    def launch_table(self, dev: Device, dst: int, src: int, cells: U64, stream: Any, side: Any = None, *, largest: int | None = None) -> None:
         """Copy a batch's segments, ``cells`` an (N, 3) uint64 array of (dst_offset, src_offset,
         nbytes) rows, offsets relative to ``dst`` and ``src`` (the kernel's table layout: a
         C-ordered array goes in without a copy): one launch of
         ``priod_copy_table`` per `TABLE_MAX` of them, a row of blocks per segment, the rows
         together about one wave. Where the kernel is not loaded, one `launch` per segment.
+        ``largest``: the largest segment, where the caller knows it already.
 
         With ``side``, a second stream, every other launch goes there, so that two tables run at
         once; the caller orders ``stream`` after ``side``'s launches (and ``side`` after the work
-        before it on ``stream``, where that matters). One table of 64 KiB blocks fills half the
-        GPU's blocks. 256 scattered 64 KiB blocks took 501 / 612 us (p50 / p99, h2d, with 2 GiB
-        copies running in another process) one table after the other, 446 / 465 two at once
-        (docs/gpu/batch_probe/urgent_batch_out.txt)."""
+        before it on ``stream``, where that matters). Tables are launched one after the other
+        on one stream otherwise, and a table of a wave's rows keeps the GPU's blocks busy
+        only until its rows end: with 128-row tables, 256 scattered 64 KiB blocks took 501 / 612
+        us (p50 / p99, h2d, with 2 GiB copies running in another process) one table after the
+        other, 446 / 465 two at once (docs/gpu/batch_probe/urgent_batch_out.txt)."""
         count = len(cells)
         if dev.table_function is None:
             for d, s_, n in cells.tolist():
@@ -180,14 +183,17 @@ class ExpressKernel:
         table[0] = src
         table[1] = dst
         wave = dev.sm_count * self.blocks_per_sm
-        # The rows end to end, then one slice per launch. Few numpy calls: code that has not run
-        # for a few milliseconds ran several times slower on the H200's host, and building this
-        # table with ``np.stack`` took ~40 us of a direct batch there
-        # (docs/gpu/batch_probe/direct_batch_out.txt).
+        # Few numpy calls: code that has not run for a few milliseconds ran several times slower
+        # on the H200's host, and building this table with ``np.stack`` took ~40 us of a direct
+        # batch there (docs/gpu/batch_probe/direct_batch_out.txt). The rows end to end (a view
+        # of a C-ordered table), then one slice per launch. Not ctypes.memmove from
+        # ``cells.ctypes.data``: that attribute is Python code in numpy, 40-52 us cold there.
         flat = np.ascontiguousarray(cells, dtype=np.uint64).ravel()
+        if largest is None:
+            largest = int(cells[:, 2].max())
         # Threads for one 16-byte unrolled step each of the batch's largest segment, as `launch`
         # sizes its grid; rows share the wave (a row gets at least one block).
-        wanted = max(1, -(-(int(cells[:, 2].max()) // 16) // EXPRESS_UNROLL))
+        wanted = max(1, -(-(largest // 16) // EXPRESS_UNROLL))
         threads = min(EXPRESS_THREADS, max(32, -(-wanted // 32) * 32))
         streams = (stream, stream if side is None else side)
         for first in range(0, count, TABLE_MAX):
