@@ -66,10 +66,24 @@ from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_sec
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB)
 URGENT_INTERVAL_S = 0.005
+"""Pause after each urgent copy of the anchor and priod rows (the same for both, so they compare)."""
 AHEAD_US = 300.0
 """The "ahead" row: how long before issuing each copy its hold begins (a chunk of the short
 bound lasts ~75 us on the H200, and the daemon sees the hold within a loop turn or two)."""
-"""Pause after each urgent copy of the anchor and priod rows (the same for both, so they compare)."""
+GAP_ENV = "BENCH_GPU_GAP"
+"""--gap, as the environment the spawned rows inherit: "busy" spends each pause running Python."""
+
+
+def pause(seconds: float) -> None:
+    """The pause between urgent copies: asleep, or with --gap busy running Python, as the thread
+    of an inference step is between its copies (on the H200's host, code that has not run for a
+    few milliseconds runs several times slower after a sleep)."""
+    if os.environ.get(GAP_ENV) != "busy":
+        time.sleep(seconds)
+        return
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
 COTENANTS = ("none", "gemm")
 SPAWN = mp.get_context("spawn")
 URGENT_WINDOW_S = 0.25
@@ -199,7 +213,7 @@ class CudaCopies:
             if i >= warm:
                 lat.append(t)
             if interval_s:
-                time.sleep(interval_s)
+                pause(interval_s)
         return lat
 
 
@@ -488,7 +502,7 @@ def urgent_client(
                 lat = []
                 for _ in range(warm):
                     one(direction, n)
-                    time.sleep(interval_s)
+                    pause(interval_s)
                 c0, w0 = daemon_cpu(cpu_pid), time.perf_counter()
                 for _ in range(count):
                     t0 = time.perf_counter()
@@ -499,7 +513,7 @@ def urgent_client(
                     if direct is None:
                         paths.setdefault(key, set()).add(r.path)
                         daemon.setdefault(key, []).append((r.queued_us, r.transfer_us, r.total_us))
-                    time.sleep(interval_s)
+                    pause(interval_s)
                 cpu[key] = (daemon_cpu(cpu_pid) - c0, time.perf_counter() - w0)
                 out[key] = lat
     out["_paths"] = {k: sorted(v) for k, v in paths.items()}
@@ -625,9 +639,11 @@ def main() -> int:
         "announced AHEAD_US before it is issued)",
     )
     ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="a daemon setting for every priod row, e.g. scheduler__urgent_block_us=300")
+    ap.add_argument("--gap", choices=["sleep", "busy"], default="sleep", help="the pause between urgent copies: asleep (default) or running Python")
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
     args = ap.parse_args()
+    os.environ[GAP_ENV] = args.gap  # the rows in spawned processes pause the same way
     _dump_stacks_later()
     os.makedirs(args.out, exist_ok=True)
     bulk = int(args.bulk_gib * GiB)
