@@ -89,9 +89,12 @@ def admit(t: Track, now: float) -> bool:
         # A batch also costs the engine time per segment, as its chunks are cut (batch.py): an
         # urgent batch of many tiny segments holds bulk back far longer than its bytes say.
         left += len(req.segments) * int(lane.info.bandwidth * SEGMENT_COST_S)
-    cost = max(left, lane.min_strict_cost) if lane.inflight or lane.rr else left
-    if now > tenant.stamp:  # `refill`, inline: this runs once per urgent copy
-        tenant.tokens = min(lane.burst, tenant.tokens + lane.budget_rate * (now - tenant.stamp))
+    cost = left
+    if (lane.inflight or lane.rr) and lane.min_strict_cost > left:
+        cost = lane.min_strict_cost
+    if now > tenant.stamp:  # `refill`, inline (min() too): this runs once per urgent copy
+        tokens = tenant.tokens + lane.budget_rate * (now - tenant.stamp)
+        tenant.tokens = tokens if tokens < lane.burst else lane.burst
         tenant.stamp = now
     if cost > tenant.tokens or tenant.pending + cost > lane.pending_cap:
         return False

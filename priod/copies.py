@@ -48,7 +48,8 @@ takes enum classes off the fast attribute path), and the reply reads it per copy
 
 def _reply_us(seconds: float) -> float:
     """Seconds as microseconds to the nanosecond, for a reply: ``round(seconds * 1e6, 3)``,
-    computed as whole nanoseconds (``round`` to digits is ~0.16 us, three times per copy)."""
+    computed as whole nanoseconds (``round`` to digits is ~0.16 us, three times per copy).
+    `outcome_reply` writes it out for a finished copy's three timings (see there)."""
     return round(seconds * 1e9) / 1e3
 
 _CANCEL_WHY = {
@@ -152,9 +153,10 @@ def _enqueue(session: Session, req_id: int, now: float, payload: PendingCopy, la
     shared = session.shared
     deadline = now + deadline_ms / 1e3 if deadline_ms is not None else None
     segments = payload.segments
-    queued = QueuedCopy(
-        next(shared.request_ids), session.id, lane, priority, nbytes, now, deadline, payload, uid=session.peer.uid, gid=session.peer.gid, segments=segments
-    )
+    peer = session.peer
+    # Positionally (..., payload, uid, gid, groups, segments): `Request` has 21 fields, and each
+    # keyword is looked up among them (~0.15 us of the loop per copy).
+    queued = QueuedCopy(next(shared.request_ids), session.id, lane, priority, nbytes, now, deadline, payload, peer.uid, peer.gid, (), segments)
     held = payload.wait_event
     if held is None:
         shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
@@ -258,7 +260,8 @@ def outcome_reply(f: Finished, p: PendingCopy, queued_s: float, transfer_s: floa
     segments = p.segments
     if f.outcome == "done" and p.signal_error is None:
         path = "express" if req.path is _EXPRESS else "dma"  # not ``req.path.value``: an enum's value is a slow property
-        queued_us, transfer_us, total_us = _reply_us(queued_s), _reply_us(transfer_s), _reply_us(total_s)
+        # `_reply_us` written out: three calls cost ~0.5 us of the loop, before the reply goes.
+        queued_us, transfer_us, total_us = round(queued_s * 1e9) / 1e3, round(transfer_s * 1e9) / 1e3, round(total_s * 1e9) / 1e3
         waited = _reply_us(req.held_s) if p.wait_event is not None else None
         if segments is not None:
             return CopyBatchReply(req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline, waited)

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, cast
+from typing import Literal, Protocol
 
 import structlog
 
@@ -361,7 +361,7 @@ class Pump:
         """Submit ``chunks`` to the engine; True if any was submitted."""
         for chunk in chunks:
             req = chunk.request
-            target = cast(CopyTarget, req.payload)
+            target: CopyTarget = req.payload  # type: ignore[assignment]  # not typing.cast: a call per chunk
             try:
                 if req.segments is None:
                     completion = self.engine.submit(

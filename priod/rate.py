@@ -29,12 +29,18 @@ class RequestRate:
         """Take up to ``want`` whole tokens; how many were taken (0: wait `wait_s`). ``rate`` 0: no cap."""
         if rate <= 0:
             return want
+        # min() and max() written out: this runs once per loop turn of every connection, in
+        # front of its requests (a builtin call is ~50 ns, four of them here).
         if self.tokens < 0:
             self.tokens = float(burst)
         elif now > self.stamp:
-            self.tokens = min(float(burst), self.tokens + rate * (now - self.stamp))
-        self.stamp = max(self.stamp, now)
-        granted = min(want, int(self.tokens))
+            tokens = self.tokens + rate * (now - self.stamp)
+            self.tokens = tokens if tokens < burst else float(burst)
+        if now > self.stamp:
+            self.stamp = now
+        granted = int(self.tokens)
+        if granted > want:
+            granted = want
         self.tokens -= granted
         return granted
 

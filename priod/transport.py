@@ -198,7 +198,8 @@ class FramedSocket:
             if len(data) <= DECODE_SLICE and not self._raw and not self._messages:
                 # The usual read, a request or a few, with nothing waiting: decoded at once (at
                 # most a slice's worth of messages, as `_decode_some` would make of it).
-                self._messages.extend(self._inbox.feed(data, fds))
+                # (`decode` when no fds came, as `_Inbox.feed` would: one call less per request.)
+                self._messages.extend(self._inbox.decode(data) if not fds else self._inbox.feed(data, fds))
             else:
                 # Decoded when taken (`_decode_some`): the bytes wait, not hundreds of decoded requests.
                 self._raw.append((data, fds))

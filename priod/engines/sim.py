@@ -201,13 +201,15 @@ class SimEngine(Engine):
         # already put them first), as they would on a single hardware queue.
         completion = SimCompletion()
         job = Job(
-            _view(dst)[dst_offset : dst_offset + nbytes],
-            _view(src)[src_offset : src_offset + nbytes],
+            _view(dst),
+            _view(src),
             nbytes,
             completion,
-            fail=nbytes == self.cfg.fault_on_nbytes,
-            stall_s=self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
-            gated=gated,
+            nbytes == self.cfg.fault_on_nbytes,
+            self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
+            gated,
+            dst_offset,
+            src_offset,
         )
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
