@@ -43,26 +43,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.d
 import priod
 from priod.testing import BulkProcess, daemon_process, percentile, throughput_between
 
-from bench_gpu import SPAWN, child, get_result, log  # scripts/ is this script's directory
+from bench_gpu import GAP_ENV, SPAWN, child, get_result, log, pause  # scripts/ is this script's directory
 
 KiB, MiB = 1 << 10, 1 << 20
 INTERVAL_S = 0.005
 """Pause after each urgent copy or batch (as bench_gpu.py's rows)."""
-BUSY_GAP = False
-"""--gap busy: spend the pause running Python instead of asleep."""
-
-
-def pause() -> None:
-    """The gap after each urgent copy or batch: asleep (the default, as bench_gpu.py's rows), or
-    busy (--gap busy), as the thread of an inference step is between its copies. On the H200's
-    host, code that has not run for a few milliseconds runs several times slower after a sleep;
-    a batch makes more calls before its copy starts than a contiguous copy, so pays more of it."""
-    if not BUSY_GAP:
-        time.sleep(INTERVAL_S)
-        return
-    until = time.perf_counter() + INTERVAL_S
-    while time.perf_counter() < until:
-        pass
 
 
 def scattered(n: int, block: int, seed: int) -> npt.NDArray[np.int64]:
@@ -190,7 +175,7 @@ def urgent_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, co
                     lat[name].append(took)
                     paths[name].add(r.path)
                     daemon_us[name].append(r.total_us)
-                pause()
+                pause(INTERVAL_S)
         return {
             "latency_us": {k: summary(v) for k, v in lat.items()},
             "daemon_total_us": {k: summary(v) for k, v in daemon_us.items()},
@@ -230,7 +215,7 @@ def direct_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, co
                 pair.copy(blocks * block)
             if i >= 5:
                 lat[name].append((time.perf_counter() - t0) * 1e6)
-            pause()
+            pause(INTERVAL_S)
     if direction == "h2d":  # check the blocks landed where the table says, both ways of copying
         for p in (pair, dma_pair):
             dev[:] = 0
@@ -370,8 +355,7 @@ def main() -> int:
     ap.add_argument("--skip-inprocess", action="store_true", help="no in-process rows (they need CuPy)")
     ap.add_argument("--backend", choices=["cuda", "sim"], default="cuda", help="sim: a dry run of the daemon rows on any machine (with --skip-inprocess)")
     args = ap.parse_args()
-    global BUSY_GAP
-    BUSY_GAP = args.gap == "busy"
+    os.environ[GAP_ENV] = args.gap  # bench_gpu.pause: asleep, or running Python
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, Any] = {"args": vars(args), "priod": priod.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
