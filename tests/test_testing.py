@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -325,3 +326,19 @@ async def test_verified_bulk_load_checks_every_copy() -> None:
             pair = (await c.alloc_host(4096), await c.alloc_device(4096))
             with pytest.raises(ValueError, match="one \\(host, device\\) pair per outstanding copy: 2, not 1"):
                 await bulk_load(c, 4096, stop, pipeline=2, verify=True, regions=[pair])
+
+
+def test_a_daemon_that_stopped_cleanly_leaves_no_directory_behind() -> None:
+    """daemon_process removes its private directory (socket, log) after a clean stop, and keeps
+    it, log and all, after a daemon that did not stop cleanly."""
+    with daemon_process() as d:
+        where = os.path.dirname(d.log_path)
+        assert os.path.exists(d.socket_path)
+    assert d.proc.returncode == 0 and not os.path.exists(where)
+    assert "daemon_stopped" in d.log()  # the log outlives its file
+    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}) as d:
+        where = os.path.dirname(d.log_path)
+        d.proc.kill()
+        d.proc.wait()
+    assert d.proc.returncode != 0 and os.path.exists(d.log_path)
+    shutil.rmtree(where)

@@ -4,6 +4,7 @@ it listens, stop it; and find the pid of a daemon that is already running."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,9 +90,13 @@ class DaemonProcess:
     proc: subprocess.Popen[bytes]
     socket_path: str
     log_path: str
+    final_log: str | None = None
+    """The whole log, kept here once `daemon_process` has removed the file (a clean stop)."""
 
     def log(self) -> str:
         """Everything the daemon wrote to stdout and stderr so far."""
+        if self.final_log is not None:
+            return self.final_log
         with open(self.log_path, encoding="utf-8", errors="replace") as fp:
             return fp.read()
 
@@ -117,7 +122,9 @@ def daemon_process(
     socket_path: str | None = None,
     start_timeout: float = 60.0,
 ) -> Iterator[DaemonProcess]:
-    """Start a daemon, wait until it listens, stop it (SIGTERM) on exit.
+    """Start a daemon, wait until it listens, stop it (SIGTERM) on exit. Its private directory
+    (the socket, ``daemon.log``) is removed if it stopped cleanly (`DaemonProcess.log` still
+    answers), kept if not.
 
     ``env`` adds settings as ``PRIOD_<SECTION>__<KEY>`` variables; ``PRIOD_*`` variables of this
     process are not passed on.
@@ -137,4 +144,9 @@ def daemon_process(
         wait_for_socket(path, start_timeout, proc)
         yield d
     finally:
-        d.stop()
+        # The private directory (socket, log) goes with a daemon that stopped cleanly; one that
+        # did not keeps its log there for whoever looks into it. Left behind every time, they
+        # piled up by the ten thousand in /tmp of a machine that ran the suite all day.
+        if d.stop() == 0:
+            d.final_log = d.log()  # tests read it after the block
+            shutil.rmtree(tmp, ignore_errors=True)
