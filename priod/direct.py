@@ -178,9 +178,9 @@ class _BatchKernel:
 
     def launch(self, dst: int, src: int, cells: U64, largest: int, stream: Any) -> None:
         """Enqueue the batch, ``cells`` its (N, 3) uint64 segments row by row (C order) and
-        ``largest`` the largest segment, on ``stream`` (this GPU current). Past one table, every other table
-        runs on the side stream, joined back into ``stream``, so waiting for ``stream`` waits for
-        the whole batch. The side stream is not ordered after ``stream``'s earlier work: every
+        ``largest`` the largest segment, on ``stream`` (this GPU current). Past one table, every
+        other table runs on the side stream, joined back into ``stream``, so waiting for
+        ``stream`` waits for the whole batch. The side stream is not ordered after ``stream``'s earlier work: every
         direct copy is waited for before it returns, so all ``stream`` can hold is another
         thread's copy, which is not ordered with this one anyway."""
         rt, express = self._rt, self._express

@@ -95,10 +95,7 @@ class Scheduler:
         self._by_owner: dict[Hashable, set[int]] = {}
         """Each owner's requests queued or in flight. An owner's set stays while it is about,
         empty or not (a connection making one copy at a time would otherwise make and drop a
-        set per copy, ~0.3 us of the loop); `drop_owner` removes it, or its last copy does."""
-        self._dropped: set[Hashable] = set()
-        """Owners dropped while copies of theirs were still in flight: the last of them removes
-        the owner's set (`_finish`)."""
+        set per copy, ~0.3 us of the loop); `drop_owner` removes it."""
         self._seq = 0
         self._queued = 0
         self._inflight_chunks = 0
@@ -248,19 +245,14 @@ class Scheduler:
         Requests already being cancelled or failing are left to finish on their own.
         """
         out: list[Finished] = []
-        for rid in list(self._by_owner.get(owner, ())):
+        # The owner's set goes now; its copies still in flight finish without it (`_finish`).
+        for rid in self._by_owner.pop(owner, ()):
             state = self._tracks[rid].req.state
             if state is RequestState.CANCELLED or state is RequestState.FAILED:
                 continue
             fin = self.cancel(rid, now)
             if fin is not None:
                 out.append(fin)
-        ids = self._by_owner.get(owner)
-        if ids is not None:
-            if ids:
-                self._dropped.add(owner)  # chunks in flight: the last to finish removes the set
-            else:
-                del self._by_owner[owner]
         return out
 
     # --- the per-chunk path --------------------------------------------------------------
@@ -447,11 +439,9 @@ class Scheduler:
         req = t.req
         missed = outcome == "done" and req.deadline is not None and req.last_done is not None and req.last_done > req.deadline
         del self._tracks[req.id]
-        ids = self._by_owner[req.owner]
-        ids.discard(req.id)
-        if not ids and self._dropped and req.owner in self._dropped:  # see ``_by_owner``
-            del self._by_owner[req.owner]
-            self._dropped.discard(req.owner)
+        ids = self._by_owner.get(req.owner)
+        if ids is not None:  # None: the owner was dropped while this copy was in flight
+            ids.discard(req.id)
         tenant = t.tenant
         tenant.tracks -= 1
         tenant.pending -= t.charged

@@ -529,10 +529,10 @@ def test_drop_owner_touches_only_that_owner() -> None:
     assert outcomes == {1: "cancelled", 2: "done", 3: "cancelled", 4: "cancelled"}
     # No bookkeeping outlives a dropped owner, whose chunks were in flight when it went; an owner
     # still about keeps its (empty) set of requests for its next copy.
-    assert "x" not in s._by_owner and not s._dropped
+    assert "x" not in s._by_owner
     assert s._by_owner.get("y") == set()
     s.drop_owner("y", 0.0)
-    assert "y" not in s._by_owner and not s._dropped
+    assert "y" not in s._by_owner
 
 
 # --- fifo mode, reload, stats ----------------------------------------------------------------
