@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .cuda_ipc import _is_torch_tensor, device_span
-from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, status_codes
+from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, one_gpu, status_codes
 from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
@@ -268,8 +268,11 @@ class DirectPair:
                 f"buffers of {self.src_bytes} and {self.dst_bytes} bytes"
             )
         owner = self._owner
-        with DeviceScope(self._device):
+        if owner.one_gpu:  # nothing to make current, and no scope to pay for (`DeviceScope`)
             owner._run(self._device, self._slot, self.dst + dst_offset, self.src + src_offset, n)
+        else:
+            with DeviceScope(self._device):
+                owner._run(self._device, self._slot, self.dst + dst_offset, self.src + src_offset, n)
         return n
 
     @contextmanager
@@ -298,8 +301,11 @@ class DirectPair:
         bytes (see `DirectCopies`), else by ``cuMemcpyBatchAsync`` (or one ``cudaMemcpyAsync``
         per block where the driver has no batched call). Returns the bytes copied."""
         cells, total, largest = direct_table(segments, self.dst_bytes, self.src_bytes)
-        with DeviceScope(self._device):
+        if self._owner.one_gpu:
             self._owner._run_batch(self, cells, total, largest)
+        else:
+            with DeviceScope(self._device):
+                self._owner._run_batch(self, cells, total, largest)
         return total
 
 
@@ -333,6 +339,9 @@ class DirectCopies:
         self._batched: Any = None
         """`BatchedDma`, made on the first batch."""
         self._lock = threading.Lock()
+        self.one_gpu = one_gpu()
+        """This process sees one GPU: a copy has no device to make current, and skips the
+        `DeviceScope` (docs/benchmarks.md, "Direct copies: the client's own cost")."""
 
     def copy(self, dst: object, src: object, nbytes: int | None = None) -> int:
         """Copy ``nbytes`` (default: all of ``src``) from ``src`` to ``dst``, one on the host
@@ -357,12 +366,13 @@ class DirectCopies:
 
     def _run(self, device: int, slot: int, dst: int, src: int, n: int) -> None:
         """One copy on ``device`` (current), announced on ``slot``, waited for."""
-        rt = self._rt
         stream = self._streams.get(device) or self._stream(device)
         page = self.page
         page.begin(slot)
         try:
-            check(rt.cudaMemcpyAsync(dst, src, n, self._default, stream))
+            (err,) = self._rt.cudaMemcpyAsync(dst, src, n, self._default, stream)
+            if err is not self._ok:
+                check((err,))
             self._wait(stream)
         finally:
             page.end(slot)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "handle_from_bytes",
     "handle_to_bytes",
     "local_ordinal",
+    "one_gpu",
     "pool_export_from_bytes",
     "status_codes",
 ]
@@ -191,11 +193,20 @@ def local_ordinal(device_uuid: str) -> int:
     )
 
 
+@functools.cache
+def one_gpu() -> bool:
+    """Whether this process sees exactly one GPU (asked once: CUDA_VISIBLE_DEVICES is read at
+    start-up and never again)."""
+    return device_count() == 1
+
+
 class DeviceScope:
     """Make ``device`` current for a block of client-side calls, then restore the caller's device.
 
     Client helpers run inside an application (PyTorch, CuPy) whose current device we must not
-    change behind its back.
+    change behind its back. A process that sees one GPU has only device 0 to be current, so the
+    scope asks nothing: ``cudaGetDevice`` was 8-17 us of a direct 64 KiB copy's ~63 on the H200
+    after 5 ms asleep (docs/benchmarks.md, "Direct copies: the client's own cost").
     """
 
     def __init__(self, device: int) -> None:
@@ -203,6 +214,8 @@ class DeviceScope:
         self._previous: int | None = None
 
     def __enter__(self) -> None:
+        if self._device == 0 and one_gpu():
+            return
         rt, _ = bindings()
         self._previous = int(check(rt.cudaGetDevice()))
         if self._previous != self._device:
