@@ -1,4 +1,4 @@
-"""A/B (run on the H200, 2026-12-01 ~21:14 UTC, on a tree where DeviceScope kept a class flag
+"""A/B (run on the H200, 2026-12-01 ~21:12 UTC, on a tree where DeviceScope kept a class flag
 `_one_gpu`, since replaced by `one_gpu()`): a direct 64 KiB h2d copy with DeviceScope asking cudaGetDevice (as before) and without
 (one GPU), and a bare cudaMemcpyAsync + spin, interleaved, each after 5 ms asleep."""
 import json

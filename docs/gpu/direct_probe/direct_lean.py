@@ -1,4 +1,4 @@
-"""A/B (run on the H200 2026-12-01 ~21:15 UTC at 1dd229b plus DeviceScope.one_gpu, "before"; ~21:16 with
+"""A/B (run on the H200 2026-12-01 ~21:13 UTC at 1dd229b plus DeviceScope.one_gpu, "before"; ~21:14 with
 the committed direct path, "after"): the direct copy as committed, a lean one (no scope object,
 hold-page words written inline), and a bare cudaMemcpyAsync + spin, interleaved, after 5 ms asleep."""
 import json

@@ -1,5 +1,5 @@
 """Cold cost of each piece of a direct 64 KiB h2d copy against a bare one, each after 5 ms asleep
-(run on the H200 at 1dd229b, 2026-12-01 ~21:12 UTC; output: direct_pieces.json)."""
+(run on the H200 at 1dd229b, 2026-12-01 ~21:11 UTC; output: direct_pieces.json)."""
 
 import json
 import os
