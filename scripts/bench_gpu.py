@@ -526,19 +526,24 @@ def urgent_client(
     return out
 
 
+def bulk_rate(lane_bytes: int, urgent_bytes: int, seconds: float, direct: bool) -> float:
+    """Bulk GB/s from the bytes the daemon counted on a lane over ``seconds``. It counts the
+    chunks it ran: urgent copies made through it are among them and come out; ``direct`` ones
+    (the client's own DMA) never were, and taking them out read bulk ~0.02 of the link low."""
+    return (lane_bytes - (0 if direct else urgent_bytes)) / seconds / 1e9
+
+
 def bulk_per_size(loaded: dict[str, Any], directions: tuple[str, ...], count: int, direct: bool) -> dict[str, dict[str, float]]:
     """Bulk GB/s on each loaded lane while the urgent copies of one size ran (``count`` of them,
     every 5 ms), their own bytes taken out. A 16 MiB urgent copy every 5 ms is itself ~6% of the
     H200's link, which bulk cannot have; 64 KiB copies are 0.02%. So the figure for the whole
     loaded phase (``bulk_gbps``) mixes the scheduler's cost with the urgent bytes' own share, and
-    this one shows each apart. ``direct``: the urgent bytes were never the daemon's to count."""
+    this one shows each apart."""
     out: dict[str, dict[str, float]] = {}
     for key, (before, after, wall) in loaded.get("_lane_bytes", {}).items():
         direction, n = key.split("/")
-        out[key] = {}
-        for d in directions:
-            moved = after[f"gpu0/{d}"] - before[f"gpu0/{d}"] - (int(n) * count if d == direction and not direct else 0)
-            out[key][d] = moved / wall / 1e9
+        lanes = {d: after[f"gpu0/{d}"] - before[f"gpu0/{d}"] for d in directions}
+        out[key] = {d: bulk_rate(moved, int(n) * count if d == direction else 0, wall, direct) for d, moved in lanes.items()}
     return out
 
 
@@ -595,9 +600,7 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
         lane = f"gpu0/{d}"
         moved_urgent = urgent_bytes(loaded, d)
         alone[d] = (b4[lane] - b3[lane]) / (t4 - t3) / 1e9
-        # The daemon counts the bytes of the chunks it ran: urgent copies through it are in
-        # there, direct ones (the client's own DMA) are not and must not be taken out again.
-        results[d] = (b2[lane] - b1[lane] - (0 if direct else moved_urgent)) / (t2 - t1) / 1e9
+        results[d] = bulk_rate(b2[lane] - b1[lane], moved_urgent, t2 - t1, direct)
         urgent_rate[d] = moved_urgent / (t2 - t1) / 1e9
     moved_alone = sum(b4[f"gpu0/{d}"] - b3[f"gpu0/{d}"] for d in load.directions)
     cpu = {

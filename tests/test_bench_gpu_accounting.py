@@ -1,0 +1,65 @@
+"""scripts/bench_gpu.py's bulk figures, on any machine: the daemon counts the chunks it ran on a
+lane, so urgent copies made through it come out of that count, and direct ones (the client's
+own DMA, never counted there) do not. Until session 10 they did, and the direct rows' bulk read
+about 0.02 of the link low."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from priod.testing.scripts import import_script
+
+ROOT = Path(__file__).resolve().parents[1]
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    return import_script(ROOT / "scripts" / "bench_gpu.py", "priod_bench_gpu")
+
+
+def test_urgent_bytes_through_the_daemon_come_out_direct_ones_do_not(bench: Any) -> None:
+    lane, urgent = 50_000_000_000, 1_000_000_000
+    assert bench.bulk_rate(lane, urgent, 1.0, direct=False) == pytest.approx(49.0)
+    assert bench.bulk_rate(lane, urgent, 1.0, direct=True) == pytest.approx(50.0)
+
+
+def test_bulk_per_size_takes_each_size_apart_and_only_its_own_lane(bench: Any) -> None:
+    """Two sizes, h2d and d2h both loaded, urgent copies h2d only: each size's window gives
+    bulk per lane over its own seconds; the d2h lane never loses urgent bytes."""
+    count = 100
+    loaded = {
+        "_lane_bytes": {
+            f"h2d/{64 * KiB}": ({"gpu0/h2d": 0, "gpu0/d2h": 0}, {"gpu0/h2d": 25_000_000_000 + 64 * KiB * count, "gpu0/d2h": 20_000_000_000}, 0.5),
+            f"h2d/{16 * MiB}": ({"gpu0/h2d": 0, "gpu0/d2h": 0}, {"gpu0/h2d": 23_000_000_000 + 16 * MiB * count, "gpu0/d2h": 24_000_000_000}, 0.5),
+        }
+    }
+    through = bench.bulk_per_size(loaded, ("h2d", "d2h"), count, direct=False)
+    assert through[f"h2d/{64 * KiB}"] == pytest.approx({"h2d": 50.0, "d2h": 40.0})
+    assert through[f"h2d/{16 * MiB}"] == pytest.approx({"h2d": 46.0, "d2h": 48.0})
+    direct = bench.bulk_per_size(loaded, ("h2d", "d2h"), count, direct=True)
+    assert direct[f"h2d/{16 * MiB}"]["h2d"] == pytest.approx((23_000_000_000 + 16 * MiB * count) / 0.5 / 1e9)
+    assert direct[f"h2d/{16 * MiB}"]["d2h"] == pytest.approx(48.0)
+
+
+def _render(bench: Any, name: str) -> list[str]:
+    with gzip.open(ROOT / "docs" / "gpu" / name) as f:
+        return list(bench.render(json.load(f)).splitlines())
+
+
+def test_the_table_shows_bulk_per_size_and_falls_back_for_older_results(bench: Any) -> None:
+    """Session 10's recorded run: the 64 KiB direct row shows bulk while those copies ran (0.927
+    of raw, h2d, no co-tenant), the row summary the whole phase (0.907). A results file from
+    before has no per-size figures: its table shows the whole phase's bulk, as it did."""
+    lines = _render(bench, "bench_gpu_1201_session10.json.gz")
+    row = next(ln for ln in lines if ln.startswith("h2d   h2d 64 KiB direct ") and " none " in ln)
+    assert row.split()[-2:] == ["0.927", "0.927"]  # x raw, link (64 KiB every 5 ms: 0.02% of it)
+    assert any("whole urgent phase h2d 50.2 (x raw 0.907)" in ln for ln in lines)
+    old = _render(bench, "bench_gpu_1201_session9_run1.json.gz")
+    row = next(ln for ln in old if ln.startswith("h2d   h2d 64 KiB direct ") and " none " in ln)
+    assert row.split()[-2:] == ["0.881", "0.900"]  # the whole phase, as recorded then
