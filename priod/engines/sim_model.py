@@ -391,6 +391,10 @@ class Worker(threading.Thread):
         # Offsets into the two arrays, not a view per segment: a batch of 512 blocks of 16 KiB
         # moved in 1.0 ms through views, 0.77 without (this VM).
         for d, s, size in job.spans():
+            if moved + size < SLICE_BYTES:  # a batch's small block: one slice, paced with the next
+                dst[d : d + size] = src[s : s + size]
+                moved += size
+                continue
             done = 0
             while done < size:
                 k = min(SLICE_BYTES - moved, size - done)
