@@ -341,7 +341,7 @@ class DirectCopies:
         self._lock = threading.Lock()
         self.one_gpu = one_gpu()
         """This process sees one GPU: a copy has no device to make current, and skips the
-        `DeviceScope` (docs/benchmarks.md, "Direct copies: the client's own cost")."""
+        `DeviceScope` (docs/benchmarks.md, session 10, "A direct copy's own cost on the client")."""
 
     def copy(self, dst: object, src: object, nbytes: int | None = None) -> int:
         """Copy ``nbytes`` (default: all of ``src``) from ``src`` to ``dst``, one on the host
