@@ -5,7 +5,8 @@ of little-endian uint64 triples, 24 bytes a segment. They are decoded with numpy
 the frame's bytes (no Python loop, no per-segment object) and checked as a unit before
 anything is queued (`Segments.decode`, `Segments.check_regions`). The scheduler then sees a
 batch as one request of ``total`` bytes, chunked like any copy: a chunk is a byte range of the
-segments laid end to end, and `Segments.piece` says which parts of which segments it covers.
+segments laid end to end, and `Segments.piece` gives the rows (the parts of segments) it covers,
+in the wire's own row layout, which is what every engine takes.
 
 Nothing here does I/O or knows about engines; the checks cost O(N log N) numpy work for N
 segments (measured by ``tests/test_batch.py::test_largest_batch_is_checked_quickly``).
@@ -20,7 +21,7 @@ import numpy.typing as npt
 
 from .errors import InvalidRequest
 
-__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "SMALL_BLOCK_MEAN", "Segments", "encode_segments"]
+__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "SMALL_BLOCK_MEAN", "Cells", "Segments", "encode_segments"]
 
 SEGMENT_BYTES = 24
 """One segment on the wire: three little-endian uint64 (dst_offset, src_offset, nbytes)."""
@@ -47,6 +48,9 @@ MAX_SEGMENTS_PER_CHUNK = 4096
 _WIRE = np.dtype("<u8")
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
+Cells = npt.NDArray[np.uint64]
+"""An (N, 3) uint64 table, C order: row i is segment i's (dst_offset, src_offset, nbytes), as on
+the wire and as the copy kernel reads it."""
 
 
 def encode_segments(segments: object) -> bytes:
@@ -71,6 +75,8 @@ def encode_segments(segments: object) -> bytes:
 class Segments:
     """A checked segment table. Offsets are relative to the regions' starts."""
 
+    cells: Cells
+    """The table as it came (read-only, a view of the frame's bytes); the three columns below are views of it."""
     dst: U64
     src: U64
     size: U64
@@ -107,7 +113,7 @@ class Segments:
         if int(table.max()) >= 1 << 62:
             raise InvalidRequest("a segment's offset or size is 2**62 or more, past any region; check the triples' order (dst_offset, src_offset, nbytes)")
         ends = np.cumsum(size, dtype=np.int64)
-        return cls(dst, src, size, ends, int(ends[-1]))
+        return cls(table, dst, src, size, ends, int(ends[-1]))
 
     def check_regions(self, dst_nbytes: int, src_nbytes: int, shift: int | None, dst_id: int, src_id: int) -> None:
         """Every segment within its region; no two destination segments overlap; no
@@ -188,23 +194,20 @@ class Segments:
         # is only what is left, which no segment cost should split into one-byte chunks.
         return max(end, min(int(ends[first]), offset + size)) - offset
 
-    def piece(self, offset: int, nbytes: int) -> tuple[U64, U64, U64]:
-        """(dst offsets, src offsets, sizes) of batch bytes [offset, offset + nbytes): the
-        table's own columns (read-only) for the whole batch, else copies."""
+    def piece(self, offset: int, nbytes: int) -> Cells:
+        """The rows of batch bytes [offset, offset + nbytes): the table itself (read-only) for
+        the whole batch, else a copy of the rows it touches, the first and last trimmed."""
         if offset == 0 and nbytes == self.total:
-            return self.dst, self.src, self.size  # an express batch, or one chunk: no numpy call
+            return self.cells  # an express batch, or one chunk: no numpy call
         ends = self.ends
         first = int(np.searchsorted(ends, offset, side="right"))
         last = int(np.searchsorted(ends, offset + nbytes, side="left")) + 1
-        dst = self.dst[first:last].copy()
-        src = self.src[first:last].copy()
-        size = self.size[first:last].copy()
-        head = offset - (int(ends[first]) - int(size[0]))  # bytes of the first segment already sent
+        rows = self.cells[first:last].copy()
+        head = offset - (int(ends[first]) - int(rows[0, 2]))  # bytes of the first segment already sent
         if head:
-            dst[0] += np.uint64(head)
-            src[0] += np.uint64(head)
-            size[0] -= np.uint64(head)
+            d, s, n = rows[0].tolist()
+            rows[0] = (d + head, s + head, n - head)
         over = int(ends[last - 1]) - (offset + nbytes)  # bytes of the last segment left for later
         if over:
-            size[-1] -= np.uint64(over)
-        return dst, src, size
+            rows[-1, 2] = int(rows[-1, 2]) - over
+        return rows

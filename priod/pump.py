@@ -377,10 +377,8 @@ class Pump:
                     )
                 else:
                     # A batch's chunk: the parts of its segments that bytes [offset, +nbytes) cover.
-                    dst_offs, src_offs, sizes = req.segments.piece(chunk.offset, chunk.nbytes)
-                    completion = self.engine.submit_segments(
-                        req.lane, chunk.path, target.dst_mem, dst_offs, target.src_mem, src_offs, sizes, strict=chunk.strict, gated=chunk.gated
-                    )
+                    cells = req.segments.piece(chunk.offset, chunk.nbytes)
+                    completion = self.engine.submit_segments(req.lane, chunk.path, target.dst_mem, target.src_mem, cells, strict=chunk.strict, gated=chunk.gated)
             except PriodError as exc:
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):

@@ -126,10 +126,11 @@ def test_chunks_cover_every_segment_byte_exactly_once() -> None:
             size = int(rng.integers(1, 20000))
             nbytes = table.cut(offset, size, cost)
             assert 1 <= nbytes <= min(size, table.total - offset)
-            d, s, k = table.piece(offset, nbytes)
-            assert int(k.sum()) == nbytes and (k > 0).all()
+            rows = table.piece(offset, nbytes)
+            k = rows[:, 2]
+            assert rows.shape == (len(k), 3) and int(k.sum()) == nbytes and (k > 0).all()
             assert nbytes + cost * len(k) <= size or len(k) == 1
-            got.extend(zip(d.tolist(), s.tolist(), k.tolist(), strict=True))
+            got.extend(map(tuple, rows.tolist()))
             offset += nbytes
         # Glue the pieces back together and compare with the table, byte range by byte range.
         merged: list[list[int]] = []
@@ -143,18 +144,21 @@ def test_chunks_cover_every_segment_byte_exactly_once() -> None:
         assert table.segments_done(int(sizes[0])) == 1 and table.segments_done(int(sizes[0]) - 1) == 0
 
 
-def test_a_whole_batch_is_one_piece_of_its_own_columns() -> None:
-    """An express batch goes out whole: its cut is every byte and its piece the table's own
-    columns (no copy), as the general path would give them; a part still gets copies."""
+def test_a_whole_batch_is_one_piece_of_its_own_rows() -> None:
+    """An express batch goes out whole: its cut is every byte and its piece the wire table
+    itself (no copy, rows as the copy kernel reads them); a part gets a copy, never a view
+    that trimming would write through."""
     segs = scattered(300, 64, 1024, seed=5)
     table = Segments.decode(encode_segments(segs))
     assert table.cut(0, 1 << 40, 0) == table.total == 300 * 64
     assert table.cut(0, 1000, 0) == 1000
-    d, s_, k = table.piece(0, table.total)
-    assert d is table.dst and s_ is table.src and k is table.size
-    assert np.stack([d, s_, k], axis=1).tolist() == segs.tolist()
+    whole = table.piece(0, table.total)
+    assert whole is table.cells and whole.flags.c_contiguous and whole.tolist() == segs.tolist()
     head = table.piece(0, table.total - 1)
-    assert head[2][-1] == 63 and head[0] is not table.dst and head[0].tolist() == segs[:, 0].tolist()
+    assert head[-1, 2] == 63 and not np.shares_memory(head, table.cells) and head[:, :2].tolist() == segs[:, :2].tolist()
+    tail = table.piece(10, table.total - 10)
+    assert tail[0].tolist() == [segs[0, 0] + 10, segs[0, 1] + 10, 54] and tail[1:].tolist() == segs[1:].tolist()
+    assert table.cells.tolist() == segs.tolist()  # trimming the pieces left the table as it came
 
 
 def test_largest_batch_is_checked_quickly() -> None:
@@ -195,7 +199,7 @@ def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
         assert chunks and all(c.request.id == 1 for c in chunks)
         if mode == "priod":
             chunk_bytes = s.lane_params(lane).batch_chunk_bytes
-            assert all(c.nbytes + per_segment * len(table.piece(c.offset, c.nbytes)[2]) <= chunk_bytes for c in chunks)
+            assert all(c.nbytes + per_segment * len(table.piece(c.offset, c.nbytes)) <= chunk_bytes for c in chunks)
         done = handed = 0
         while not s.idle:
             handed += len(chunks)

@@ -224,8 +224,7 @@ def test_a_peer_chunk_is_one_peer_copy_on_the_source_gpu_naming_both(monkeypatch
     copies = [c for c in rt.calls if c[1] == "peer_copy"]
     assert copies == [(0, "peer_copy", 5016, 1, 9032, 0, 100, info.dma), (0, "peer_copy", 5000, 1, 9000, 0, 8, info.strict)]
     rt.calls.clear()
-    u64 = np.uint64
-    eng.submit_segments(lane, Path.DMA, dst, np.array([0, 64], u64), src, np.array([8, 200], u64), np.array([16, 32], u64))
+    eng.submit_segments(lane, Path.DMA, dst, src, np.array([[0, 8, 16], [64, 200, 32]], np.uint64))
     assert rt.calls == [(0, "peer_copy", 5000, 1, 9008, 0, 16, info.dma), (0, "peer_copy", 5064, 1, 9200, 0, 32, info.dma)]
 
 

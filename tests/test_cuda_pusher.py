@@ -102,8 +102,8 @@ def _pushing_engine(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Runtime, _Blo
 def _submit(eng: Any, strict: bool = False) -> Any:
     """A chunk of two segments on gpu0/d2d (the calls recorded so far cleared first)."""
     eng._rt.calls.clear()
-    offs, sizes = np.array([0, 64], np.uint64), np.array([16, 32], np.uint64)
-    return eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), offs, _dev(9000, 0), offs, sizes, strict=strict)
+    cells = np.array([[0, 0, 16], [64, 64, 32]], np.uint64)
+    return eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), _dev(9000, 0), cells, strict=strict)
 
 
 def test_a_bulk_batch_chunk_is_enqueued_by_the_pusher_and_not_done_before(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,11 +197,11 @@ def test_a_gated_bulk_batch_chunk_waits_on_its_gate_first_on_the_pushers_thread(
 
     eng._wait_value = wait_value
     blocked.release.set()
-    offs, sizes = np.array([0, 64], np.uint64), np.array([16, 32], np.uint64)
+    cells = np.array([[0, 0, 16], [64, 64, 32]], np.uint64)
     for gated, gate in ((True, "gate-word"), (False, "gate-word"), (True, None)):
         lane.gate = gate
         rt.calls.clear()
-        c = eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), offs, _dev(9000, 0), offs, sizes, gated=gated)
+        c = eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), _dev(9000, 0), cells, gated=gated)
         _wait(lambda c=c: not c.pending)
         kinds = [call[1] for call in rt.calls if call[1] in ("wait", "batched", "record")]
         if gated and gate is not None:

@@ -97,7 +97,7 @@ def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str)
         if direction is not Direction.D2H:
             whole(h2d, dst, dst_h.mem)
         path = Path.EXPRESS if mode == "express" else Path.DMA
-        _wait(engine.submit_segments(LaneKey(0, direction), path, dst, table.dst, src, table.src, table.size))
+        _wait(engine.submit_segments(LaneKey(0, direction), path, dst, src, table.cells))
         if mode == "batched":
             # A batched call that failed on first use falls back to the loop silently (and says
             # so in status): here that must fail the test, or it would pass without the API.

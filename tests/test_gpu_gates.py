@@ -59,9 +59,9 @@ def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: st
         if form == "chunk":
             gated = engine.submit(H2D, Path.DMA, dev, head, host, head, TAIL, gated=True)
         else:
-            offsets = np.arange(head, REGION, 64 << 10, dtype=np.uint64)[::-1].copy()
-            sizes = np.full(len(offsets), 64 << 10, dtype=np.uint64)
-            gated = engine.submit_segments(H2D, Path.DMA, dev, offsets, host, offsets, sizes, gated=True)
+            offsets = np.arange(head, REGION, 64 << 10, dtype=np.uint64)[::-1]
+            cells = np.stack([offsets, offsets, np.full(len(offsets), 64 << 10, dtype=np.uint64)], axis=1)
+            gated = engine.submit_segments(H2D, Path.DMA, dev, host, cells, gated=True)
         # The other lane's gate is open: its gated chunk goes while h2d's waits.
         other = engine.submit(D2H, Path.DMA, host, REGION, dev, 0, TAIL, gated=True)
         _wait(other)

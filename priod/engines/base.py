@@ -305,24 +305,20 @@ class Engine(ABC):
         lane: LaneKey,
         path: Path,
         dst: Memory,
-        dst_offsets: npt.NDArray[np.uint64],
         src: Memory,
-        src_offsets: npt.NDArray[np.uint64],
-        sizes: npt.NDArray[np.uint64],
+        cells: npt.NDArray[np.uint64],
         *,
         strict: bool = False,
         gated: bool = False,
     ) -> Completion:
-        """Start one chunk of a batch: ``sizes[i]`` bytes from ``src_offsets[i]`` to
-        ``dst_offsets[i]`` for each i, in no set order, as one unit (one completion, FIFO with
+        """Start one chunk of a batch: for each row ``(dst_offset, src_offset, nbytes)`` of
+        ``cells`` (an (N, 3) uint64 table, C order, `priod.batch.Cells`), ``nbytes`` bytes from
+        ``src_offset`` to ``dst_offset``, in no set order, as one unit (one completion, FIFO with
         the lane's other chunks). The caller has checked the table (priod/batch.py).
 
         This default submits one chunk per segment; engines with a batched call override it.
         """
-        parts = [
-            self.submit(lane, path, dst, int(d), src, int(s_), int(n), strict=strict, gated=gated)
-            for d, s_, n in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(), strict=True)
-        ]
+        parts = [self.submit(lane, path, dst, d, src, s_, n, strict=strict, gated=gated) for d, s_, n in cells.tolist()]
         return parts[0] if len(parts) == 1 else AllOf(parts)
 
     def set_gates(self, closed: frozenset[LaneKey]) -> None:  # noqa: B027 - optional hook

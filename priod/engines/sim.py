@@ -222,17 +222,15 @@ class SimEngine(Engine):
         lane: LaneKey,
         path: Path,
         dst: Memory,
-        dst_offsets: npt.NDArray[np.uint64],
         src: Memory,
-        src_offsets: npt.NDArray[np.uint64],
-        sizes: npt.NDArray[np.uint64],
+        cells: npt.NDArray[np.uint64],
         *,
         strict: bool = False,
         gated: bool = False,
     ) -> Completion:
         """One job for the whole chunk: its segments move one after another on the lane's
         thread, paced by their bytes together, as one entry of the lane's FIFO."""
-        nbytes = int(sizes.sum())
+        nbytes = int(cells[:, 2].sum())
         completion = SimCompletion()
         job = Job(
             _view(dst),
@@ -243,7 +241,7 @@ class SimEngine(Engine):
             stall_s=self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
             gated=gated,
         )
-        job.segments = (dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist())
+        job.segments = cells.tolist()
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
             worker.submitted += 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -147,16 +147,16 @@ class Job:
         """Co-tenant compute wait before the copy starts (express only), drawn at submission."""
         self.gated = gated
         """It may not begin while its engine's gate is closed (`Worker.set_gate`)."""
-        self.segments: tuple[list[int], list[int], list[int]] | None = None
-        """A batch's chunk: (dst offsets, src offsets, sizes) into ``dst`` and ``src`` (the
-        offsets above are then unused). The views are cut on the engine's thread, not the loop's."""
+        self.segments: list[list[int]] | None = None
+        """A batch's chunk: its rows [dst offset, src offset, bytes] into ``dst`` and ``src``
+        (the offsets above are then unused). The views are cut on the engine's thread, not the loop's."""
 
-    def spans(self) -> Iterable[tuple[int, int, int]]:
+    def spans(self) -> Iterable[Sequence[int]]:
         """(dst offset, src offset, bytes) of each part, in order: a batch chunk's segments,
         else the one range."""
         if self.segments is None:
             return ((self.dst_offset, self.src_offset, self.nbytes),)
-        return zip(*self.segments, strict=True)
+        return self.segments
 
 
 class HostBus:
@@ -270,7 +270,7 @@ class Worker(threading.Thread):
             return False  # another context has the engine, or is owed it: queue behind it
         if job.gated and self._gate_closed:
             return False
-        if job.segments is not None and len(job.segments[0]) > INLINE_MAX_SEGMENTS:
+        if job.segments is not None and len(job.segments) > INLINE_MAX_SEGMENTS:
             return False  # a Python step per segment: thousands of tiny ones would hold the loop
         started = time.perf_counter()
         if job.segments is None:  # the usual inline job, one slice assignment (see `Job`)

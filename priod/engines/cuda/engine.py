@@ -279,23 +279,22 @@ class CudaEngine(Engine):
         lane: LaneKey,
         path: Path,
         dst: Memory,
-        dst_offsets: npt.NDArray[np.uint64],
         src: Memory,
-        src_offsets: npt.NDArray[np.uint64],
-        sizes: npt.NDArray[np.uint64],
+        cells: npt.NDArray[np.uint64],
         *,
         strict: bool = False,
         gated: bool = False,
     ) -> Completion:
-        """Start one chunk of a batch, followed by one event. DMA: one ``cuMemcpyBatchAsync``
+        """Start one chunk of a batch (``cells``: its (N, 3) rows), followed by one event. DMA: one ``cuMemcpyBatchAsync``
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
         stream `submit` would use; a bulk chunk of several segments is enqueued by the pusher's
         thread (`_push_batch`), an urgent one at once. Express: the copy kernel's table form, one
         launch per `TABLE_MAX` (256) segments (a launch per segment where the kernel has no table form). A
         peer lane's chunk (DMA only) is one ``cudaMemcpyPeerAsync`` per segment."""
         dev, info, s_host, d_host = self._ends(lane, dst, src)
-        if not len(sizes):
+        if not len(cells):
             return Done()
+        dst_offsets, src_offsets, sizes = cells[:, 0], cells[:, 1], cells[:, 2]
         # The daemon checked the batch (batch.py); a bound here costs little and keeps a wrong
         # table off the GPU. Largest offset plus largest size first: a few numpy calls fewer.
         largest = int(sizes.max())
@@ -327,7 +326,7 @@ class CudaEngine(Engine):
             stream = info.express
             sp = s_host.device_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
             dp = d_host.device_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
-            self._kernel.launch_table(dev, dp, sp, np.stack((dst_offsets, src_offsets, sizes), axis=1), info.express_cu, largest=largest)
+            self._kernel.launch_table(dev, dp, sp, cells, info.express_cu, largest=largest)  # the rows as they came: no table built
         return self._record(dev, info, stream)
 
     def _push_batch(
