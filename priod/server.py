@@ -23,19 +23,18 @@ from typing import Any
 import structlog
 
 from . import __version__
+from .admission import PRIVILEGED_RESERVE, Admission
 from .config import Config
+from .copies import cancel_copy, copy_finished, signal_recorded
 from .engines.base import Engine
 from .errors import PriodError
-from .replies import ErrorReply
 from .metrics import Metrics
 from .pump import Pump
 from .regions import RegionTable
-from .scheduler import Scheduler
-from .copies import signal_recorded
-from .session import Session, Shared, copy_finished
-from .copies import cancel_copy
-from .admission import PRIVILEGED_RESERVE, Admission
+from .replies import ErrorReply
 from .report import refresh_metrics, refresh_metrics_loop, status
+from .scheduler import Scheduler
+from .session import Session, Shared
 from .transport import FramedSocket, Peer, close_received, peer_credentials
 
 __all__ = ["Daemon", "bind_unix_socket"]
