@@ -33,15 +33,13 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import numpy as np
-import numpy.typing as npt
 
+from .batch import Cells
 from .cuda_ipc import _is_torch_tensor, device_span
 from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, one_gpu, status_codes
 from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
-
-U64 = npt.NDArray[np.uint64]
 
 __all__ = ["KERNEL_BATCH_MEAN", "DirectCopies", "DirectPair", "HoldPage", "direct_table"]
 
@@ -176,7 +174,7 @@ class _BatchKernel:
         kernel = cls(device, int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device))))
         return kernel if ExpressKernel.load(cast(Any, kernel), ptx) is None else None
 
-    def launch(self, dst: int, src: int, cells: U64, largest: int, stream: Any) -> None:
+    def launch(self, dst: int, src: int, cells: Cells, largest: int, stream: Any) -> None:
         """Enqueue the batch, ``cells`` its (N, 3) uint64 segments row by row (C order) and
         ``largest`` the largest segment, on ``stream`` (this GPU current). Past one table, every
         other table runs on the side stream, joined back into ``stream``, so waiting for
@@ -213,7 +211,7 @@ class _BatchKernel:
         drv.cuModuleUnload(self.module)
 
 
-def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[U64, int, int]:
+def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[Cells, int, int]:
     """Check a direct batch's ``segments`` against buffers of ``dst_bytes`` and ``src_bytes``:
     the (N, 3) uint64 table row by row (C order, as the copy kernel reads it; no copy of such a
     table), its total bytes and its largest segment. Raises InvalidRequest naming the fault.
@@ -228,7 +226,7 @@ def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[U64,
     # A negative int64 becomes 2**63 or more here, caught with the figures no buffer can reach.
     # Reductions over a whole array or one column: numpy's across-rows ones (axis=0) cost 4 us
     # each, against under 1.
-    cells: U64 = np.ascontiguousarray(table, dtype=np.uint64)
+    cells: Cells = np.ascontiguousarray(table, dtype=np.uint64)
     sizes = cells[:, 2]
     if int(cells.max()) >= 1 << 62 or not sizes.all():
         raise InvalidRequest("every segment needs offsets >= 0 and nbytes >= 1, each below 2**62")
@@ -377,7 +375,7 @@ class DirectCopies:
         finally:
             page.end(slot)
 
-    def _run_batch(self, pair: DirectPair, cells: U64, total: int, largest: int) -> None:
+    def _run_batch(self, pair: DirectPair, cells: Cells, total: int, largest: int) -> None:
         """A batch of ``total`` bytes on the pair's GPU (current), ``cells`` its (N, 3) uint64
         segments row by row (checked: `direct_table`), ``largest`` the largest: announced once,
         enqueued, waited for."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from ..batch import Cells
 from ..errors import InvalidRequest
 from ..gpus import uuid_key
 
@@ -306,13 +307,13 @@ class Engine(ABC):
         path: Path,
         dst: Memory,
         src: Memory,
-        cells: npt.NDArray[np.uint64],
+        cells: Cells,
         *,
         strict: bool = False,
         gated: bool = False,
     ) -> Completion:
         """Start one chunk of a batch: for each row ``(dst_offset, src_offset, nbytes)`` of
-        ``cells`` (an (N, 3) uint64 table, C order, `priod.batch.Cells`), ``nbytes`` bytes from
+        ``cells`` (an (N, 3) uint64 table, C order), ``nbytes`` bytes from
         ``src_offset`` to ``dst_offset``, in no set order, as one unit (one completion, FIFO with
         the lane's other chunks). The caller has checked the table (priod/batch.py).
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from ..batch import Cells
 from ..errors import InvalidRequest
 from ..gpus import sim_uuid
 from ..ipc_event import parse_sim_handle
@@ -223,7 +224,7 @@ class SimEngine(Engine):
         path: Path,
         dst: Memory,
         src: Memory,
-        cells: npt.NDArray[np.uint64],
+        cells: Cells,
         *,
         strict: bool = False,
         gated: bool = False,

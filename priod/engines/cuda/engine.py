@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from priod.batch import Cells
 from priod.engines.base import (
     Completion,
     DeviceMemory,
@@ -280,7 +281,7 @@ class CudaEngine(Engine):
         path: Path,
         dst: Memory,
         src: Memory,
-        cells: npt.NDArray[np.uint64],
+        cells: Cells,
         *,
         strict: bool = False,
         gated: bool = False,
