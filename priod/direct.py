@@ -297,13 +297,25 @@ class DirectPair:
         as for `priod.Client.copy_batch`. One hold, one wait; the blocks move by the copy kernel's
         table form on this process's urgent stream where they average under `KERNEL_BATCH_MEAN`
         bytes (see `DirectCopies`), else by ``cuMemcpyBatchAsync`` (or one ``cudaMemcpyAsync``
-        per block where the driver has no batched call). Returns the bytes copied."""
-        cells, total, largest = direct_table(segments, self.dst_bytes, self.src_bytes)
-        if self._owner.one_gpu:
-            self._owner._run_batch(self, cells, total, largest)
-        else:
-            with DeviceScope(self._device):
-                self._owner._run_batch(self, cells, total, largest)
+        per block where the driver has no batched call). Returns the bytes copied.
+
+        The hold begins before the table is checked: the daemon closes the lane's gate (12-45
+        us after an announcement) and the bulk chunk running then drains while this process
+        checks the table and builds the launch, work that takes tens of microseconds on a
+        thread that has just woken (H200, six interleaved rounds under bulk: this batch minus a
+        contiguous copy p50 87 against 103 us, p99 96 against 132; docs/benchmarks.md, session
+        12). A table that fails its checks ends the hold at once."""
+        owner, page, slot = self._owner, self._owner.page, self._slot
+        page.begin(slot)
+        try:
+            cells, total, largest = direct_table(segments, self.dst_bytes, self.src_bytes)
+            if owner.one_gpu:
+                owner._run_batch(self, cells, total, largest)
+            else:
+                with DeviceScope(self._device):
+                    owner._run_batch(self, cells, total, largest)
+        finally:
+            page.end(slot)
         return total
 
 
@@ -377,8 +389,8 @@ class DirectCopies:
 
     def _run_batch(self, pair: DirectPair, cells: Cells, total: int, largest: int) -> None:
         """A batch of ``total`` bytes on the pair's GPU (current), ``cells`` its (N, 3) uint64
-        segments row by row (checked: `direct_table`), ``largest`` the largest: announced once,
-        enqueued, waited for."""
+        segments row by row (checked: `direct_table`), ``largest`` the largest: enqueued and
+        waited for, inside the hold the caller began (`DirectPair.copy_batch`)."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
         kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and total < KERNEL_BATCH_MEAN * len(cells) else None
@@ -386,16 +398,11 @@ class DirectCopies:
             from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
 
             self._batched = BatchedDma()
-        page = self.page
-        page.begin(pair._slot)
-        try:
-            if kernel is not None:
-                kernel.launch(pair.on_device[0], pair.on_device[1], cells, largest, stream)
-            else:
-                self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
-            self._wait(stream)
-        finally:
-            page.end(pair._slot)
+        if kernel is not None:
+            kernel.launch(pair.on_device[0], pair.on_device[1], cells, largest, stream)
+        else:
+            self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
+        self._wait(stream)
 
     def _kernel(self, device: int) -> _BatchKernel | None:
         """The copy kernel in this process's context on ``device`` (current), loaded on first

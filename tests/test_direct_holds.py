@@ -246,11 +246,21 @@ def test_the_page_cannot_be_resized_and_one_connection_gets_one() -> None:
     assert not holds.pages and holds.scan(1.0).held == frozenset()
 
 
-def test_a_direct_batch_table_is_checked_before_anything_moves() -> None:
-    pair = DirectPair(cast(DirectCopies, None), 1 << 40, 4096, 1 << 41, 8192, 0, 0)  # no CUDA is reached
+def test_a_direct_batch_table_is_checked_before_anything_moves_and_its_hold_ends() -> None:
+    """A direct batch announces itself before its table is checked (the daemon closes the gate
+    meanwhile); a table that fails the checks reaches no CUDA call and ends that hold."""
+    holds = Holds(hold_max_s=1.0, share=1.0, burst_s=1.0)
+    client = page_pair(holds)
+    slot = client.slot(None, "h2d")
+    owner = types.SimpleNamespace(page=client, one_gpu=True)  # no _run_batch: a CUDA call would fail the test
+    pair = DirectPair(cast(DirectCopies, owner), 1 << 40, 4096, 1 << 41, 8192, 0, slot)
+    now = 0.0
     for bad in ([[0, 0, 8192]], [[0, 4096, 4097]], [[0, 0, 0]], [[-1, 0, 16]], [[0, 0]], [], np.zeros((2, 3), dtype=np.float32)):
         with pytest.raises(InvalidRequest):
             pair.copy_batch(bad)
+        now += 0.001
+        assert holds.scan(now).held == frozenset()  # begun and ended: nothing left held
+    assert holds.copies == {H2D: 7} and holds.cut == {}  # each bad table was one announced copy
     with pytest.raises(InvalidRequest, match="do not fit"):
         pair.copy(4097)
 
