@@ -23,13 +23,31 @@ _EXPRESS = Path.EXPRESS
 """A module global: read per chunk, where ``Path.EXPRESS`` costs ~55 ns more on Python 3.11
 (EnumType's __getattr__ takes enum classes off the fast attribute path)."""
 
+BURST_S = 300e-6
+"""Urgent copies that arrive within this of the one before belong to one burst (an inference
+step's several copies): the beat is the time from one burst's first copy to the next's, and the
+long chunks between bursts start this long after a burst's last copy arrived."""
+BEAT_GAPS = 4
+"""Gaps between bursts a lane remembers: the beat is the shortest of them, so one early burst
+turns the long chunks off until four steady gaps have passed again."""
+BEAT_MARGIN_S = 150e-6
+"""Past draining the long chunks in flight, how long before the next burst is due the lane is
+back on its short bound."""
+BEAT_MIN_S = 1e-3
+"""The long chunks are used only where the beat leaves at least this long for them."""
+
 
 class Lane:
     """Per-lane state: parameters, class queues, tenants, and bytes in flight by kind."""
 
     __slots__ = (
+        "beat_from",
+        "beat_gaps",
+        "beat_lead",
+        "beat_until",
         "budget_rate",
         "burst",
+        "burst_start",
         "classes",
         "express_inflight",
         "fifo",
@@ -77,6 +95,15 @@ class Lane:
         """When a strict request last arrived: the short bound holds for ``urgent_window_ms`` after."""
         self.window = 0.0
         """``urgent_window_ms``, in seconds."""
+        self.burst_start = -math.inf
+        """When the current (or last) burst of urgent copies began (`urgent_arrived`)."""
+        self.beat_gaps: tuple[float, ...] = ()
+        """The last `BEAT_GAPS` times from one burst's start to the next's."""
+        self.beat_lead = 0.0
+        """``beat_block_us`` and `BEAT_MARGIN_S`, in seconds; 0: no long chunks between bursts."""
+        self.beat_from = math.inf
+        self.beat_until = -math.inf
+        """Between these, the burst over and the next not yet close, bulk runs the beat bound."""
         self.gate = False
         """``gate_bulk``: bulk DMA chunks under the short bound are handed out gated."""
         self.tenants: dict[TenantKey, Tenant] = {}
@@ -107,6 +134,9 @@ class Lane:
         self.fifo = deque()
         self.queued = 0
         self.window = policy.urgent_window_ms / 1e3
+        self.beat_lead = policy.beat_block_us / 1e6 + BEAT_MARGIN_S if policy.beat_block_us and policy.mode == "priod" else 0.0
+        self.beat_gaps = ()
+        self.beat_from, self.beat_until = math.inf, -math.inf
         self.gate = policy.gate_bulk and policy.mode == "priod"
         self.min_chunk = policy.min_chunk_bytes
         self.budget_rate = min(policy.urgent_budget_bytes_per_s, policy.urgent_budget_share * self.info.bandwidth)
@@ -129,6 +159,29 @@ class Lane:
             self.inflight += n * size
             tenant.inflight[BULK] += n
 
+    def urgent_arrived(self, now: float) -> None:
+        """An urgent copy arrived on this lane (a strict request, or a client's direct copy
+        begun): the short bound holds from now for ``urgent_window_ms``. Where ``beat_block_us``
+        is set, the copy also counts toward the lane's beat: a copy more than `BURST_S` after
+        the one before starts a burst, and once `BEAT_GAPS` gaps between bursts are known, bulk
+        runs the beat bound from `BURST_S` after this burst's last copy until the shortest of
+        those gaps, less ``beat_lead``, has passed since this burst began.
+
+        Measured in the lab on an H200 (docs/gpu/session12/anticipate_probe.py: one urgent copy
+        every 5 ms, 64 KiB-16 MiB, the gate closed by the client itself): 16-32 MiB chunks
+        between the copies kept 0.950-0.958 of the link over the whole phase, against 0.869-0.917
+        with 4 MiB ones throughout, at the same urgent latencies (64 KiB-1 MiB p99 118-197 us).
+        A copy that comes before the beat says waits for the long chunk running then."""
+        if self.beat_lead and now - self.last_strict >= BURST_S:
+            if self.burst_start > -math.inf:
+                self.beat_gaps = (*self.beat_gaps[1 - BEAT_GAPS :], now - self.burst_start)
+            self.burst_start = now
+            if len(self.beat_gaps) == BEAT_GAPS:
+                until = now + min(self.beat_gaps) - self.beat_lead
+                self.beat_until = until if until - (now + BURST_S) >= BEAT_MIN_S else -math.inf
+        self.last_strict = now
+        self.beat_from = now + BURST_S
+
     def bound(self, now: float, batch: bool = False) -> tuple[int, int]:
         """Chunk size and in-flight bound now, for chunks of a batch of small blocks or others:
         short while urgent copies are recent, else ``batch_block_us`` for such batches,
@@ -138,11 +191,15 @@ class Lane:
         27 MiB bulk chunks in flight a 64 KiB urgent DMA copy waited 550 us p50, ~1 ms p99; with
         4 MiB chunks, 93 / 152 us. Big chunks keep the link full with little polling; small
         ones cost polls. So bulk runs big chunks until an urgent copy shows up on the lane, and
-        small ones for ``urgent_window_ms`` after the last.
+        small ones for ``urgent_window_ms`` after the last, but for long ones between the bursts
+        of a steady beat (`urgent_arrived`).
         """
         p = self.params
         if now - self.last_strict < self.window:
-            chunk, bound = p.urgent_chunk_bytes, p.urgent_inflight_bytes
+            if self.beat_from <= now < self.beat_until:
+                chunk, bound = p.beat_chunk_bytes, p.beat_inflight_bytes
+            else:
+                chunk, bound = p.urgent_chunk_bytes, p.urgent_inflight_bytes
         elif batch:
             chunk, bound = p.batch_chunk_bytes, p.batch_inflight_bytes
         else:

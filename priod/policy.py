@@ -84,6 +84,11 @@ class SchedulerSettings:
     (smaller chunks, so an urgent DMA copy waits for less bulk). 0: keep ``max_block_us``."""
     urgent_window_ms: float = 100.0
     """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
+    beat_block_us: float = 0.0
+    """Within that window, where a lane's urgent copies come on a steady beat (an inference
+    step's), the bound between them: bulk runs chunks this long from just after one copy until
+    this long (and a margin) before the next is due, and the short bound around the copies
+    (lanes.py, `Lane.urgent_arrived`). 0: the short bound throughout the window."""
     batch_block_us: float = 4000.0
     """The bound that replaces ``max_block_us`` for bulk chunks of batches of small blocks
     (``SMALL_BLOCK_MEAN``, batch.py) while no urgent copy is recent on the lane (0: keep ``max_block_us``). The driver takes about as long to enqueue a
@@ -150,6 +155,7 @@ def validate_policy(policy: Policy) -> None:
     need(policy.aging_ms > 0, f"[scheduler] aging_ms = {policy.aging_ms} is invalid; set it > 0")
     need(policy.batch_block_us >= 0, f"[scheduler] batch_block_us = {policy.batch_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
     need(policy.urgent_block_us >= 0, f"[scheduler] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
+    need(policy.beat_block_us >= 0, f"[scheduler] beat_block_us = {policy.beat_block_us} is invalid; set it >= 0 (0: off)")
     need(policy.urgent_window_ms >= 0, f"[scheduler] urgent_window_ms = {policy.urgent_window_ms} is invalid; set it >= 0")
     for name in ("direct_hold_max_ms", "direct_hold_burst_ms"):
         value = getattr(policy, name)
@@ -202,6 +208,9 @@ class LaneParams:
     batch_chunk_bytes: int = 0
     """Chunk size of bulk batches while no urgent copy is recent (``batch_block_us``); 0: ``chunk_bytes``."""
     batch_inflight_bytes: int = 0
+    beat_chunk_bytes: int = 0
+    """Chunk size between the urgent copies of a steady beat (``beat_block_us``); 0: off."""
+    beat_inflight_bytes: int = 0
 
 
 def lane_params(info: LaneInfo, policy: SchedulerSettings) -> LaneParams:
@@ -218,5 +227,8 @@ def lane_params(info: LaneInfo, policy: SchedulerSettings) -> LaneParams:
     chunk = chunk_for(policy.max_block_us)
     short = chunk_for(min(policy.urgent_block_us, policy.max_block_us)) if policy.urgent_block_us else chunk
     batch = chunk_for(policy.batch_block_us) if policy.batch_block_us else chunk
+    beat = chunk_for(policy.beat_block_us) if policy.beat_block_us else 0
     express_max = info.express_max if policy.express else 0
-    return LaneParams(chunk, chunk * policy.depth, info.express_min, express_max, short, short * policy.depth, batch, batch * policy.depth)
+    return LaneParams(
+        chunk, chunk * policy.depth, info.express_min, express_max, short, short * policy.depth, batch, batch * policy.depth, beat, beat * policy.depth
+    )

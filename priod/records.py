@@ -130,6 +130,12 @@ class LaneStats:
     batch_chunk_bytes: int = 0
     batch_inflight_bound: int = 0
     """The bound for bulk batch chunks while no urgent copy is recent (``batch_block_us``)."""
+    beat_chunk_bytes: int = 0
+    beat_inflight_bound: int = 0
+    """The bound between the bursts of a steady urgent beat (``beat_block_us``; 0: off)."""
+    beat_us: float | None = None
+    """The lane's urgent beat as it uses it (the shortest recent gap between bursts), None
+    while it knows none."""
     tenants: int = 0
     """Clients (uids, or connections where unknown) the lane keeps state for."""
     urgent_budget_bytes_per_s: float = 0.0

@@ -64,6 +64,9 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
                 "urgent_inflight_bound": ls.urgent_inflight_bound,
                 "batch_chunk_bytes": ls.batch_chunk_bytes,
                 "batch_inflight_bound": ls.batch_inflight_bound,
+                "beat_chunk_bytes": ls.beat_chunk_bytes,
+                "beat_inflight_bound": ls.beat_inflight_bound,
+                "urgent_beat_us": None if ls.beat_us is None else round(ls.beat_us, 1),
                 "host_scale": round(ls.host_scale, 4),
             }
             for ls in st.lanes

@@ -40,7 +40,7 @@ from .choice import PathChooser, PathEstimate
 from .dispatch import Dispatcher
 from .engines.base import Direction, LaneInfo, LaneKey, Path
 from .errors import ConfigError, InvalidRequest, NotFound, PermissionDenied
-from .lanes import Lane
+from .lanes import BEAT_GAPS, Lane
 from .policy import LaneParams, Policy, validate_policy
 from .queues import ClassQueue, Track, leave_class, push, unpark
 from .records import Chunk, Finished, LaneStats, Request, RequestState, SchedulerStats
@@ -169,7 +169,7 @@ class Scheduler:
         cq = self._check(lane, req)
         spec = cq.spec
         if spec.strict:
-            lane.last_strict = now
+            lane.urgent_arrived(now)
             until = now + lane.window  # urgent_window_ms, in seconds
             if until > self._urgent_until:
                 self._urgent_until = until
@@ -325,7 +325,7 @@ class Scheduler:
         for key in begun:
             lane = self._lanes.get(key)
             if lane is not None:
-                lane.last_strict = now
+                lane.urgent_arrived(now)
                 self._urgent_until = max(self._urgent_until, now + self._policy.urgent_window_ms / 1e3)
         if held != self._held:
             self._held = held
@@ -382,6 +382,9 @@ class Scheduler:
                 urgent_inflight_bound=lane.params.urgent_inflight_bytes,
                 batch_chunk_bytes=lane.params.batch_chunk_bytes,
                 batch_inflight_bound=lane.params.batch_inflight_bytes,
+                beat_chunk_bytes=lane.params.beat_chunk_bytes,
+                beat_inflight_bound=lane.params.beat_inflight_bytes,
+                beat_us=min(lane.beat_gaps) * 1e6 if len(lane.beat_gaps) == BEAT_GAPS else None,
                 tenants=len(lane.tenants),
                 urgent_budget_bytes_per_s=lane.budget_rate,
             )

@@ -325,6 +325,25 @@ def test_bulk_chunks_are_gated_under_the_short_bound_only() -> None:
         assert after and not any(c.gated for c in after)
 
 
+def test_direct_copies_on_a_beat_give_bulk_gated_long_chunks_between_them() -> None:
+    """Clients' direct copies begun every 5 ms (as the daemon's scans see them) make a beat as
+    urgent requests do (``beat_block_us``): between the bursts bulk runs beat-bound chunks, gated,
+    so that a copy that comes before its beat still stops the queued one on the GPU."""
+    sched = Scheduler(Policy(urgent_block_us=150.0, beat_block_us=600.0), [LaneInfo(H2D, 55e9, 0, 0)])
+    p = sched.lane_params(H2D)
+    for k in range(5):
+        t = k * 5e-3
+        sched.set_holds(frozenset({H2D}), frozenset({H2D}), t)  # begun, and holding
+        sched.set_holds(frozenset(), frozenset(), t + 100e-6)  # over
+    sched.enqueue(Request(1, "c", H2D, "bulk", 1 << 30, 0.0215), 0.0215)
+    chunks = sched.next_chunks(0.0215)
+    assert [c.nbytes for c in chunks] == [p.beat_chunk_bytes] * 2 and all(c.gated for c in chunks)
+    for c in chunks:
+        sched.chunk_done(c, 0.0243)
+    near = sched.next_chunks(0.0243)  # 0.75 ms before the next copy is due: the short bound
+    assert [c.nbytes for c in near] == [p.urgent_chunk_bytes] * 2 and all(c.gated for c in near)
+
+
 def test_the_pump_closes_a_held_lanes_gate_and_opens_it_when_the_copy_ends() -> None:
     engine = ManualEngine(bandwidth=2e9)
     sched = Scheduler(Policy(), engine.lanes())

@@ -8,8 +8,10 @@ chunks wait for its time slice, DMA does not (tests/test_sim_cotenant.py tests t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,16 @@ def test_chooser_keeps_sizes_and_lanes_apart() -> None:
 
 
 # -- the short bound (pure) -----------------------------------------------------------------------
+def _bulk_chunks(s: Scheduler, i: int, now: float) -> list[int]:
+    """The chunks a fresh bulk request gets at ``now`` (then cancelled: nothing stays in flight)."""
+    s.enqueue(Request(i, "c", LANE, "bulk", 256 << 20, now), now)
+    chunks = s.next_chunks(now)
+    for c in chunks:
+        s.chunk_done(c, now)
+    s.cancel(i, now)
+    return [c.nbytes for c in chunks]
+
+
 def test_bulk_chunks_shrink_while_urgent_copies_are_recent() -> None:
     """Bulk runs long chunks until an urgent copy arrives on the lane, short ones for
     urgent_window_ms after it, and long ones again once the window has passed."""
@@ -61,23 +73,83 @@ def test_bulk_chunks_shrink_while_urgent_copies_are_recent() -> None:
     s = Scheduler(Policy(max_block_us=1000.0, urgent_block_us=150.0, urgent_window_ms=100.0), [info])
     long_chunk, short_chunk = s.lane_params(LANE).chunk_bytes, s.lane_params(LANE).urgent_chunk_bytes
     assert short_chunk * 5 < long_chunk
-
-    def bulk_chunks(i: int, now: float) -> list[int]:
-        s.enqueue(Request(i, "c", LANE, "bulk", 256 << 20, now), now)
-        chunks = s.next_chunks(now)
-        for c in chunks:
-            s.chunk_done(c, now)
-        s.cancel(i, now)
-        return [c.nbytes for c in chunks]
-
-    assert bulk_chunks(1, 0.0) == [long_chunk, long_chunk]
+    assert _bulk_chunks(s, 1, 0.0) == [long_chunk, long_chunk]
     s.enqueue(Request(2, "c", LANE, "urgent", 65536, 1.0), 1.0)
     for c in s.next_chunks(1.0):
         s.chunk_done(c, 1.0001)
     assert s.urgent_recent(1.05)
-    assert bulk_chunks(3, 1.05) == [short_chunk, short_chunk]
+    assert _bulk_chunks(s, 3, 1.05) == [short_chunk, short_chunk]
     assert not s.urgent_recent(1.2)
-    assert bulk_chunks(4, 1.2) == [long_chunk, long_chunk]
+    assert _bulk_chunks(s, 4, 1.2) == [long_chunk, long_chunk]
+
+
+# -- long chunks between the bursts of a steady urgent beat (pure) -------------------------------
+def _beat_scheduler(beat_block_us: float) -> Scheduler:
+    info = LaneInfo(LANE, bandwidth=55e9, express_min=4096, express_max=0)
+    return Scheduler(Policy(max_block_us=1000.0, urgent_block_us=150.0, urgent_window_ms=100.0, beat_block_us=beat_block_us), [info])
+
+
+def _urgent_burst(s: Scheduler, ids: Iterator[int], at: float, copies: int = 2) -> float:
+    """``copies`` urgent copies 50 us apart from ``at``, each done at once; when the last came."""
+    now = at
+    for k in range(copies):
+        now = at + k * 50e-6
+        s.enqueue(Request(next(ids), "u", LANE, "urgent", 65536, now), now)
+        for c in s.next_chunks(now):
+            s.chunk_done(c, now)
+    return now
+
+
+def test_a_steady_urgent_beat_gives_bulk_long_chunks_between_its_bursts() -> None:
+    """Bursts of urgent copies every 5 ms: once four gaps are known, bulk runs the beat bound
+    from 300 us after a burst until the beat bound plus 150 us before the next is due, and the
+    short bound around the bursts; `status` shows the beat."""
+    s = _beat_scheduler(600.0)
+    p = s.lane_params(LANE)
+    short, beat = p.urgent_chunk_bytes, p.beat_chunk_bytes
+    assert short * 3 < beat < p.chunk_bytes  # 150 / 600 / 1000 us
+    ids = itertools.count(100)
+    for k in range(4):  # three gaps: not yet a beat
+        _urgent_burst(s, ids, k * 5e-3)
+        assert _bulk_chunks(s, next(ids), k * 5e-3 + 2e-3) == [short, short]
+    last = _urgent_burst(s, ids, 20e-3)  # the fourth gap
+    assert _bulk_chunks(s, next(ids), last + 100e-6) == [short, short]  # the burst may go on
+    assert _bulk_chunks(s, next(ids), last + 400e-6) == [beat, beat]
+    assert _bulk_chunks(s, next(ids), 20e-3 + 4.0e-3) == [beat, beat]  # 5 ms - 0.75 ms = 4.25 ms
+    assert _bulk_chunks(s, next(ids), 20e-3 + 4.3e-3) == [short, short]  # the next burst is near
+    assert s.statistics().lanes[0].beat_us == pytest.approx(5000.0)
+
+
+def test_an_early_burst_turns_the_long_chunks_off_until_the_beat_is_steady_again() -> None:
+    """A burst 1.5 ms after the one before: the shortest of the last four gaps is then 1.5 ms,
+    which leaves no millisecond for long chunks, so the short bound holds until that gap has
+    aged out of the last four."""
+    s = _beat_scheduler(600.0)
+    short, beat = s.lane_params(LANE).urgent_chunk_bytes, s.lane_params(LANE).beat_chunk_bytes
+    ids = itertools.count(100)
+    for k in range(5):
+        _urgent_burst(s, ids, k * 5e-3)
+    assert _bulk_chunks(s, next(ids), 22e-3) == [beat, beat]
+    _urgent_burst(s, ids, 21.5e-3)  # early
+    assert _bulk_chunks(s, next(ids), 22.5e-3) == [short, short]
+    at = 21.5e-3
+    for _ in range(3):  # three steady gaps more: the 1.5-ms one is still among the last four
+        at += 5e-3
+        _urgent_burst(s, ids, at)
+        assert _bulk_chunks(s, next(ids), at + 2e-3) == [short, short]
+    at += 5e-3
+    _urgent_burst(s, ids, at)
+    assert _bulk_chunks(s, next(ids), at + 2e-3) == [beat, beat]
+
+
+def test_without_beat_block_us_the_short_bound_holds_throughout_the_window() -> None:
+    s = _beat_scheduler(0.0)
+    short = s.lane_params(LANE).urgent_chunk_bytes
+    ids = itertools.count(100)
+    for k in range(8):
+        _urgent_burst(s, ids, k * 5e-3)
+        assert _bulk_chunks(s, next(ids), k * 5e-3 + 2e-3) == [short, short]
+    assert s.statistics().lanes[0].beat_us is None
 
 
 # -- the daemon reacting to a co-tenant -----------------------------------------------------------
