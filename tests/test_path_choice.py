@@ -212,3 +212,47 @@ def test_short_bound_settings_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"^\[scheduler\] explore_ms = 0.0 is invalid"):
         load_config(None, environ={"PRIOD_SCHEDULER__EXPLORE_MS": "0.0"})
     assert np.isfinite(load_config(None, environ={}).scheduler.urgent_block_us)
+
+
+async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() -> None:
+    """The sim daemon with ``beat_block_us`` set, a bulk stream and an urgent copy every 10 ms:
+    `status` shows the lane's beat once four gaps are known, and every urgent and bulk byte lands
+    (the long chunks between bursts are chunks like any other)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    cfg = load_config(None, environ={}).replace(
+        server={"socket": path}, scheduler={"beat_block_us": 2000.0, "urgent_block_us": 500.0}, log={"level": "warning"}
+    )
+    daemon = Daemon(cfg, SimEngine(cfg.sim))
+    await daemon.start()
+    try:
+        async with priod.connect(path) as c:
+            host, dev = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
+            bulk_host, bulk_dev = await c.alloc_host(16 << 20), await c.alloc_device(16 << 20)
+            assert host.array is not None and dev.array is not None and bulk_host.array is not None and bulk_dev.array is not None
+            bulk_host.array[:] = np.arange(16 << 20, dtype=np.uint64).astype(np.uint8)
+            stop = False
+
+            async def stream() -> int:
+                n = 0
+                while not stop:
+                    await c.copy(bulk_dev, bulk_host, priority="bulk")
+                    n += 1
+                return n
+
+            streamer = asyncio.ensure_future(stream())
+            loop = asyncio.get_running_loop()
+            for i in range(8):
+                t0 = loop.time()
+                host.array[:4096] = i + 1
+                await c.copy(dev, host, 65536, priority="urgent")
+                assert int(dev.array[0]) == i + 1, "urgent bytes did not land"
+                await asyncio.sleep(max(0.0, t0 + 0.01 - loop.time()))
+            status = await c.status()
+            stop = True
+            bulk_copies = await streamer
+    finally:
+        await daemon.stop()
+    lane = next(ln for ln in status["lanes"] if ln["lane"] == "gpu0/h2d")
+    assert lane["beat_chunk_bytes"] > lane["urgent_chunk_bytes"]
+    assert lane["urgent_beat_us"] is not None and 5_000 < lane["urgent_beat_us"] < 20_000, lane
+    assert bulk_copies >= 1 and np.array_equal(bulk_dev.array, bulk_host.array)
