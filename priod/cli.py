@@ -173,6 +173,8 @@ def format_status(st: dict[str, Any]) -> str:
     ]
     for ln in st["lanes"]:
         queued = " ".join(f"{k}={v}" for k, v in ln["queued_requests"].items() if v) or "-"
+        if ln.get("urgent_beat_us"):  # beat_block_us: the beat this lane runs long chunks between
+            queued += f"  (urgent beat {ln['urgent_beat_us'] / 1e3:.1f} ms)"
         lines.append(
             f"{ln['lane']:<16} {ln['bandwidth_gbps']:>7.2f} {_mib(ln['chunk_bytes']):>11} {_mib(ln['inflight_bound']):>11} "
             f"{_mib(ln['inflight_bytes'] + ln['strict_inflight_bytes']):>11} {_mib(ln['express_inflight_bytes']):>11}  {queued}"

@@ -19,6 +19,7 @@ import pytest
 
 import priod
 from priod.choice import PathChooser
+from priod.cli import format_status
 from priod.config import load_config
 from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.engines.sim import SimEngine
@@ -255,4 +256,5 @@ async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() 
     lane = next(ln for ln in status["lanes"] if ln["lane"] == "gpu0/h2d")
     assert lane["beat_chunk_bytes"] > lane["urgent_chunk_bytes"]
     assert lane["urgent_beat_us"] is not None and 5_000 < lane["urgent_beat_us"] < 20_000, lane
+    assert f"(urgent beat {lane['urgent_beat_us'] / 1e3:.1f} ms)" in format_status(status)
     assert bulk_copies >= 1 and np.array_equal(bulk_dev.array, bulk_host.array)
