@@ -41,7 +41,6 @@ class Lane:
     """Per-lane state: parameters, class queues, tenants, and bytes in flight by kind."""
 
     __slots__ = (
-        "beat_from",
         "beat_gaps",
         "beat_lead",
         "beat_until",
@@ -101,9 +100,9 @@ class Lane:
         """The last `BEAT_GAPS` times from one burst's start to the next's."""
         self.beat_lead = 0.0
         """``beat_block_us`` and `BEAT_MARGIN_S`, in seconds; 0: no long chunks between bursts."""
-        self.beat_from = math.inf
         self.beat_until = -math.inf
-        """Between these, the burst over and the next not yet close, bulk runs the beat bound."""
+        """From `BURST_S` after the last urgent copy until then (the burst over, the next not yet
+        close), bulk runs the beat bound."""
         self.gate = False
         """``gate_bulk``: bulk DMA chunks under the short bound are handed out gated."""
         self.tenants: dict[TenantKey, Tenant] = {}
@@ -136,7 +135,7 @@ class Lane:
         self.window = policy.urgent_window_ms / 1e3
         self.beat_lead = policy.beat_block_us / 1e6 + BEAT_MARGIN_S if policy.beat_block_us and policy.mode == "priod" else 0.0
         self.beat_gaps = ()
-        self.beat_from, self.beat_until = math.inf, -math.inf
+        self.beat_until = -math.inf
         self.gate = policy.gate_bulk and policy.mode == "priod"
         self.min_chunk = policy.min_chunk_bytes
         self.budget_rate = min(policy.urgent_budget_bytes_per_s, policy.urgent_budget_share * self.info.bandwidth)
@@ -180,7 +179,6 @@ class Lane:
                 until = now + min(self.beat_gaps) - self.beat_lead
                 self.beat_until = until if until - (now + BURST_S) >= BEAT_MIN_S else -math.inf
         self.last_strict = now
-        self.beat_from = now + BURST_S
 
     def bound(self, now: float, batch: bool = False) -> tuple[int, int]:
         """Chunk size and in-flight bound now, for chunks of a batch of small blocks or others:
@@ -196,7 +194,7 @@ class Lane:
         """
         p = self.params
         if now - self.last_strict < self.window:
-            if self.beat_from <= now < self.beat_until:
+            if self.last_strict + BURST_S <= now < self.beat_until:
                 chunk, bound = p.beat_chunk_bytes, p.beat_inflight_bytes
             else:
                 chunk, bound = p.urgent_chunk_bytes, p.urgent_inflight_bytes
