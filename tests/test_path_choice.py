@@ -25,7 +25,7 @@ from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.engines.sim import SimEngine
 from priod.errors import ConfigError
 from priod.policy import Policy
-from priod.scheduler import Request, Scheduler
+from priod.scheduler import Chunk, Request, Scheduler
 from priod.server import Daemon
 
 LANE = LaneKey(0, Direction.H2D)
@@ -141,6 +141,33 @@ def test_an_early_burst_turns_the_long_chunks_off_until_the_beat_is_steady_again
     at += 5e-3
     _urgent_burst(s, ids, at)
     assert _bulk_chunks(s, next(ids), at + 2e-3) == [beat, beat]
+
+
+def test_the_beat_is_the_lanes_so_another_uids_copy_off_it_turns_the_long_chunks_off() -> None:
+    """Two uids on one lane: uid 1000's urgent copies keep a 5-ms beat, and bulk runs long chunks
+    between them. uid 2000's one urgent copy off that beat is served first like any urgent copy,
+    and makes the gap the lane goes by 1.5 ms: the short bound holds from then on, so uid 1000's
+    beat cannot keep long chunks ahead of uid 2000's next copies (docs/operations.md)."""
+    s = _beat_scheduler(600.0)
+    p = s.lane_params(LANE)
+    ids = itertools.count(100)
+
+    def urgent(uid: int, at: float) -> list[Chunk]:
+        """One urgent copy of ``uid`` at ``at``: the chunks handed out then, each done at once."""
+        s.enqueue(Request(next(ids), f"conn{uid}", LANE, "urgent", 65536, at, uid=uid), at)
+        chunks = s.next_chunks(at)
+        for c in chunks:
+            s.chunk_done(c, at)
+        return chunks
+
+    for k in range(5):
+        urgent(1000, k * 5e-3)
+    assert _bulk_chunks(s, next(ids), 21e-3) == [p.beat_chunk_bytes] * 2
+    served = urgent(2000, 21.5e-3)
+    assert served and served[0].request.uid == 2000 and served[0].strict  # first, as any urgent copy
+    for at in (22.5e-3, 24e-3):  # before and where uid 1000's next copy is due
+        assert _bulk_chunks(s, next(ids), at) == [p.urgent_chunk_bytes] * 2
+    assert s.statistics().lanes[0].beat_us == pytest.approx(1500.0)
 
 
 def test_without_beat_block_us_the_short_bound_holds_throughout_the_window() -> None:
