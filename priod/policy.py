@@ -84,11 +84,14 @@ class SchedulerSettings:
     (smaller chunks, so an urgent DMA copy waits for less bulk). 0: keep ``max_block_us``."""
     urgent_window_ms: float = 100.0
     """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
-    beat_block_us: float = 0.0
+    beat_block_us: float = 600.0
     """Within that window, where a lane's urgent copies come on a steady beat (an inference
-    step's), the bound between them: bulk runs chunks this long from just after one copy until
-    this long (and a margin) before the next is due, and the short bound around the copies
-    (lanes.py, `Lane.urgent_arrived`). 0: the short bound throughout the window."""
+    step's), the bound between them: bulk runs chunks of half this from just after one copy
+    until this long (and a margin) before the next is due, and the short bound around the
+    copies (lanes.py, `Lane.urgent_arrived`). 0: the short bound throughout the window.
+    Measured on the H200 with a 64 KiB-1 MiB direct urgent copy every 5 ms (docs/benchmarks.md,
+    session 13): 600 kept 0.93-0.97 of the link for bulk (10 of 12 cells >= 0.95) where 0 kept
+    0.89-0.94, urgent p50 and p99 still within issue 10's targets."""
     batch_block_us: float = 4000.0
     """The bound that replaces ``max_block_us`` for bulk chunks of batches of small blocks
     (``SMALL_BLOCK_MEAN``, batch.py) while no urgent copy is recent on the lane (0: keep ``max_block_us``). The driver takes about as long to enqueue a

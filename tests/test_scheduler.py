@@ -30,8 +30,9 @@ INFO0 = LaneInfo(L0, bandwidth=16_384_000, express_min=512, express_max=4096)
 INFO1 = LaneInfo(L1, bandwidth=16_384_000, express_min=0, express_max=0)
 CHUNK = 8192
 BOUND = 16384
-POLICY = Policy(min_chunk_bytes=4096, urgent_block_us=0)
-"""The long bound throughout (the short one after urgent copies is tested on its own below)."""
+POLICY = Policy(min_chunk_bytes=4096, urgent_block_us=0, beat_block_us=0)
+"""The long bound throughout (the short one after urgent copies, and the beat's, are tested on
+their own below and in test_path_choice.py)."""
 
 
 def req(
@@ -106,10 +107,12 @@ def make(policy: Policy = POLICY) -> tuple[Scheduler, Sim]:
 
 def test_lane_params_from_bandwidth() -> None:
     """55 GB/s, 1000 us, depth 2 gives 27.5 MB chunks rounded down to 4 KiB, two in flight;
-    150 us (urgent recent) 4.1 MB chunks; 4000 us (bulk batches) 110 MB chunks."""
+    150 us (urgent recent) 4.1 MB chunks; 4000 us (bulk batches) 110 MB chunks; 600 us (between
+    the bursts of an urgent beat, the default) 16.5 MB chunks, 600 us in flight."""
     info = LaneInfo(L0, bandwidth=55e9, express_min=4096, express_max=1 << 20)
     p = lane_params(info, Policy(max_block_us=1000.0, depth=2, urgent_block_us=150.0, batch_block_us=4000.0))
-    assert p == LaneParams(27_496_448, 2 * 27_496_448, 4096, 1 << 20, 4_124_672, 2 * 4_124_672, 109_998_080, 2 * 109_998_080)
+    beat = 16_498_688
+    assert p == LaneParams(27_496_448, 2 * 27_496_448, 4096, 1 << 20, 4_124_672, 2 * 4_124_672, 109_998_080, 2 * 109_998_080, beat, 2 * beat)
     assert p.chunk_bytes % 4096 == 0
 
 
@@ -563,7 +566,7 @@ def test_set_policy_keeps_queued_requests() -> None:
     s.enqueue(req(2, "normal", nbytes=4 * CHUNK), 0.0)
     sim.pump(0.0)
     classes = (ClassSpec("urgent", strict=True), ClassSpec("high", 8), ClassSpec("bulk", 2), ClassSpec("scavenger", 1))
-    s.set_policy(Policy(min_chunk_bytes=4096, max_block_us=2000.0, urgent_block_us=0, classes=classes))
+    s.set_policy(Policy(min_chunk_bytes=4096, max_block_us=2000.0, urgent_block_us=0, beat_block_us=0, classes=classes))
     assert s.lane_params(L0) == LaneParams(2 * CHUNK, 2 * BOUND, 512, 4096, 2 * CHUNK, 2 * BOUND, 4 * CHUNK, 4 * BOUND)
     r2 = s.get(2)
     assert r2 is not None and r2.cls == "scavenger"
