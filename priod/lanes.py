@@ -30,6 +30,11 @@ long chunks between bursts start this long after a burst's last copy arrived."""
 BEAT_GAPS = 4
 """Gaps between bursts a lane remembers: the beat is the shortest of them, so one early burst
 turns the long chunks off until four steady gaps have passed again."""
+BEAT_STEADY = 1.5
+"""The gaps make a beat only where the longest is at most this times the shortest. Copies at
+random times (exponential gaps, a mean of 5-10 ms) would otherwise find long chunks running
+at 7-15% of their arrivals, and wait for one; with this rule, at 0.5% or less, while a 5 ms beat
+jittered by +-1 ms keeps its long chunks (tests/test_path_choice.py)."""
 BEAT_MARGIN_S = 150e-6
 """Past draining the long chunks in flight, how long before the next burst is due the lane is
 back on its short bound."""
@@ -164,21 +169,33 @@ class Lane:
         is set, the copy also counts toward the lane's beat: a copy more than `BURST_S` after
         the one before starts a burst, and once `BEAT_GAPS` gaps between bursts are known, bulk
         runs the beat bound from `BURST_S` after this burst's last copy until the shortest of
-        those gaps, less ``beat_lead``, has passed since this burst began.
+        those gaps, less ``beat_lead``, has passed since this burst began, where the gaps are
+        steady (`beat`).
 
         Measured in the lab on an H200 (docs/gpu/session12/anticipate_probe.py: one urgent copy
         every 5 ms, 64 KiB-16 MiB, the gate closed by the client itself): 16-32 MiB chunks
         between the copies kept 0.950-0.958 of the link over the whole phase, against 0.869-0.917
         with 4 MiB ones throughout, at the same urgent latencies (64 KiB-1 MiB p99 118-197 us).
-        A copy that comes before the beat says waits for the long chunk running then."""
+        Through the daemon, direct copies every 5 ms with ``beat_block_us`` 600: bulk 0.93-0.97
+        of raw against 0.89-0.94 without (docs/benchmarks.md, session 13). A copy that comes
+        before the beat says waits for the long chunk running then."""
         if self.beat_lead and now - self.last_strict >= BURST_S:
             if self.burst_start > -math.inf:
                 self.beat_gaps = (*self.beat_gaps[1 - BEAT_GAPS :], now - self.burst_start)
             self.burst_start = now
-            if len(self.beat_gaps) == BEAT_GAPS:
-                until = now + min(self.beat_gaps) - self.beat_lead
-                self.beat_until = until if until - (now + BURST_S) >= BEAT_MIN_S else -math.inf
+            beat = self.beat
+            until = -math.inf if beat is None else now + beat - self.beat_lead
+            self.beat_until = until if until - (now + BURST_S) >= BEAT_MIN_S else -math.inf
         self.last_strict = now
+
+    @property
+    def beat(self) -> float | None:
+        """The lane's beat in seconds: the shortest of its last `BEAT_GAPS` gaps between bursts,
+        where those gaps are steady (`BEAT_STEADY`); else None."""
+        gaps = self.beat_gaps
+        if len(gaps) < BEAT_GAPS or max(gaps) > BEAT_STEADY * min(gaps):
+            return None
+        return min(gaps)
 
     def bound(self, now: float, batch: bool = False) -> tuple[int, int]:
         """Chunk size and in-flight bound now, for chunks of a batch of small blocks or others:

@@ -40,7 +40,7 @@ from .choice import PathChooser, PathEstimate
 from .dispatch import Dispatcher
 from .engines.base import Direction, LaneInfo, LaneKey, Path
 from .errors import ConfigError, InvalidRequest, NotFound, PermissionDenied
-from .lanes import BEAT_GAPS, Lane
+from .lanes import Lane
 from .policy import LaneParams, Policy, validate_policy
 from .queues import ClassQueue, Track, leave_class, push, unpark
 from .records import Chunk, Finished, LaneStats, Request, RequestState, SchedulerStats
@@ -384,7 +384,7 @@ class Scheduler:
                 batch_inflight_bound=lane.params.batch_inflight_bytes,
                 beat_chunk_bytes=lane.params.beat_chunk_bytes,
                 beat_inflight_bound=lane.params.beat_inflight_bytes,
-                beat_us=min(lane.beat_gaps) * 1e6 if len(lane.beat_gaps) == BEAT_GAPS else None,
+                beat_us=None if (beat := lane.beat) is None else beat * 1e6,
                 tenants=len(lane.tenants),
                 urgent_budget_bytes_per_s=lane.budget_rate,
             )
