@@ -173,6 +173,12 @@ class Metrics:
             [*lane, "path", "size_bytes"],
             registry=r,
         )
+        self.urgent_beat = Gauge(
+            "priod_urgent_beat_seconds",
+            "The steady beat a lane last learned from its urgent copies, that bulk runs long chunks between ([scheduler] beat_block_us); 0: none",
+            lane,
+            registry=r,
+        )
         self.direct_copies = Counter(
             "priod_direct_copies", "Direct urgent copies (a client's own DMA) announced on hold pages, by lane", lane, registry=r
         )

@@ -110,6 +110,7 @@ def refresh_metrics(d: Daemon) -> None:
             m.queued_bytes.labels(gpu, direction, cls).set(n)
         m.inflight.labels(gpu, direction, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
         m.inflight.labels(gpu, direction, "express").set(ls.express_inflight_bytes)
+        m.urgent_beat.labels(gpu, direction).set(0.0 if ls.beat_us is None else ls.beat_us / 1e6)
     for lane, seconds in d.engine.busy_seconds().items():
         m.add_busy(lane, seconds)
     for e in d.scheduler.path_estimates():
