@@ -224,6 +224,23 @@ def test_a_jittered_beat_keeps_its_long_chunks_and_a_wandering_one_gets_none() -
     assert s.statistics().lanes[0].beat_us is None
 
 
+def test_a_reload_that_sets_beat_block_us_to_0_stops_the_long_chunks_at_once() -> None:
+    """A steady beat runs long chunks; a reload (SIGHUP) with ``beat_block_us = 0`` puts the
+    lane back on the short bound between the same bursts, and forgets the beat."""
+    s = _beat_scheduler(600.0)
+    p = s.lane_params(LANE)
+    ids = itertools.count(100)
+    for k in range(6):
+        _urgent_burst(s, ids, k * 5e-3)
+    assert _bulk_chunks(s, next(ids), 25e-3 + 2e-3) == [p.beat_chunk_bytes] * 2
+    s.set_policy(Policy(max_block_us=1000.0, urgent_block_us=150.0, urgent_window_ms=100.0, beat_block_us=0.0))
+    assert _bulk_chunks(s, next(ids), 25e-3 + 2.5e-3) == [p.urgent_chunk_bytes] * 2
+    for k in range(6, 12):
+        _urgent_burst(s, ids, k * 5e-3)
+        assert _bulk_chunks(s, next(ids), k * 5e-3 + 2e-3) == [p.urgent_chunk_bytes] * 2
+    assert s.statistics().lanes[0].beat_us is None
+
+
 def test_without_beat_block_us_the_short_bound_holds_throughout_the_window() -> None:
     s = _beat_scheduler(0.0)
     short = s.lane_params(LANE).urgent_chunk_bytes
