@@ -139,6 +139,7 @@ class Lane:
         self.queued = 0
         self.window = policy.urgent_window_ms / 1e3
         self.beat_lead = policy.beat_block_us / 1e6 + BEAT_MARGIN_S if policy.beat_block_us and policy.mode == "priod" else 0.0
+        self.burst_start = -math.inf  # a new policy learns its beat afresh
         self.beat_gaps = ()
         self.beat_until = -math.inf
         self.gate = policy.gate_bulk and policy.mode == "priod"

@@ -90,8 +90,8 @@ class SchedulerSettings:
     until this long (and a margin) before the next is due, and the short bound around the
     copies (lanes.py, `Lane.urgent_arrived`). 0: the short bound throughout the window.
     Measured on the H200 with a 64 KiB-1 MiB direct urgent copy every 5 ms (docs/benchmarks.md,
-    session 13): 600 kept 0.93-0.97 of the link for bulk (10 of 12 cells >= 0.95) where 0 kept
-    0.89-0.94, urgent p50 and p99 still within issue 10's targets."""
+    session 13): 600 kept 0.93-0.97 of the link for bulk (23 of 28 cells >= 0.95) where 0 kept
+    0.89-0.94 in the same runs, urgent p50 and p99 still within issue 10's targets."""
     batch_block_us: float = 4000.0
     """The bound that replaces ``max_block_us`` for bulk chunks of batches of small blocks
     (``SMALL_BLOCK_MEAN``, batch.py) while no urgent copy is recent on the lane (0: keep ``max_block_us``). The driver takes about as long to enqueue a

@@ -326,7 +326,7 @@ class Scheduler:
             lane = self._lanes.get(key)
             if lane is not None:
                 lane.urgent_arrived(now)
-                self._urgent_until = max(self._urgent_until, now + self._policy.urgent_window_ms / 1e3)
+                self._urgent_until = max(self._urgent_until, now + lane.window)  # urgent_window_ms, as in `enqueue`
         if held != self._held:
             self._held = held
             for lane in self._lane_list:
