@@ -23,6 +23,7 @@ memory, and bulk (which the daemon paces; a direct copy is never paced).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -41,10 +42,13 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
-__all__ = ["KERNEL_BATCH_MEAN", "DirectCopies", "DirectPair", "HoldPage", "direct_table"]
+__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "direct_rows", "direct_table"]
 
 WORDS_PER_SLOT = SLOT_BYTES // 8
 """A slot's uint64 words: ``begun``, then ``ended``."""
+FAULT_WORDS = 512
+"""Fault words a loaded copy kernel keeps (one page of mapped host memory): as many batches the
+kernel checks at once, from as many threads; past that a batch is checked on the host."""
 
 
 class HoldPage:
@@ -120,10 +124,15 @@ def _span(obj: object) -> tuple[int, int]:
     return device_span(obj)
 
 
-KERNEL_BATCH_MEAN = 256 << 10
-"""A direct batch whose blocks average under this many bytes runs the copy kernel (where it
+KERNEL_BLOCK_MAX = 256 << 10
+"""A direct batch whose first block is under this many bytes runs the copy kernel (where it
 can): the driver's batched DMA costs about a microsecond a block beyond its bytes, a 64 KiB
-block's time on the link; larger blocks keep to the copy engines and leave the SMs alone."""
+block's time on the link; larger blocks keep to the copy engines and leave the SMs alone. The
+first block, not the mean: a KV cache's blocks are of one size, and a sum over the table before
+the launch cost ~30 us of a thread that had just woken (H200, docs/benchmarks.md, session 14).
+Either path copies any table exactly."""
+_WORD_FORMATS = frozenset({"l", "q", "L", "Q"})
+"""The buffer formats of 8-byte native integers (numpy's int64 and uint64 on a 64-bit Linux)."""
 
 
 def _device_address(attributes: Any) -> int:
@@ -140,15 +149,34 @@ class _BatchKernel:
     `ExpressKernel.launch_table` reads of a device."""
 
     def __init__(self, device: int, sm_count: int) -> None:
-        from .engines.cuda.express import TABLE_MAX, ExpressKernel
+        from .engines.cuda.express import CHECKED_TABLE_HEADER, EXPRESS_BLOCKS_PER_SM, EXPRESS_THREADS, EXPRESS_UNROLL, TABLE_MAX, ExpressKernel
 
         self.index, self.sm_count = device, sm_count
         self.table_max = TABLE_MAX
         self.module: Any = None
         self.function: Any = None
         self.table_function: Any = None
+        self.checked_function: Any = None
+        """``priod_copy_table_checked``; None in an older PTX (every table is then checked on the host)."""
         self.kernel_registers = 0
+        self._wave = sm_count * EXPRESS_BLOCKS_PER_SM
+        self._threads, self._unroll = EXPRESS_THREADS, EXPRESS_UNROLL
+        # The checked kernel's one parameter (``CheckedTable``): its header, then the rows, whose
+        # bytes are copied in as they come (a memoryview copy, no numpy call), over a bytearray
+        # so that the copy goes byte for byte whatever ctypes calls its format.
+        self._header_bytes = 8 * CHECKED_TABLE_HEADER
+        self._checked_buf = bytearray(self._header_bytes + 24 * TABLE_MAX)
+        self._checked_bytes = memoryview(self._checked_buf)
+        self._checked_head = (ctypes.c_uint64 * CHECKED_TABLE_HEADER).from_buffer(self._checked_buf)
+        self._checked_ptrs = (ctypes.c_uint64 * 1)(ctypes.addressof(self._checked_head))
+        self._checked_params = ctypes.addressof(self._checked_ptrs)
+        self._faults: Any = None
+        """`FAULT_WORDS` uint64 words of mapped pinned host memory, one per batch the kernel checks
+        while it runs; `_faults_on_gpu` is their address as the GPU sees it."""
+        self._faults_on_gpu = 0
+        self._free_faults: list[int] = []
         self._express = ExpressKernel()
+        self._launch = self._express._cu_launch
         self._launching = threading.Lock()
         """`ExpressKernel` fills one parameter block per launch, and the join event is shared:
         one batch's launches at a time."""
@@ -165,14 +193,23 @@ class _BatchKernel:
     def load(cls, device: int) -> _BatchKernel | None:
         """The kernel loaded on ``device`` (current), or None where it cannot be (no PTX, or an
         older driver than the PTX: batches go by DMA)."""
-        from .engines.cuda.express import ExpressKernel, read_ptx
+        from .engines.cuda.express import CHECKED_TABLE_KERNEL_NAME, ExpressKernel, read_ptx
 
         ptx, _why = read_ptx()
         if ptx is None:
             return None
-        rt, _ = bindings()
+        rt, drv = bindings()
         kernel = cls(device, int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device))))
-        return kernel if ExpressKernel.load(cast(Any, kernel), ptx) is None else None
+        if ExpressKernel.load(cast(Any, kernel), ptx) is not None:
+            return None
+        err, function = drv.cuModuleGetFunction(kernel.module, CHECKED_TABLE_KERNEL_NAME)
+        if err == drv.CUresult.CUDA_SUCCESS:
+            host = int(check(rt.cudaHostAlloc(8 * FAULT_WORDS, rt.cudaHostAllocMapped)))
+            kernel._faults = (ctypes.c_uint64 * FAULT_WORDS).from_address(host)
+            kernel._faults_on_gpu = int(check(rt.cudaHostGetDevicePointer(host, 0)))
+            kernel._free_faults = list(range(FAULT_WORDS))
+            kernel.checked_function = function
+        return kernel
 
     def launch(self, dst: int, src: int, cells: Cells, largest: int, stream: Any) -> None:
         """Enqueue the batch, ``cells`` its (N, 3) uint64 segments row by row (C order) and
@@ -195,6 +232,42 @@ class _BatchKernel:
             check(rt.cudaEventRecord(self._join, self._side))
             check(rt.cudaStreamWaitEvent(stream, self._join, 0))
 
+    def launch_checked(self, dst: int, src: int, rows: memoryview, dst_bytes: int, src_bytes: int, stream: Any) -> int | None:
+        """Enqueue a batch of at most `table_max` rows that the kernel checks itself against
+        buffers of ``dst_bytes`` and ``src_bytes`` (``priod_copy_table_checked``): every row is
+        copied or none is. ``rows``: the table as `direct_rows` gives it, its bytes copied in as
+        they are. Returns the fault word's index, for `fault` once the stream is done; None where
+        every word is in use."""
+        n = len(rows)
+        # Threads for one 16-byte unrolled step each of the first row, as `launch_table` sizes
+        # its grid from the largest (a longer row takes more grid-stride turns); at least one
+        # block a row, the rows together about one wave.
+        wanted = max(1, -(-(rows[0, 2] // 16) // self._unroll))
+        threads = min(self._threads, max(32, -(-wanted // 32) * 32))
+        per_row = max(1, min(-(-wanted // threads), self._wave // n))
+        with self._launching:
+            if not self._free_faults:
+                return None
+            word = self._free_faults.pop()
+            self._faults[word] = 0
+            head = self._checked_head
+            head[0], head[1], head[2], head[3], head[4] = src, dst, src_bytes, dst_bytes, self._faults_on_gpu + 8 * word
+            self._checked_bytes[self._header_bytes : self._header_bytes + 24 * n] = rows.cast("B")
+            try:
+                check(self._launch(self.checked_function, per_row, n, 1, threads, 1, 1, 0, self._cu(stream), self._checked_params, 0))
+            except BaseException:
+                self._free_faults.append(word)
+                raise
+        return word
+
+    def fault(self, word: int) -> int:
+        """What the kernel of `launch_checked` reported, its stream done: 0 (every row copied)
+        or 1 + the first bad row's index (none copied). Frees the word."""
+        value = int(self._faults[word])
+        with self._launching:
+            self._free_faults.append(word)
+        return value
+
     def _cu(self, stream: Any) -> Any:
         """``stream`` (the runtime API's) as the driver API's ``CUstream``."""
         key = int(stream)
@@ -208,7 +281,26 @@ class _BatchKernel:
         if self._side is not None:
             rt.cudaStreamDestroy(self._side)
             rt.cudaEventDestroy(self._join)
+        if self._faults is not None:
+            rt.cudaFreeHost(ctypes.addressof(self._faults))
         drv.cuModuleUnload(self.module)
+
+
+def direct_rows(segments: object) -> memoryview:
+    """A direct batch's ``segments`` as the bytes the copy kernel reads: an (N, 3) memoryview of
+    8-byte native integers in C order (a negative int64 reads there as 2**63 or more, past any
+    buffer), its shape and type checked (InvalidRequest otherwise). Its figures are checked by
+    the copy kernel as it starts (`_BatchKernel.launch_checked`) or by `direct_table`. An int64
+    or uint64 array in C order, the usual table, is taken as it is: a view, no numpy call (each
+    cost 10-30 us of a thread that had just woken, H200)."""
+    table = np.asarray(segments)
+    rows = table.data
+    shape = rows.shape or ()
+    if len(shape) == 2 and shape[1] == 3 and shape[0] and rows.c_contiguous and rows.itemsize == 8 and rows.format in _WORD_FORMATS:
+        return rows
+    if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
+        raise InvalidRequest(f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}")
+    return np.ascontiguousarray(table, dtype=np.uint64).data  # a negative figure becomes 2**63 or more: refused as such
 
 
 def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[Cells, int, int]:
@@ -295,7 +387,7 @@ class DirectPair:
         """Copy many blocks between the two buffers as one urgent unit: ``segments`` is an
         (N, 3) integer array (or a sequence of triples) of ``(dst_offset, src_offset, nbytes)``,
         as for `priod.Client.copy_batch`. One hold, one wait; the blocks move by the copy kernel's
-        table form on this process's urgent stream where they average under `KERNEL_BATCH_MEAN`
+        table form on this process's urgent stream where the first is under `KERNEL_BLOCK_MAX`
         bytes (see `DirectCopies`), else by ``cuMemcpyBatchAsync`` (or one ``cudaMemcpyAsync``
         per block where the driver has no batched call). Returns the bytes copied.
 
@@ -304,19 +396,22 @@ class DirectPair:
         checks the table and builds the launch, work that takes tens of microseconds on a
         thread that has just woken (H200, six interleaved rounds under bulk: this batch minus a
         contiguous copy p50 87 against 103 us, p99 96 against 132; docs/benchmarks.md, session
-        12). A table that fails its checks ends the hold at once."""
+        12). A table that fails its checks ends the hold at once, and moves no byte.
+
+        The copy kernel checks a table of up to 256 rows itself as it starts, so that before
+        the launch this thread does only what the launch needs (H200, each batch 5 ms after the
+        last: 256 blocks of 64 KiB read ~40 us over a contiguous copy of their bytes at p50,
+        against 130-150 with the checks on the host; docs/benchmarks.md, session 14)."""
         owner, page, slot = self._owner, self._owner.page, self._slot
         page.begin(slot)
         try:
-            cells, total, largest = direct_table(segments, self.dst_bytes, self.src_bytes)
+            rows = direct_rows(segments)
             if owner.one_gpu:
-                owner._run_batch(self, cells, total, largest)
-            else:
-                with DeviceScope(self._device):
-                    owner._run_batch(self, cells, total, largest)
+                return owner._run_batch(self, rows)
+            with DeviceScope(self._device):
+                return owner._run_batch(self, rows)
         finally:
             page.end(slot)
-        return total
 
 
 class DirectCopies:
@@ -326,7 +421,7 @@ class DirectCopies:
     made on first use in that GPU's primary context, the one PyTorch and CuPy use), and is
     waited for by spinning ``spin_s`` on the stream, then blocking. Thread-safe.
 
-    A batch of small blocks (`DirectPair.copy_batch`, averaging under `KERNEL_BATCH_MEAN`) runs
+    A batch of small blocks (`DirectPair.copy_batch`, the first under `KERNEL_BLOCK_MAX`) runs
     the daemon's copy kernel (``express.ptx``, loaded into this process's context on the first
     such batch) on that stream, where ``batch_kernel`` is on and the host buffer is mapped: the
     driver's batched DMA waits for the whole call to be enqueued and pays about a microsecond a
@@ -387,13 +482,30 @@ class DirectCopies:
         finally:
             page.end(slot)
 
-    def _run_batch(self, pair: DirectPair, cells: Cells, total: int, largest: int) -> None:
-        """A batch of ``total`` bytes on the pair's GPU (current), ``cells`` its (N, 3) uint64
-        segments row by row (checked: `direct_table`), ``largest`` the largest: enqueued and
-        waited for, inside the hold the caller began (`DirectPair.copy_batch`)."""
+    def _run_batch(self, pair: DirectPair, rows: memoryview) -> int:
+        """A batch on the pair's GPU (current), ``rows`` its (N, 3) segments (`direct_rows`:
+        shape and type checked, the figures not yet): checked, enqueued and waited for, inside
+        the hold the caller began (`DirectPair.copy_batch`). Returns its bytes.
+
+        A table of one copy-kernel launch is checked by the kernel as it starts (every row or
+        none is copied); any other by `direct_table` before anything is enqueued. Before the
+        launch this thread does only what the launch needs; the sum waits until after it."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
-        kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and total < KERNEL_BATCH_MEAN * len(cells) else None
+        kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and rows[0, 2] < KERNEL_BLOCK_MAX else None
+        if kernel is not None and kernel.checked_function is not None and len(rows) <= kernel.table_max:
+            word = kernel.launch_checked(pair.on_device[0], pair.on_device[1], rows, pair.dst_bytes, pair.src_bytes, stream)
+            if word is not None:
+                try:
+                    total = int(np.asarray(rows)[:, 2].sum())  # while the kernel runs; a bad table's may be anything
+                    self._wait(stream)
+                finally:
+                    bad = kernel.fault(word)
+                if bad:
+                    direct_table(rows, pair.dst_bytes, pair.src_bytes)  # raises, saying what is wrong
+                    raise InvalidRequest(f"segment {bad - 1} does not fit the buffers or copies 0 bytes; nothing was copied")
+                return total
+        cells, total, largest = direct_table(rows, pair.dst_bytes, pair.src_bytes)
         if kernel is None and self._batched is None:
             from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
 
@@ -403,6 +515,7 @@ class DirectCopies:
         else:
             self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
         self._wait(stream)
+        return total
 
     def _kernel(self, device: int) -> _BatchKernel | None:
         """The copy kernel in this process's context on ``device`` (current), loaded on first

@@ -216,3 +216,53 @@ def test_express_without_the_table_kernel_launches_per_segment(fake: Bindings) -
     dev = types.SimpleNamespace(table_function=None, function="one", sm_count=132)
     kernel.launch_table(dev, 1000, 2000, np.stack((u64(0, 10), u64(5, 6), u64(3, 4)), axis=1), "s")  # type: ignore[arg-type]
     assert [(c[0], c[1]) for c in fake.calls] == [("launch", "one"), ("launch", "one")]
+
+
+def test_a_direct_table_the_kernel_checks_rides_whole_in_its_parameters(fake: Bindings) -> None:
+    """A direct batch's table of one launch goes to priod_copy_table_checked with its bytes as
+    they came (a negative int64 offset reads as 2**63 or more, which the kernel refuses), the
+    two buffers' sizes and a fault word of its own, the grid sized by the first row; the word comes back with `fault`, also when
+    the launch fails, and with every word in use the batch is left to the host's checks."""
+    from priod.direct import FAULT_WORDS, _BatchKernel, direct_rows
+    from priod.engines.cuda.express import CHECKED_TABLE_HEADER
+
+    fake.drv.CUstream = lambda handle: ("cu", handle)
+    kernel = _BatchKernel(0, 132)
+    kernel.checked_function = "checked"
+    words = (ctypes.c_uint64 * FAULT_WORDS)()
+    kernel._faults, kernel._faults_on_gpu, kernel._free_faults = words, 1 << 44, list(range(FAULT_WORDS))
+    seen: list[Any] = []
+    original = kernel._launch
+
+    def launch(*args: Any) -> Any:
+        seen.append(np.frombuffer(bytes(kernel._checked_buf), dtype=np.uint64))
+        return original(*args)
+
+    kernel._launch = launch
+    table = np.array([[0, 64, 4096], [8192, -16, 4096]], dtype=np.int64)
+    word = kernel.launch_checked(1 << 40, 1 << 41, direct_rows(table), 5000, 6000, 77)
+    assert word is not None and word not in kernel._free_faults
+    head, rows = seen[0][:CHECKED_TABLE_HEADER], seen[0][CHECKED_TABLE_HEADER : CHECKED_TABLE_HEADER + 6]
+    assert head.tolist() == [1 << 41, 1 << 40, 6000, 5000, (1 << 44) + 8 * word]  # src, dst, src_bytes, dst_bytes, fault
+    assert rows.tolist() == [0, 64, 4096, 8192, 2**64 - 16, 4096]
+    _, function, per_row, grid_rows, _, threads, _, _, _, stream, _, _ = fake.calls[-1]
+    # 4 KiB rows: 64 threads of four 16-byte steps, one block a row, a row per segment.
+    assert (function, per_row, grid_rows, threads, stream) == ("checked", 1, 2, 64, ("cu", 77))
+    words[word] = 2  # what the kernel writes for a bad row 1
+    assert kernel.fault(word) == 2 and word in kernel._free_faults
+
+    def fails(*args: Any) -> Any:
+        raise CudaError("cuLaunchKernel failed")
+
+    rows = direct_rows(table)
+    kernel._launch = fails
+    with pytest.raises(CudaError):
+        kernel.launch_checked(1 << 40, 1 << 41, rows, 5000, 6000, 77)
+    assert len(kernel._free_faults) == FAULT_WORDS
+    kernel._launch = original
+    taken = [kernel.launch_checked(1 << 40, 1 << 41, rows, 5000, 6000, 77) for _ in range(FAULT_WORDS)]
+    assert None not in taken and kernel.launch_checked(1 << 40, 1 << 41, rows, 5000, 6000, 77) is None
+    first = taken[0]
+    assert first is not None
+    kernel.fault(first)
+    assert kernel.launch_checked(1 << 40, 1 << 41, rows, 5000, 6000, 77) == first

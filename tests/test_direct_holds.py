@@ -20,14 +20,14 @@ import subprocess
 import sys
 import time
 import types
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 import priod
 from priod.cli import format_status
-from priod.direct import DirectCopies, DirectPair, HoldPage, direct_table
+from priod.direct import DirectCopies, DirectPair, HoldPage, direct_rows, direct_table
 from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.errors import InvalidRequest
 from priod.holds import PAGE_BYTES, Holds
@@ -248,21 +248,54 @@ def test_the_page_cannot_be_resized_and_one_connection_gets_one() -> None:
 
 def test_a_direct_batch_table_is_checked_before_anything_moves_and_its_hold_ends() -> None:
     """A direct batch announces itself before its table is checked (the daemon closes the gate
-    meanwhile); a table that fails the checks reaches no CUDA call and ends that hold."""
+    meanwhile); a table of the wrong shape or type reaches no copy at all, one with bad figures
+    is refused by the copy's own check (on the GPU, the copy kernel's: tests/test_gpu_direct.py;
+    here `direct_table`, the host's), and either way that hold ends."""
     holds = Holds(hold_max_s=1.0, share=1.0, burst_s=1.0)
     client = page_pair(holds)
     slot = client.slot(None, "h2d")
-    owner = types.SimpleNamespace(page=client, one_gpu=True)  # no _run_batch: a CUDA call would fail the test
+    reached: list[Any] = []
+
+    def run_batch(pair: DirectPair, table: Any) -> int:
+        reached.append(table)
+        return direct_table(table, pair.dst_bytes, pair.src_bytes)[1]
+
+    owner = types.SimpleNamespace(page=client, one_gpu=True, _run_batch=run_batch)
     pair = DirectPair(cast(DirectCopies, owner), 1 << 40, 4096, 1 << 41, 8192, 0, slot)
     now = 0.0
-    for bad in ([[0, 0, 8192]], [[0, 4096, 4097]], [[0, 0, 0]], [[-1, 0, 16]], [[0, 0]], [], np.zeros((2, 3), dtype=np.float32)):
-        with pytest.raises(InvalidRequest):
+    shape = r"\(N, 3\) integer array"
+    bad_shape = [([[0, 0]], shape), ([], shape), (np.zeros((2, 3), dtype=np.float32), shape), (np.zeros((2, 3, 1), dtype=np.int64), shape)]
+    bad_figures = [([[0, 0, 8192]], "does not fit"), ([[0, 4096, 4097]], "does not fit"), ([[0, 0, 0]], "nbytes >= 1"), ([[-1, 0, 16]], "offsets >= 0")]
+    for bad, why in bad_shape + bad_figures:
+        with pytest.raises(InvalidRequest, match=why):
             pair.copy_batch(bad)
         now += 0.001
         assert holds.scan(now).held == frozenset()  # begun and ended: nothing left held
-    assert holds.copies == {H2D: 7} and holds.cut == {}  # each bad table was one announced copy
+    assert len(reached) == len(bad_figures)  # only well-formed tables reached the copy
+    assert holds.copies == {H2D: 8} and holds.cut == {}  # each bad table was one announced copy
+    assert pair.copy_batch([[0, 0, 16], [16, 32, 8]]) == 24
     with pytest.raises(InvalidRequest, match="do not fit"):
         pair.copy(4097)
+
+
+def test_direct_rows_takes_a_c_ordered_8_byte_table_as_it_is() -> None:
+    """The table the copy kernel reads byte for byte as uint64: an int64 or uint64 array in C
+    order goes in as it is, a view of its bytes (no numpy call on the launch's path), where a
+    negative figure reads as 2**63 or more, past any buffer; anything else becomes a uint64
+    table in C order; a wrong shape or type is refused."""
+    rows = np.array([[0, 64, 4096], [8192, 16, 4096]], dtype=np.int64)
+    for table in (rows, rows.astype(np.uint64)):
+        seen: object = direct_rows(table).obj
+        assert seen is table
+    for other in (rows.astype(np.int32), rows.astype(">i8"), np.asfortranarray(rows), rows[:, [0, 1, 2]], rows.tolist()):
+        view = direct_rows(other)
+        assert view.c_contiguous and view.itemsize == 8 and view.shape == (2, 3)
+        assert np.asarray(view).tolist() == rows.tolist() and view[1, 0] == 8192
+    assert np.asarray(direct_rows([[0, -16, 8]])).view(np.uint64).tolist() == [[0, 2**64 - 16, 8]]
+    assert np.asarray(direct_rows(np.array([[0, -16, 8]], dtype=np.int32))).tolist() == [[0, 2**64 - 16, 8]]
+    for bad in ([[0, 0]], [], np.zeros((2, 3), dtype=np.float32), np.zeros((2, 3, 1), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)):
+        with pytest.raises(InvalidRequest, match=r"\(N, 3\) integer array"):
+            direct_rows(bad)
 
 
 def test_a_direct_batch_table_is_checked_row_by_row() -> None:

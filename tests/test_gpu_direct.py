@@ -123,13 +123,26 @@ def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: Daemo
             direct.pair(dev, host).copy_batch([[0, -64, 64]])
         with pytest.raises(InvalidRequest, match="nbytes >= 1"):
             direct.pair(dev, host).copy_batch([[0, 0, 64], [64, 64, 0]])
+        # One bad row among 255 good ones, fresh bytes at the source: the table is refused
+        # whole (by the copy kernel's own check, or the host's) and not one block lands.
+        host[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        before = cp.asnumpy(dev)
+        for row, column, value, why in ((255, 0, n - block // 2, "does not fit"), (0, 1, -block, "offsets >= 0"), (128, 2, 0, "nbytes >= 1")):
+            bad = table.copy()
+            bad[row, column] = value
+            with pytest.raises(InvalidRequest, match=why):
+                direct.pair(dev, host).copy_batch(bad)
+            assert np.array_equal(cp.asnumpy(dev), before)
+        assert direct.pair(dev, host).copy_batch(table) == blocks * block  # and the next good one lands
+        assert not np.array_equal(cp.asnumpy(dev), before)
         direct.close()
 
 
-@pytest.mark.parametrize("batch_kernel", [True, False], ids=["kernel", "dma"])
-def test_a_direct_batch_of_odd_blocks_at_odd_offsets_is_exact(gpu_daemon: DaemonProcess, batch_kernel: bool) -> None:
+@pytest.mark.parametrize(("batch_kernel", "per_call"), [(True, 300), (True, 150), (False, 300)], ids=["kernel-host-checked", "kernel-checked", "dma"])
+def test_a_direct_batch_of_odd_blocks_at_odd_offsets_is_exact(gpu_daemon: DaemonProcess, batch_kernel: bool, per_call: int) -> None:
     """Blocks of 1 byte to 100 KB at unaligned offsets, each in its own 128 KiB slot, both ways:
-    every byte of every block lands, and nothing around them changes."""
+    every byte of every block lands, and nothing around them changes. 300 rows in one call go
+    past one kernel launch (checked on the host, two tables); 150 a call, the kernel checks them."""
     import cupy as cp
 
     rng = np.random.default_rng(17)
@@ -147,8 +160,10 @@ def test_a_direct_batch_of_odd_blocks_at_odd_offsets_is_exact(gpu_daemon: Daemon
     dev = cp.full(n, 3, dtype=cp.uint8)
     with priod.SyncClient(gpu_daemon.socket_path) as c:
         direct = DirectCopies(c.hold_page(), batch_kernel=batch_kernel)
-        assert direct.pair(dev, host).copy_batch(table) == int(sizes.sum())
-        assert direct.pair(back, dev).copy_batch(table[:, [1, 0, 2]]) == int(sizes.sum())
+        for first in range(0, blocks, per_call):
+            part = table[first : first + per_call]
+            assert direct.pair(dev, host).copy_batch(part) == int(part[:, 2].sum())
+            assert direct.pair(back, dev).copy_batch(part[:, [1, 0, 2]]) == int(part[:, 2].sum())
         direct.close()
     want_dev = np.full(n, 3, dtype=np.uint8)
     want_back = np.full(n, 7, dtype=np.uint8)

@@ -96,3 +96,46 @@ priod_copy_table(const __grid_constant__ SegmentTable t) {
   copy_range((const unsigned char*)(t.src + e[1]), (unsigned char*)(t.dst + e[0]), e[2], (u64)blockIdx.x * blockDim.x + threadIdx.x,
              (u64)gridDim.x * blockDim.x);
 }
+
+// A direct batch's table (priod/direct.py), checked here instead of on the host: the host's
+// checks were several numpy calls, each tens of microseconds on a thread that has just woken
+// (H200: a direct batch of 256 blocks read 130-150 us over a contiguous copy of its bytes with
+// them, ~40 without; docs/benchmarks.md, session 14). Every block checks every row against the
+// two buffers' sizes before it copies, so all blocks reach one verdict with no grid-wide
+// barrier: every row is copied or none is. A bad row (nbytes 0, or a range past either buffer;
+// compared without sums, so no figure can wrap) makes block (0, 0) write 1 + the first bad
+// row's index to ``fault``, a word of mapped host memory the host reads once the stream is done.
+// The daemon's tables are checked before any engine sees them and use priod_copy_table.
+struct CheckedTable {
+  u64 src;
+  u64 dst;
+  u64 src_bytes;
+  u64 dst_bytes;
+  u64 fault;  // the device address of the word a bad table is reported in
+  u64 seg[3 * TABLE_MAX];
+};
+
+extern "C" __global__ void __launch_bounds__(1024, 2)
+priod_copy_table_checked(const __grid_constant__ CheckedTable t) {
+  __shared__ unsigned int first_bad;
+  if (threadIdx.x == 0) first_bad = 0xffffffffu;
+  __syncthreads();
+  int bad = 0;
+  for (unsigned int r = threadIdx.x; r < gridDim.y; r += blockDim.x) {
+    const u64 d = t.seg[3 * r], s = t.seg[3 * r + 1], n = t.seg[3 * r + 2];
+    if (n == 0 || n > t.dst_bytes || d > t.dst_bytes - n || n > t.src_bytes || s > t.src_bytes - n) {
+      bad = 1;
+      atomicMin(&first_bad, r);
+    }
+  }
+  if (__syncthreads_or(bad)) {
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) {
+      *(volatile u64*)t.fault = (u64)first_bad + 1;
+      __threadfence_system();
+    }
+    return;
+  }
+  const u64* e = t.seg + 3 * blockIdx.y;
+  copy_range((const unsigned char*)(t.src + e[1]), (unsigned char*)(t.dst + e[0]), e[2], (u64)blockIdx.x * blockDim.x + threadIdx.x,
+             (u64)gridDim.x * blockDim.x);
+}

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 U64 = npt.NDArray[np.uint64]
 
 __all__ = [
+    "CHECKED_TABLE_HEADER",
+    "CHECKED_TABLE_KERNEL_NAME",
     "EXPRESS_BLOCKS_PER_SM",
     "EXPRESS_MAX",
     "EXPRESS_MIN_H2D",
@@ -88,6 +90,10 @@ EXPRESS_UNROLL = 4
 PTX_PATH = Path(__file__).with_name("express.ptx")
 KERNEL_NAME = b"priod_copy"
 TABLE_KERNEL_NAME = b"priod_copy_table"
+CHECKED_TABLE_KERNEL_NAME = b"priod_copy_table_checked"
+"""The table kernel that checks its rows itself (a direct batch's, `priod.direct`)."""
+CHECKED_TABLE_HEADER = 5
+"""Words of ``CheckedTable`` (``express.cu``) before its rows: src, dst, src_bytes, dst_bytes, fault."""
 TABLE_MAX = 256
 """Segments one ``priod_copy_table`` launch takes (``TABLE_MAX`` in ``express.cu``): its table
 rides in the kernel's parameters, 6,160 bytes, within the 32 KiB of CUDA 12.1 and later (every
