@@ -163,6 +163,8 @@ def urgent_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, co
         lat: dict[str, list[float]] = {"batch": [], "contiguous": []}
         paths: dict[str, set[str]] = {"batch": set(), "contiguous": set()}
         daemon_us: dict[str, list[float]] = {"batch": [], "contiguous": []}
+        queued_us: dict[str, list[float]] = {"batch": [], "contiguous": []}
+        transfer_us: dict[str, list[float]] = {"batch": [], "contiguous": []}
         for i in range(5 + count):
             for name in ("batch", "contiguous"):
                 t0 = time.perf_counter()
@@ -175,10 +177,14 @@ def urgent_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, co
                     lat[name].append(took)
                     paths[name].add(r.path)
                     daemon_us[name].append(r.total_us)
+                    queued_us[name].append(r.queued_us)
+                    transfer_us[name].append(r.transfer_us)
                 pause(INTERVAL_S)
         return {
             "latency_us": {k: summary(v) for k, v in lat.items()},
             "daemon_total_us": {k: summary(v) for k, v in daemon_us.items()},
+            "daemon_queued_us": {k: summary(v) for k, v in queued_us.items()},
+            "daemon_transfer_us": {k: summary(v) for k, v in transfer_us.items()},
             "paths": {k: sorted(v) for k, v in paths.items()},
         }
     finally:
