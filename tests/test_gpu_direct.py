@@ -93,7 +93,7 @@ def test_direct_copies_under_daemon_bulk_keep_both_copies_whole(gpu_daemon: Daem
 @pytest.mark.parametrize("batch_kernel", [True, False], ids=["kernel", "dma"])
 def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: DaemonProcess, batch_kernel: bool) -> None:
     """256 scattered 64 KiB blocks host to device and back, by the copy kernel (blocks under
-    KERNEL_BATCH_MEAN) and by batched DMA: every block where its table says."""
+    KERNEL_BLOCK_MAX) and by batched DMA: every block where its table says."""
     import cupy as cp
 
     rng = np.random.default_rng(13)
