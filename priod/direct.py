@@ -293,13 +293,18 @@ def direct_rows(segments: object) -> memoryview:
     the copy kernel as it starts (`_BatchKernel.launch_checked`) or by `direct_table`. An int64
     or uint64 array in C order, the usual table, is taken as it is: a view, no numpy call (each
     cost 10-30 us of a thread that had just woken, H200)."""
-    table = np.asarray(segments)
-    rows = table.data
-    shape = rows.shape or ()
-    if len(shape) == 2 and shape[1] == 3 and shape[0] and rows.c_contiguous and rows.itemsize == 8 and rows.format in _WORD_FORMATS:
-        return rows
+    want = "segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1"
+    try:
+        table = np.asarray(segments)
+    except ValueError as exc:  # rows of different lengths
+        raise InvalidRequest(f"{want}: {exc}") from None
+    if table.dtype.kind in "iu":
+        rows = table.data
+        shape = rows.shape or ()
+        if len(shape) == 2 and shape[1] == 3 and shape[0] and rows.c_contiguous and rows.itemsize == 8 and rows.format in _WORD_FORMATS:
+            return rows
     if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
-        raise InvalidRequest(f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}")
+        raise InvalidRequest(f"{want}; got shape {table.shape}, {table.dtype}")
     return np.ascontiguousarray(table, dtype=np.uint64).data  # a negative figure becomes 2**63 or more: refused as such
 
 
@@ -496,11 +501,9 @@ class DirectCopies:
         if kernel is not None and kernel.checked_function is not None and len(rows) <= kernel.table_max:
             word = kernel.launch_checked(pair.on_device[0], pair.on_device[1], rows, pair.dst_bytes, pair.src_bytes, stream)
             if word is not None:
-                try:
-                    total = int(np.asarray(rows)[:, 2].sum())  # while the kernel runs; a bad table's may be anything
-                    self._wait(stream)
-                finally:
-                    bad = kernel.fault(word)
+                total = int(np.asarray(rows)[:, 2].sum())  # while the kernel runs; a bad table's may be anything
+                self._wait(stream)  # should it raise, the word stays taken: the kernel may yet write it
+                bad = kernel.fault(word)
                 if bad:
                     direct_table(rows, pair.dst_bytes, pair.src_bytes)  # raises, saying what is wrong
                     raise InvalidRequest(f"segment {bad - 1} does not fit the buffers or copies 0 bytes; nothing was copied")

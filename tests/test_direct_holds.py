@@ -293,7 +293,8 @@ def test_direct_rows_takes_a_c_ordered_8_byte_table_as_it_is() -> None:
         assert np.asarray(view).tolist() == rows.tolist() and view[1, 0] == 8192
     assert np.asarray(direct_rows([[0, -16, 8]])).view(np.uint64).tolist() == [[0, 2**64 - 16, 8]]
     assert np.asarray(direct_rows(np.array([[0, -16, 8]], dtype=np.int32))).tolist() == [[0, 2**64 - 16, 8]]
-    for bad in ([[0, 0]], [], np.zeros((2, 3), dtype=np.float32), np.zeros((2, 3, 1), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)):
+    odd_types = (np.zeros((2, 3), dtype=np.float32), np.zeros((2, 3), dtype="M8[s]"), np.zeros((2, 3), dtype=object), np.zeros((2, 3), dtype=[("a", "i8")]))
+    for bad in ([[0, 0]], [], [[0, 0, 8], [0, 8]], np.zeros((2, 3, 1), dtype=np.int64), np.zeros((0, 3), dtype=np.int64), *odd_types):
         with pytest.raises(InvalidRequest, match=r"\(N, 3\) integer array"):
             direct_rows(bad)
 
