@@ -3,6 +3,7 @@
     python examples/kv_offload.py                      # starts its own daemon (cuda if a GPU is here, else sim)
     python examples/kv_offload.py --socket /run/priod/priod.sock --dtype float8_e4m3fn
     python examples/kv_offload.py --backend cuda --register   # the cache is PyTorch's own tensor
+    python examples/kv_offload.py --backend cuda --direct     # the urgent reload by this process's own copy
 
 A decode step of one attention layer reads a sequence's K and V through its block table, as
 paged attention does. The example computes that step, offloads the sequence's blocks to a host
@@ -13,6 +14,9 @@ sequence is still running, and checks that the step's output is bitwise the same
 The KV cache is a device region priod allocated, viewed with ``Region.torch()`` (CUDA tensors
 on the cuda engine; CPU tensors on the sim engine, whose "device" memory is host memory), or
 with ``--register`` a tensor from PyTorch's caching allocator given to ``register_device``.
+With ``--direct`` the urgent reload is this process's own copy (``priod.direct``: the copy
+kernel over the host pool, pinned here with ``pin_host``), which the daemon makes room for by
+holding B's bulk offload back meanwhile; the pool stays the daemon's region for the offloads.
 Exit status 0 when every check passed; the last line says ``ok``.
 """
 
@@ -60,6 +64,19 @@ def _fill(cache: Any, ids: list[int], dtype: Any, gen: Any) -> None:
     u8[:, torch.tensor(ids, device=cache.device)] = values.view(torch.uint8)
 
 
+def _direct_table(cache: Any, pool: Any, dst_ids: list[int], src_ids: list[int]) -> Any:
+    """The (N, 3) byte table moving host slot ``src_ids[i]`` of ``pool`` to device block
+    ``dst_ids[i]`` of ``cache``: K then V of each block (the planes of dimension 0), as
+    ``copy_blocks`` lays them out for the daemon."""
+    import numpy as np
+
+    size = cache.element_size()
+    block = BLOCK_SIZE * HEADS * HEAD_DIM * size
+    d = np.asarray(dst_ids, dtype=np.int64)[:, None] * cache.stride(1) * size + np.arange(2)[None, :] * cache.stride(0) * size
+    s = np.asarray(src_ids, dtype=np.int64)[:, None] * pool.stride(1) * size + np.arange(2)[None, :] * pool.stride(0) * size
+    return np.stack([d.reshape(-1), s.reshape(-1), np.full(d.size, block)], axis=1)
+
+
 def _sync(t: Any) -> None:
     """Wait for the kernels that wrote ``t``: priod's copies read memory, not streams (yet)."""
     import torch
@@ -94,21 +111,35 @@ def run(args: argparse.Namespace) -> None:
     pool_shape = (2, args.host_blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
     block_bytes = 2 * BLOCK_SIZE * HEADS * HEAD_DIM * size  # K and V of one block
     gen = torch.Generator().manual_seed(0)
-    with _daemon(args) as path, priod.SyncClient(path, name="kv_offload") as c:
+    with _daemon(args) as path, priod.SyncClient(path, name="kv_offload") as c, contextlib.ExitStack() as stack:
         engine = c.server.backend
+        for flag, wanted in (("--register", args.register), ("--direct", args.direct)):
+            if wanted and engine != "cuda":
+                raise SystemExit(f"{flag} needs the cuda engine (this daemon runs {engine}): its device memory is a GPU's")
         if args.register:
-            if engine != "cuda":
-                raise SystemExit(f"--register needs the cuda engine (this daemon runs {engine}): its device memory is a GPU's")
             cache = torch.empty(shape, dtype=dtype, device="cuda")
             c.register_device(cache)  # PyTorch's caching allocator: an offset into one of its segments
         else:
             cache = c.alloc_device(math.prod(shape) * size).torch(dtype, shape)
         pool = c.alloc_host(math.prod(pool_shape) * size).torch(dtype, pool_shape)
+        direct = None
+        if args.direct:
+            from priod.direct import DirectCopies, pin_host
+
+            stack.enter_context(pin_host(pool))  # unpinned last: after the copies, before the region goes
+            copies = DirectCopies(c.hold_page())
+            stack.callback(copies.close)
+            direct = copies.pair(cache, pool)
         print(f"{engine} engine, {args.dtype}: KV cache {tuple(cache.shape)} on {cache.device}, host pool {args.host_blocks} blocks, {block_bytes} bytes a block")
 
         # sequence A: scattered blocks, as a block allocator leaves them
         n = args.blocks
         table_a = list(range(1, 2 * n, 2))
+        slots_a, new_a = list(range(n)), list(range(2 * n, 3 * n))[::-1]
+        if direct is not None:
+            # The first direct batch loads the copy kernel into this process (milliseconds): one
+            # block here, off the measured path, into a block the reload overwrites anyway.
+            direct.copy_batch(_direct_table(cache, pool, new_a[:1], slots_a[:1]))
         seq_len = n * BLOCK_SIZE - 5
         _fill(cache, table_a, dtype, gen)
         q = torch.randn((HEADS, HEAD_DIM), generator=gen).to(cache.device)
@@ -116,7 +147,6 @@ def run(args: argparse.Namespace) -> None:
         kv_a = cache.view(torch.uint8)[:, table_a].clone()
         _sync(cache)
 
-        slots_a = list(range(n))
         t0 = time.perf_counter()
         r = c.copy_blocks(pool, cache, slots_a, table_a, block_dim=1, priority="bulk")
         print(f"offload A: {n} blocks as one copy_batch ({r.segments} segments, {r.nbytes} bytes) in {(time.perf_counter() - t0) * 1e3:.2f} ms")
@@ -132,15 +162,22 @@ def run(args: argparse.Namespace) -> None:
         _sync(cache)
         slots_b = list(range(n, 2 * n))
         bulk = c.start_copy_blocks(pool, cache, slots_b, table_b, block_dim=1, priority="bulk")
-        new_a = list(range(2 * n, 3 * n))[::-1]
-        t0 = time.perf_counter()
-        r = c.copy_blocks(cache, pool, new_a, slots_a, block_dim=1, priority="urgent")
-        urgent_ms = (time.perf_counter() - t0) * 1e3
-        b = bulk.wait()
-        print(
-            f"reload A: {r.segments} segments urgent in {urgent_ms:.2f} ms (daemon: queued {r.queued_us:.0f} us, "
-            f"total {r.total_us:.0f} us) beside B's bulk offload of {b.nbytes} bytes"
-        )
+        if direct is not None:
+            table = _direct_table(cache, pool, new_a, slots_a)
+            t0 = time.perf_counter()
+            direct.copy_batch(table)  # returns once the blocks have landed
+            urgent_ms = (time.perf_counter() - t0) * 1e3
+            b = bulk.wait()
+            print(f"reload A: {len(table)} segments urgent, direct, in {urgent_ms:.2f} ms beside B's bulk offload of {b.nbytes} bytes")
+        else:
+            t0 = time.perf_counter()
+            r = c.copy_blocks(cache, pool, new_a, slots_a, block_dim=1, priority="urgent")
+            urgent_ms = (time.perf_counter() - t0) * 1e3
+            b = bulk.wait()
+            print(
+                f"reload A: {r.segments} segments urgent in {urgent_ms:.2f} ms (daemon: queued {r.queued_us:.0f} us, "
+                f"total {r.total_us:.0f} us) beside B's bulk offload of {b.nbytes} bytes"
+            )
 
         u8, pool_u8 = cache.view(torch.uint8), pool.view(torch.uint8)
         if not torch.equal(u8[:, new_a], kv_a):
@@ -163,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-blocks", type=int, default=128)
     p.add_argument("--host-blocks", type=int, default=96)
     p.add_argument("--register", action="store_true", help="the cache is torch.empty(device='cuda'), given to register_device")
+    p.add_argument("--direct", action="store_true", help="reload A by this process's own copy (priod.direct), the pool pinned here")
     args = p.parse_args(argv)
     if 3 * args.blocks > args.device_blocks or 2 * args.blocks > args.host_blocks:
         p.error("need --device-blocks >= 3 * --blocks and --host-blocks >= 2 * --blocks")

@@ -42,7 +42,7 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
-__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "direct_rows", "direct_table"]
+__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_rows", "direct_table", "pin_host"]
 
 WORDS_PER_SLOT = SLOT_BYTES // 8
 """A slot's uint64 words: ``begun``, then ``ended``."""
@@ -122,6 +122,49 @@ def _span(obj: object) -> tuple[int, int]:
             raise InvalidRequest("the tensor is not contiguous: pass .contiguous() of a pinned tensor")
         return int(t.data_ptr()), int(t.numel()) * int(t.element_size())
     return device_span(obj)
+
+
+class PinnedHost:
+    """Host memory pinned in this process's CUDA contexts (`pin_host`) until `close`."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.nbytes = address, nbytes
+        self._rt, _ = bindings()
+        self._pinned = True
+
+    def close(self) -> None:
+        """Unpin (once; copies that use the memory must be over)."""
+        if self._pinned:
+            self._pinned = False
+            check(self._rt.cudaHostUnregister(self.address))
+
+    def __enter__(self) -> PinnedHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def pin_host(obj: object) -> PinnedHost:
+    """Pin host memory in this process's CUDA contexts (``cudaHostRegister``, mapped and portable)
+    so that direct copies may use it: above all a host region the daemon allocated
+    (``Client.alloc_host``, its memfd mapped here). The daemon's own copies of that region go on
+    as before, so one host pool serves both ways: bulk offloads through the daemon, urgent
+    reloads by this process (examples/kv_offload.py ``--direct``). ``obj``: a host `Region`, a
+    CPU tensor, a NumPy array or an ``(address, nbytes)`` tuple. Pinning costs about 0.1 ms a MiB
+    (once); unpin with `PinnedHost.close` or a ``with`` block before the memory goes away."""
+    array = getattr(obj, "array", None)
+    if getattr(obj, "kind", None) == "host" and isinstance(array, np.ndarray):
+        obj = array  # a host Region: its mapping in this process
+    if hasattr(obj, "__cuda_array_interface__") or getattr(obj, "is_cuda", False) or getattr(obj, "kind", None) == "device":
+        raise InvalidRequest("pin_host pins host memory; this is GPU memory, which a direct copy takes as it is")
+    address, nbytes = _span(obj)
+    rt, _ = bindings()
+    (err,) = rt.cudaHostRegister(address, nbytes, rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable)
+    if err == rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered:
+        raise InvalidRequest("this host memory is pinned here already (pin_memory(), cudaHostAlloc or an earlier pin_host): use it as it is")
+    check((err,))
+    return PinnedHost(address, nbytes)
 
 
 KERNEL_BLOCK_MAX = 256 << 10

@@ -198,3 +198,38 @@ def test_pageable_host_memory_is_refused_with_the_fix(gpu_daemon: DaemonProcess)
         with pytest.raises(InvalidRequest, match="pinned host memory"):
             direct.copy(dev, np.zeros(4096, dtype=np.uint8))
         direct.close()
+
+
+def test_pin_host_lets_a_direct_copy_use_a_host_region_the_daemon_holds(gpu_daemon: DaemonProcess) -> None:
+    """A host region the daemon allocated, pinned in this process with pin_host: a direct batch
+    reads it (the bytes land), the daemon's own copy of it still works beside, pinning it twice
+    or pinning GPU memory is refused with the reason, and once unpinned a direct copy refuses it."""
+    import cupy as cp
+
+    from priod.direct import pin_host
+
+    rng = np.random.default_rng(23)
+    blocks, block = 64, 16 << 10
+    n = 2 * blocks * block
+    with priod.SyncClient(gpu_daemon.socket_path) as c:
+        h = c.alloc_host(n)
+        assert h.array is not None
+        h.array[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        dev = cp.zeros(n, dtype=cp.uint8)
+        table = np.stack([rng.choice(2 * blocks, blocks, replace=False) * block, rng.choice(2 * blocks, blocks, replace=False) * block, np.full(blocks, block)], axis=1)
+        direct = DirectCopies(c.hold_page())
+        with pin_host(h):
+            with pytest.raises(InvalidRequest, match="pinned here already"):
+                pin_host(h.array)
+            assert direct.pair(dev, h.array).copy_batch(table) == blocks * block
+            d = c.alloc_device(n)
+            assert c.copy(d, h).nbytes == n  # the daemon's copy of the same region, beside
+            c.free(d)
+        got = cp.asnumpy(dev)
+        for d_off, s_off, size in table.tolist():
+            assert np.array_equal(got[d_off : d_off + size], h.array[s_off : s_off + size])
+        with pytest.raises(InvalidRequest, match="GPU memory"):
+            pin_host(dev)
+        with pytest.raises(InvalidRequest, match="pinned host memory"):
+            direct.pair(dev, h.array)
+        direct.close()

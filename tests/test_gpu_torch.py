@@ -221,13 +221,17 @@ def test_expandable_segments_tensor_registers_by_fd(gpu_daemon: DaemonProcess, t
     assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("register", [False, True], ids=["alloc_device", "register_device"])
+@pytest.mark.parametrize("flags", [[], ["--register"], ["--direct"], ["--register", "--direct"]], ids=["alloc_device", "register_device", "direct", "register_direct"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_kv_offload_example_on_cuda(gpu_daemon: DaemonProcess, torch: Any, dtype: str, register: bool) -> None:
+def test_kv_offload_example_on_cuda(gpu_daemon: DaemonProcess, torch: Any, dtype: str, flags: list[str]) -> None:
     """examples/kv_offload.py on the cuda engine: the cache a daemon allocation viewed by
-    Region.torch(), or PyTorch's own tensor registered; output bitwise the same after reload."""
-    cmd = [sys.executable, str(ROOT / "examples" / "kv_offload.py"), "--socket", gpu_daemon.socket_path, "--dtype", dtype]
-    out = subprocess.run([*cmd, *(["--register"] if register else [])], capture_output=True, text=True, timeout=300)
+    Region.torch(), or PyTorch's own tensor registered; the urgent reload through the daemon,
+    or this process's own (--direct, the daemon's host pool pinned here); output bitwise the
+    same after reload."""
+    cmd = [sys.executable, str(ROOT / "examples" / "kv_offload.py"), "--socket", gpu_daemon.socket_path, "--dtype", dtype, *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.splitlines()[0].startswith(f"cuda engine, {dtype}: KV cache (2, 128, 16, 8, 64) on cuda:0"), out.stdout
-    assert out.stdout.splitlines()[-1] == "attention output after offload and reload equals the output before: ok"
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"cuda engine, {dtype}: KV cache (2, 128, 16, 8, 64) on cuda:0"), out.stdout
+    assert lines[2].startswith("reload A: 64 segments urgent, direct," if "--direct" in flags else "reload A: 64 segments urgent in"), out.stdout
+    assert lines[-1] == "attention output after offload and reload equals the output before: ok"

@@ -33,8 +33,10 @@ def test_example_offloads_and_reloads_on_sim(daemon: DaemonProcess, dtype: str) 
     assert lines[-1] == "attention output after offload and reload equals the output before: ok"
 
 
-def test_example_refuses_register_on_sim(daemon: DaemonProcess) -> None:
-    """--register (PyTorch's own CUDA tensor) needs the cuda engine, and says so."""
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--socket", daemon.socket_path, "--register"], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("flag", ["--register", "--direct"])
+def test_example_refuses_cuda_only_flags_on_sim(daemon: DaemonProcess, flag: str) -> None:
+    """--register (PyTorch's own CUDA tensor) and --direct (this process's own CUDA copy) need
+    the cuda engine, and say so."""
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--socket", daemon.socket_path, flag], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
-    assert out.stderr.strip().endswith("--register needs the cuda engine (this daemon runs sim): its device memory is a GPU's")
+    assert out.stderr.strip().endswith(f"{flag} needs the cuda engine (this daemon runs sim): its device memory is a GPU's")
