@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from .errors import InvalidRequest
 
-__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "SMALL_BLOCK_MEAN", "Cells", "Segments", "encode_segments"]
+__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "SMALL_BLOCK_MEAN", "Cells", "Segments", "column_peaks", "encode_segments"]
 
 SEGMENT_BYTES = 24
 """One segment on the wire: three little-endian uint64 (dst_offset, src_offset, nbytes)."""
@@ -46,11 +46,20 @@ MAX_SEGMENTS_PER_CHUNK = 4096
 """Most segments one chunk covers whatever their cost: bounds one engine submission's work."""
 
 _WIRE = np.dtype("<u8")
+_ROW = np.dtype((_WIRE, (3,)))
+"""A segment as one element: ``frombuffer`` with it gives the (N, 3) table at once."""
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 Cells = npt.NDArray[np.uint64]
 """An (N, 3) uint64 table, C order: row i is segment i's (dst_offset, src_offset, nbytes), as on
 the wire and as the copy kernel reads it."""
+
+
+def column_peaks(cells: Cells) -> tuple[int, int, int]:
+    """The largest of each column of an (N, 3) table, one reduction down each column: a
+    reduction across the rows (``max(axis=0)``) steps row by row, 160 against 90 us for 4,096
+    rows on the H200's host, and was no faster for 256."""
+    return int(cells[:, 0].max()), int(cells[:, 1].max()), int(cells[:, 2].max())
 
 
 def encode_segments(segments: object) -> bytes:
@@ -73,19 +82,45 @@ def encode_segments(segments: object) -> bytes:
 
 @dataclass(eq=False, slots=True)
 class Segments:
-    """A checked segment table. Offsets are relative to the regions' starts."""
+    """A checked segment table. Offsets are relative to the regions' starts.
+
+    Each numpy call on a batch's way through the daemon costs ~10 us there, as the daemon's
+    other work keeps numpy's code out of the CPU's caches (this VM and the H200's host alike).
+    So `decode` takes the columns' largest values and the smallest size once, for the checks
+    to read; a table of blocks of one size is checked for overlaps by a sort alone; and the
+    cumulative sizes wait until a chunk or a partial count needs them. Taking a batch went from
+    241 to 167 us for 256 segments and from 343 to 179 for 4,096 (H200, one command; docs/
+    benchmarks.md, session 14)."""
 
     cells: Cells
-    """The table as it came (read-only, a view of the frame's bytes); the three columns below are views of it."""
-    dst: U64
-    src: U64
+    """The table as it came (read-only, a view of the frame's bytes)."""
     size: U64
-    ends: I64
-    """Cumulative sizes: segment i holds bytes [ends[i] - size[i], ends[i]) of the batch."""
+    """The sizes' column, a view of ``cells``."""
+    peaks: tuple[int, int, int]
+    """The largest destination offset, source offset and size."""
     total: int
+    smallest: int
+    """The smallest size: equal to the largest for blocks of one size, which `check_regions`
+    checks for overlaps with fewer steps."""
+    _ends: I64 | None = None
 
     def __len__(self) -> int:
         return len(self.size)
+
+    @property
+    def dst(self) -> U64:
+        return self.cells[:, 0]
+
+    @property
+    def src(self) -> U64:
+        return self.cells[:, 1]
+
+    @property
+    def ends(self) -> I64:
+        """Cumulative sizes: segment i holds bytes [ends[i] - size[i], ends[i]) of the batch."""
+        if self._ends is None:
+            self._ends = np.cumsum(self.size, dtype=np.int64)
+        return self._ends
 
     def small_blocks(self) -> bool:
         """Its segments average under `SMALL_BLOCK_MEAN` bytes."""
@@ -101,19 +136,20 @@ class Segments:
             raise InvalidRequest("segments is empty; a batch holds at least one segment")
         if n > MAX_SEGMENTS:
             raise InvalidRequest(f"{n} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
-        table = np.frombuffer(raw, dtype=_WIRE).reshape(n, 3)
-        dst, src, size = table[:, 0], table[:, 1], table[:, 2]
-        if not size.all():
+        table: Cells = np.frombuffer(raw, dtype=_ROW)  # (n, 3) uint64: the row type makes the shape, no reshape call
+        # Offsets and sizes past 2**62 cannot fit any region; refusing them here keeps every sum
+        # below within int64 (and an overflowing sum cannot pass a bounds check).
+        dst_max, src_max, largest = column_peaks(table)
+        if max(dst_max, src_max, largest) >= 1 << 62:
+            raise InvalidRequest("a segment's offset or size is 2**62 or more, past any region; check the triples' order (dst_offset, src_offset, nbytes)")
+        size = table[:, 2]
+        smallest = int(size.min())
+        if smallest == 0:
             i = int(np.argmin(size))
             raise InvalidRequest(f"segment {i} has nbytes = 0; every segment copies at least 1 byte")
-        # Offsets and sizes past 2**62 cannot fit any region; refusing them here keeps every sum
-        # below within int64 (and an overflowing sum cannot pass a bounds check). Whole-table
-        # reductions, few numpy calls: on the H200's host each cost 5-10 us on a loop that had
-        # just woken, and a 256-segment batch spent 90 us here with twice as many.
-        if int(table.max()) >= 1 << 62:
-            raise InvalidRequest("a segment's offset or size is 2**62 or more, past any region; check the triples' order (dst_offset, src_offset, nbytes)")
-        ends = np.cumsum(size, dtype=np.int64)
-        return cls(table, dst, src, size, ends, int(ends[-1]))
+        # Blocks of one size, a KV cache's: the total without a sum.
+        total = n * largest if smallest == largest else int(size.sum())
+        return cls(table, size, (dst_max, src_max, largest), total, smallest)
 
     def check_regions(self, dst_nbytes: int, src_nbytes: int, shift: int | None, dst_id: int, src_id: int) -> None:
         """Every segment within its region; no two destination segments overlap; no
@@ -127,10 +163,11 @@ class Segments:
         # plus the largest size within the region proves every segment fits (blocks of one size,
         # the usual batch); only where it does not are the segments' own ends compared.
         size = self.size
-        largest = int(size.max())
-        for name, offs, limit, rid in (("dst", self.dst, dst_nbytes, dst_id), ("src", self.src, src_nbytes, src_id)):
-            if int(offs.max()) + largest <= limit:
+        dst_max, src_max, largest = self.peaks
+        for name, column, peak, limit, rid in (("dst", 0, dst_max, dst_nbytes, dst_id), ("src", 1, src_max, src_nbytes, src_id)):
+            if peak + largest <= limit:
                 continue
+            offs = self.cells[:, column]
             bad = np.flatnonzero(offs + size > limit)
             if bad.size:
                 i = int(bad[0])
@@ -138,12 +175,14 @@ class Segments:
                     f"segment {i}: {name}_offset {int(offs[i])} + nbytes {int(size[i])} is outside region {rid} of {limit} bytes; "
                     "keep every segment within its region"
                 )
+        if shift is None and self.smallest == largest and not (np.diff(np.sort(self.cells[:, 0])) < largest).any():
+            return  # blocks of one size, none within a block's length of the next: no overlap
         # Not a stable sort: 4x faster on 4,096 segments (36 against 158 us), and two segments
         # with one start overlap whichever comes first.
-        order = np.argsort(self.dst)
-        starts = self.dst[order]
-        stops = starts + size[order]
-        clash = np.flatnonzero(starts[1:] < stops[:-1])
+        order = np.argsort(self.cells[:, 0])
+        rows = self.cells[order]  # sorted by destination offset, one gather for both columns
+        starts = rows[:, 0]
+        clash = np.flatnonzero(np.diff(starts) < rows[:-1, 2])  # a start before the previous segment's end
         if clash.size:
             a, b = int(order[clash[0]]), int(order[clash[0] + 1])
             # The copies of a batch run in no set order (cuMemcpyBatchAsync promises none), so
@@ -154,7 +193,8 @@ class Segments:
         # Destination intervals are now sorted and disjoint, so their ends rise too: for each
         # source interval the last destination starting before its end is the only candidate.
         # In int64 here: a shift can be negative, and numpy compares uint64 with int64 as floats.
-        starts, stops = starts.astype(np.int64), stops.astype(np.int64)
+        starts = starts.astype(np.int64)
+        stops = starts + rows[:, 2].astype(np.int64)
         s_start = self.src.astype(np.int64) + shift
         s_stop = s_start + self.size.astype(np.int64)
         k = np.searchsorted(starts, s_stop, side="left") - 1
@@ -168,15 +208,17 @@ class Segments:
 
     def segments_done(self, bytes_done: int) -> int:
         """How many segments landed whole when the first ``bytes_done`` bytes of the batch did."""
+        if bytes_done >= self.total:
+            return len(self.size)  # a batch that finished: no cumulative sizes needed
         return int(np.searchsorted(self.ends, bytes_done, side="right"))
 
     def cut(self, offset: int, size: int, seg_cost: int) -> int:
         """The bytes of the chunk that starts at batch byte ``offset`` and may cost ``size``:
         its bytes plus ``seg_cost`` per segment it touches, and at least the rest of the segment
         it starts in (up to ``size``)."""
-        ends = self.ends
-        if seg_cost <= 0 and offset == 0 and len(ends) <= MAX_SEGMENTS_PER_CHUNK:
+        if seg_cost <= 0 and offset == 0 and len(self.size) <= MAX_SEGMENTS_PER_CHUNK:
             return min(size, self.total)  # an express batch, whole: no numpy call
+        ends = self.ends
         first = int(np.searchsorted(ends, offset, side="right"))
         last = min(len(ends), first + MAX_SEGMENTS_PER_CHUNK)
         if seg_cost <= 0:

@@ -85,6 +85,44 @@ def test_bounds_and_overlaps_are_checked_as_a_unit() -> None:
     Segments.decode(encode_segments([(0, 64, 64), (128, 192, 64)])).check_regions(1024, 1024, 0, 1, 1)  # interleaved, touching
 
 
+def test_destination_overlap_check_agrees_with_brute_force_for_blocks_of_one_size() -> None:
+    """Two memories (no source to compare): tables of blocks of one size take the sort-only
+    check, others the full one; each refuses exactly the tables whose destinations a byte map
+    says overlap. Blocks of one size also give the total without a sum."""
+    rng = np.random.default_rng(11)
+    refused = {True: 0, False: 0}
+    for i in range(600):
+        n = int(rng.integers(1, 8))
+        uniform = i % 2 == 0
+        sizes = np.full(n, int(rng.integers(1, 24))) if uniform else rng.integers(1, 24, n)
+        segs = np.stack([rng.integers(0, 200, n), rng.integers(0, 200, n), sizes], axis=1)
+        writes = np.zeros(256, np.int64)
+        for d, _, k in segs:
+            writes[d : d + k] += 1
+        table = Segments.decode(encode_segments(segs))
+        assert (table.smallest == table.peaks[2]) == (uniform or len(set(sizes.tolist())) == 1)
+        assert table.total == int(sizes.sum())
+        try:
+            table.check_regions(256, 256, None, 1, 2)
+        except InvalidRequest as exc:
+            refused[uniform] += 1
+            assert (writes > 1).any() and "destination segments" in str(exc), segs
+        else:
+            assert not (writes > 1).any(), segs
+    assert all(30 < r < 270 for r in refused.values()), refused  # both outcomes, both kinds of table
+
+
+def test_cumulative_sizes_wait_until_a_chunk_needs_them() -> None:
+    """A batch taken whole (an express batch, or one chunk) and finished never builds its
+    cumulative sizes; a partial count or a cut of part of it does, and they are right."""
+    table = Segments.decode(encode_segments([(0, 64, 64), (64, 128, 32), (1000, 0, 24)]))
+    table.check_regions(1024, 1024, None, 1, 2)
+    assert table.cut(0, 1 << 20, 0) == 120 and table.piece(0, 120) is table.cells
+    assert table.segments_done(120) == 3
+    assert table._ends is None
+    assert table.segments_done(100) == 2 and table.ends.tolist() == [64, 96, 120]
+
+
 def test_overlap_check_agrees_with_brute_force() -> None:
     """On random small tables, the sort-based check refuses exactly the tables a byte map says overlap."""
     rng = np.random.default_rng(7)

@@ -64,7 +64,7 @@ def main() -> None:
         kernel = direct._kernels[0]
         assert kernel is not None
         ek = kernel._express
-        rows_all = ek._table_view[2:].reshape(TABLE_MAX, 3)
+        rows_all = np.ctypeslib.as_array(ek._table)[2:].reshape(TABLE_MAX, 3)
         wave = kernel.sm_count * ek.blocks_per_sm
         main_cu = kernel._cu(stream)
         on_dst, on_src = pair.on_device

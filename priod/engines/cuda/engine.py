@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from priod.batch import Cells
+from priod.batch import Cells, column_peaks
 from priod.engines.base import (
     Completion,
     DeviceMemory,
@@ -298,8 +298,8 @@ class CudaEngine(Engine):
         dst_offsets, src_offsets, sizes = cells[:, 0], cells[:, 1], cells[:, 2]
         # The daemon checked the batch (batch.py); a bound here costs little and keeps a wrong
         # table off the GPU. Largest offset plus largest size first: a few numpy calls fewer.
-        largest = int(sizes.max())
-        fits = int(dst_offsets.max()) + largest <= dst.nbytes and int(src_offsets.max()) + largest <= src.nbytes
+        dst_max, src_max, largest = column_peaks(cells)
+        fits = dst_max + largest <= dst.nbytes and src_max + largest <= src.nbytes
         if not fits and (int((dst_offsets + sizes).max()) > dst.nbytes or int((src_offsets + sizes).max()) > src.nbytes):
             raise InvalidRequest(f"a segment of this chunk falls outside its region ({dst.nbytes} / {src.nbytes} bytes)")
         self._use(lane.device)
