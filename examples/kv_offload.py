@@ -38,6 +38,7 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 import priod
+from priod.torch_face import block_segments
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 64, 16
 
@@ -62,19 +63,6 @@ def _fill(cache: Any, ids: list[int], dtype: Any, gen: Any) -> None:
     values = torch.randn((2, len(ids), *cache.shape[2:]), generator=gen).to(dtype).to(cache.device)
     u8 = cache.view(torch.uint8)
     u8[:, torch.tensor(ids, device=cache.device)] = values.view(torch.uint8)
-
-
-def _direct_table(cache: Any, pool: Any, dst_ids: list[int], src_ids: list[int]) -> Any:
-    """The (N, 3) byte table moving host slot ``src_ids[i]`` of ``pool`` to device block
-    ``dst_ids[i]`` of ``cache``: K then V of each block (the planes of dimension 0), as
-    ``copy_blocks`` lays them out for the daemon."""
-    import numpy as np
-
-    size = cache.element_size()
-    block = BLOCK_SIZE * HEADS * HEAD_DIM * size
-    d = np.asarray(dst_ids, dtype=np.int64)[:, None] * cache.stride(1) * size + np.arange(2)[None, :] * cache.stride(0) * size
-    s = np.asarray(src_ids, dtype=np.int64)[:, None] * pool.stride(1) * size + np.arange(2)[None, :] * pool.stride(0) * size
-    return np.stack([d.reshape(-1), s.reshape(-1), np.full(d.size, block)], axis=1)
 
 
 def _sync(t: Any) -> None:
@@ -118,10 +106,19 @@ def run(args: argparse.Namespace) -> None:
                 raise SystemExit(f"{flag} needs the cuda engine (this daemon runs {engine}): its device memory is a GPU's")
         if args.register:
             cache = torch.empty(shape, dtype=dtype, device="cuda")
-            c.register_device(cache)  # PyTorch's caching allocator: an offset into one of its segments
+            cache_region = c.register_device(cache)  # PyTorch's caching allocator: an offset into one of its segments
         else:
-            cache = c.alloc_device(math.prod(shape) * size).torch(dtype, shape)
-        pool = c.alloc_host(math.prod(pool_shape) * size).torch(dtype, pool_shape)
+            cache_region = c.alloc_device(math.prod(shape) * size)
+            cache = cache_region.torch(dtype, shape)
+        pool_region = c.alloc_host(math.prod(pool_shape) * size)
+        pool = pool_region.torch(dtype, pool_shape)
+
+        def direct_table(dst_ids: list[int], src_ids: list[int]) -> Any:
+            """The byte table of a direct copy of pool slots into cache blocks: the one
+            ``copy_blocks`` sends (K then V of each block), its offsets relative to the regions,
+            which here are the tensors' own (each tensor starts at its region)."""
+            return block_segments(cache, pool, dst_ids, src_ids, [cache_region, pool_region], block_dim=1)[2]
+
         direct = None
         if args.direct:
             from priod.direct import DirectCopies, pin_host
@@ -139,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
         if direct is not None:
             # The first direct batch loads the copy kernel into this process (milliseconds): one
             # block here, off the measured path, into a block the reload overwrites anyway.
-            direct.copy_batch(_direct_table(cache, pool, new_a[:1], slots_a[:1]))
+            direct.copy_batch(direct_table(new_a[:1], slots_a[:1]))
         seq_len = n * BLOCK_SIZE - 5
         _fill(cache, table_a, dtype, gen)
         q = torch.randn((HEADS, HEAD_DIM), generator=gen).to(cache.device)
@@ -163,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
         slots_b = list(range(n, 2 * n))
         bulk = c.start_copy_blocks(pool, cache, slots_b, table_b, block_dim=1, priority="bulk")
         if direct is not None:
-            table = _direct_table(cache, pool, new_a, slots_a)
+            table = direct_table(new_a, slots_a)
             t0 = time.perf_counter()
             direct.copy_batch(table)  # returns once the blocks have landed
             urgent_ms = (time.perf_counter() - t0) * 1e3
