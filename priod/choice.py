@@ -15,25 +15,36 @@ Pure logic: the caller passes ``now`` and the latencies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .engines.base import LaneKey, Path
 
-__all__ = ["PathChooser", "PathEstimate"]
+__all__ = ["PathChooser", "PathEstimate", "PathFigures"]
 
 ALPHA = 0.25
 """Weight of the newest sample: a co-tenant that starts shows within a few copies."""
 
 
-@dataclass(slots=True)
-class _Bucket:
-    latency: dict[Path, float] = field(default_factory=dict)
-    """Smoothed latency per path, seconds."""
-    tried: dict[Path, float] = field(default_factory=dict)
-    """When each path was last chosen."""
-    seen: dict[Path, float] = field(default_factory=dict)
-    """When each path's latency was last observed."""
-    chosen: dict[Path, int] = field(default_factory=lambda: {Path.EXPRESS: 0, Path.DMA: 0})
+_EXPRESS, _DMA = Path.EXPRESS, Path.DMA
+
+
+class PathFigures:
+    """One lane's figures for one size bucket, per path as ``[express, dma]``.
+
+    Lists indexed by path rather than dicts keyed by it: an enum member hashes through a Python
+    method, and every Python function a copy's path touches costs microseconds on a thread that
+    has just woken (docs/benchmarks.md, session 15)."""
+
+    __slots__ = ("chosen", "latency", "seen", "tried")
+
+    def __init__(self) -> None:
+        self.latency: list[float | None] = [None, None]
+        """Smoothed latency per path, seconds."""
+        self.tried: list[float | None] = [None, None]
+        """When each path was last chosen."""
+        self.seen: list[float | None] = [None, None]
+        """When each path's latency was last observed."""
+        self.chosen = [0, 0]
 
 
 @dataclass(frozen=True)
@@ -55,52 +66,62 @@ class PathChooser:
 
     def __init__(self, explore_s: float = 2.0) -> None:
         self.explore_s = explore_s
-        self._buckets: dict[tuple[LaneKey, int], _Bucket] = {}
+        self._buckets: dict[tuple[LaneKey, int], PathFigures] = {}
 
-    def _bucket(self, lane: LaneKey, nbytes: int) -> _Bucket:
+    def _bucket(self, lane: LaneKey, nbytes: int) -> PathFigures:
         """The figures for ``lane`` and the size bucket of ``nbytes``, made on first use.
 
-        Not ``setdefault(key, _Bucket())``: that builds a bucket (four dicts) per urgent copy,
+        Not ``setdefault(key, PathFigures())``: that builds a bucket (four lists) per urgent copy,
         only to throw it away, and every urgent copy comes here once it is done (`observe`)."""
         key = (lane, (nbytes - 1 or 1).bit_length())  # copies of (2**(k-1), 2**k] bytes (nbytes >= 1)
         b = self._buckets.get(key)
         if b is None:
-            b = self._buckets[key] = _Bucket()
+            b = self._buckets[key] = PathFigures()
         return b
 
     def choose(self, lane: LaneKey, nbytes: int, now: float) -> Path:
         """The path for an urgent copy of ``nbytes`` that both paths could carry."""
-        b = self._bucket(lane, nbytes)
-        ex, dma = b.latency.get(Path.EXPRESS), b.latency.get(Path.DMA)
-        if ex is None:
-            path = Path.EXPRESS  # the calibrated default: express where the engine offers it
-        elif dma is None:
-            path = Path.DMA
-        else:
-            path = Path.EXPRESS if ex <= dma else Path.DMA
-            other = Path.DMA if path is Path.EXPRESS else Path.EXPRESS
-            if now - b.tried.get(other, now) >= self.explore_s:
-                path = other  # look again: what slowed it may have gone
-        b.tried[path] = now
-        b.chosen[path] += 1
-        return path
+        return self.choose_in(self._bucket(lane, nbytes), now)
 
     def observe(self, lane: LaneKey, path: Path, nbytes: int, latency_s: float, now: float) -> None:
-        """An urgent copy on ``path`` took ``latency_s`` from submission to completion seen (at ``now``).
+        """An urgent copy on ``path`` took ``latency_s`` from submission to completion seen (at ``now``)."""
+        self.observe_in(self._bucket(lane, nbytes), path, latency_s, now)
 
-        A figure older than ``explore_s`` is replaced rather than averaged: it describes a GPU
-        that may be gone (the co-tenant that slowed the path has stopped).
-        """
-        b = self._bucket(lane, nbytes)
-        old = b.latency.get(path)
-        stale = now - b.seen.get(path, now) >= self.explore_s
-        b.latency[path] = latency_s if old is None or stale else old + ALPHA * (latency_s - old)
-        b.seen[path] = now
+    def bucket(self, lane: LaneKey, nbytes: int) -> PathFigures:
+        """The figures that copies of ``nbytes`` on ``lane`` read and feed, for a caller that keeps
+        them between copies of one size (`choose_in`, `observe_in`)."""
+        return self._bucket(lane, nbytes)
+
+    def choose_in(self, b: PathFigures, now: float) -> Path:
+        """`choose` for the copies of bucket ``b``."""
+        ex, dma = b.latency
+        if ex is None:
+            path = _EXPRESS  # the calibrated default: express where the engine offers it
+        elif dma is None:
+            path = _DMA
+        else:
+            path, other = (_EXPRESS, 1) if ex <= dma else (_DMA, 0)
+            last = b.tried[other]
+            if last is not None and now - last >= self.explore_s:
+                path = _DMA if other else _EXPRESS  # look again: what slowed it may have gone
+        i = 0 if path is _EXPRESS else 1
+        b.tried[i] = now
+        b.chosen[i] += 1
+        return path
+
+    def observe_in(self, b: PathFigures, path: Path, latency_s: float, now: float) -> None:
+        """`observe` for a copy of bucket ``b``. A figure older than ``explore_s`` is replaced
+        rather than averaged: it describes a GPU that may be gone (the co-tenant that slowed the
+        path has stopped)."""
+        i = 0 if path is _EXPRESS else 1
+        old, seen = b.latency[i], b.seen[i]
+        b.latency[i] = latency_s if old is None or seen is None or now - seen >= self.explore_s else old + ALPHA * (latency_s - old)
+        b.seen[i] = now
 
     def estimates(self) -> list[PathEstimate]:
         out = []
         for (lane, bucket), b in sorted(self._buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-            ex, dma = b.latency.get(Path.EXPRESS), b.latency.get(Path.DMA)
+            ex, dma = b.latency
             choice = "express" if ex is not None and (dma is None or ex <= dma) else ("dma" if dma is not None else "express")
             out.append(
                 PathEstimate(
@@ -109,8 +130,8 @@ class PathChooser:
                     None if ex is None else round(ex * 1e6, 1),
                     None if dma is None else round(dma * 1e6, 1),
                     choice,
-                    b.chosen[Path.EXPRESS],
-                    b.chosen[Path.DMA],
+                    b.chosen[0],
+                    b.chosen[1],
                 )
             )
         return out

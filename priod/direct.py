@@ -36,7 +36,9 @@ from typing import Any, cast
 import numpy as np
 
 from .batch import Cells
+from .choice import PathChooser, PathEstimate, PathFigures
 from .cuda_ipc import _is_torch_tensor, device_span
+from .engines.base import Direction, LaneKey, Path
 from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, one_gpu, status_codes
 from .errors import InvalidRequest
 from .gpus import uuid_key
@@ -388,9 +390,23 @@ class DirectPair:
     the page's two counters and the wait. The buffers must outlive the pair."""
 
     def __init__(
-        self, owner: DirectCopies, dst: int, dst_bytes: int, src: int, src_bytes: int, device: int, slot: int, on_device: tuple[int, int] = (0, 0)
+        self,
+        owner: DirectCopies,
+        dst: int,
+        dst_bytes: int,
+        src: int,
+        src_bytes: int,
+        device: int,
+        slot: int,
+        on_device: tuple[int, int] = (0, 0),
+        direction: str = "h2d",
     ) -> None:
         self._owner, self._device, self._slot = owner, device, slot
+        self._lane = LaneKey(device, Direction(direction))
+        self._figures_size = 0
+        self._figures: PathFigures | None = None
+        """The figures of `DirectCopies`'s path choice that batches of ``_figures_size`` bytes
+        (the last size) read and feed, kept here: looking them up costs a batch microseconds."""
         self.dst, self.dst_bytes, self.src, self.src_bytes = dst, dst_bytes, src, src_bytes
         self.on_device = on_device
         """(dst, src) as the GPU addresses them (a mapped host buffer's device pointer; 0 where
@@ -434,10 +450,11 @@ class DirectPair:
     def copy_batch(self, segments: object) -> int:
         """Copy many blocks between the two buffers as one urgent unit: ``segments`` is an
         (N, 3) integer array (or a sequence of triples) of ``(dst_offset, src_offset, nbytes)``,
-        as for `priod.Client.copy_batch`. One hold, one wait; the blocks move by the copy kernel's
-        table form on this process's urgent stream where the first is under `KERNEL_BLOCK_MAX`
-        bytes (see `DirectCopies`), else by ``cuMemcpyBatchAsync`` (or one ``cudaMemcpyAsync``
-        per block where the driver has no batched call). Returns the bytes copied.
+        as for `priod.Client.copy_batch`. One hold, one wait; where the first block is under
+        `KERNEL_BLOCK_MAX` bytes the blocks move by the copy kernel's table form on this
+        process's urgent stream or by ``cuMemcpyBatchAsync``, whichever was faster of late (see
+        `DirectCopies`); larger ones by ``cuMemcpyBatchAsync`` (or one ``cudaMemcpyAsync`` per
+        block where the driver has no batched call). Returns the bytes copied.
 
         The hold begins before the table is checked: the daemon closes the lane's gate (12-45
         us after an announcement) and the bulk chunk running then drains while this process
@@ -471,17 +488,37 @@ class DirectCopies:
 
     A batch of small blocks (`DirectPair.copy_batch`, the first under `KERNEL_BLOCK_MAX`) runs
     the daemon's copy kernel (``express.ptx``, loaded into this process's context on the first
-    such batch) on that stream, where ``batch_kernel`` is on and the host buffer is mapped: the
+    such batch) on that stream, where the host buffer is mapped: the
     driver's batched DMA waits for the whole call to be enqueued and pays about a microsecond a
     block, while the kernel moved 256 blocks of 64 KiB at 0.91 (h2d) and 0.94 (d2h) of the link
     on the H200. The kernel runs in this process's own context, so it takes no time slice from
-    another one; it shares the SMs with this process's own kernels at block granularity.
+    another one; it shares the SMs with this process's own kernels at block granularity. But
+    while another process computes on the GPU, the kernel waits for that process's time slice
+    on the SMs: on the H200 beside a process running GEMMs, 256 blocks of 64 KiB took p50
+    1.1-1.2 ms by the kernel against 0.66-0.71 by batched DMA, which the SMs do not concern.
+    So which of the two a batch takes is measured, as the daemon's urgent copies are
+    (`priod.choice.PathChooser`, per GPU, direction and size): the kernel until batched DMA has
+    been seen faster, each looked at again once per ``explore_s`` (`path_estimates` shows the
+    figures). ``batch_path`` "kernel" or "dma" takes that path for every batch that it can carry
+    instead of the faster ("fastest", the default).
+
+    The stream is non-blocking, so a copy is not ordered after this process's work on other
+    streams, the legacy default stream included (CuPy's ``cp.zeros`` or a PyTorch kernel): wait
+    for the work that writes a copy's source or touches its destination first (e.g.
+    ``torch.cuda.current_stream().synchronize()``), as with ``cudaMemcpyAsync`` on a stream of
+    one's own. A copy has landed when it returns.
     """
 
-    def __init__(self, page: HoldPage, *, spin_s: float = 0.002, batch_kernel: bool = True) -> None:
+    def __init__(self, page: HoldPage, *, spin_s: float = 0.002, batch_path: str = "fastest", explore_s: float = 2.0) -> None:
+        if batch_path not in ("fastest", "kernel", "dma"):
+            raise ValueError(f"batch_path is 'fastest', 'kernel' or 'dma', not {batch_path!r}")
         self.page = page
         self.spin_s = spin_s
-        self.batch_kernel = batch_kernel
+        self.batch_path = batch_path
+        self._paths = PathChooser(explore_s)
+        """The copy kernel (`Path.EXPRESS`) or batched DMA (`Path.DMA`) for a batch whose blocks
+        either can carry: their recent latencies. Not locked: threads that race here lose a
+        figure at worst."""
         self._kernels: dict[int, _BatchKernel | None] = {}
         """Per GPU: the loaded copy kernel (`_BatchKernel`), or None where it could not load."""
         self._rt, _ = bindings()
@@ -515,7 +552,7 @@ class DirectCopies:
         device, direction, on_device = self._lane_of(dst_ptr, src_ptr)
         uuid = self._uuids.get(device) or self._uuids.setdefault(device, gpu_uuid(device))
         slot = self.page.slot(uuid, direction, device)
-        return DirectPair(self, dst_ptr, dst_bytes, src_ptr, src_bytes, device, slot, on_device)
+        return DirectPair(self, dst_ptr, dst_bytes, src_ptr, src_bytes, device, slot, on_device, direction)
 
     def _run(self, device: int, slot: int, dst: int, src: int, n: int) -> None:
         """One copy on ``device`` (current), announced on ``slot``, waited for."""
@@ -535,13 +572,50 @@ class DirectCopies:
         shape and type checked, the figures not yet): checked, enqueued and waited for, inside
         the hold the caller began (`DirectPair.copy_batch`). Returns its bytes.
 
-        A table of one copy-kernel launch is checked by the kernel as it starts (every row or
-        none is copied); any other by `direct_table` before anything is enqueued. Before the
-        launch this thread does only what the launch needs; the sum waits until after it."""
+        Which path: see `DirectCopies`. A table of one copy-kernel launch is checked by the
+        kernel as it starts (every row or none is copied); any other by `direct_table` before
+        anything is enqueued. Before the launch this thread does only what the launch needs;
+        the sum waits until after it."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
-        kernel = self._kernel(device) if self.batch_kernel and all(pair.on_device) and rows[0, 2] < KERNEL_BLOCK_MAX else None
-        if kernel is not None and kernel.checked_function is not None and len(rows) <= kernel.table_max:
+        kernel = self._kernel(device) if self.batch_path != "dma" and all(pair.on_device) and rows[0, 2] < KERNEL_BLOCK_MAX else None
+        if kernel is None:
+            return self._dma_batch(pair, rows, stream)
+        if self.batch_path == "kernel":
+            return self._kernel_batch(kernel, pair, rows, stream)
+        # Both paths can carry it: the faster of late, timed from here (the kernel loaded, so
+        # its first batch's milliseconds of loading are not the path's). Sized by the first
+        # block times the rows, as the sum is not taken before a launch.
+        size, figures = int(rows[0, 2]) * len(rows), pair._figures
+        if figures is None or size != pair._figures_size:
+            figures = pair._figures = self._paths.bucket(pair._lane, size)
+            pair._figures_size = size
+        t0 = time.perf_counter()
+        path = self._paths.choose_in(figures, t0)
+        total = self._dma_batch(pair, rows, stream) if path is Path.DMA else self._kernel_batch(kernel, pair, rows, stream)
+        t1 = time.perf_counter()
+        self._paths.observe_in(figures, path, t1 - t0, t1)
+        return total
+
+    def path_estimates(self) -> list[PathEstimate]:
+        """The figures behind each batch's choice of the copy kernel ("express") or batched DMA
+        ("dma"), per GPU, direction and size bucket, in microseconds, and how often each was chosen."""
+        return self._paths.estimates()
+
+    def _dma_batch(self, pair: DirectPair, rows: memoryview, stream: Any) -> int:
+        """A batch by ``cuMemcpyBatchAsync`` (or a loop of copies where the driver has none): checked, enqueued, waited for."""
+        cells, total, _ = direct_table(rows, pair.dst_bytes, pair.src_bytes)
+        if self._batched is None:
+            from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
+
+            self._batched = BatchedDma()
+        self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
+        self._wait(stream)
+        return total
+
+    def _kernel_batch(self, kernel: _BatchKernel, pair: DirectPair, rows: memoryview, stream: Any) -> int:
+        """A batch by the copy kernel: checked by it where one launch takes the table, else here first."""
+        if kernel.checked_function is not None and len(rows) <= kernel.table_max:
             word = kernel.launch_checked(pair.on_device[0], pair.on_device[1], rows, pair.dst_bytes, pair.src_bytes, stream)
             if word is not None:
                 total = int(np.asarray(rows)[:, 2].sum())  # while the kernel runs; a bad table's may be anything
@@ -552,14 +626,7 @@ class DirectCopies:
                     raise InvalidRequest(f"segment {bad - 1} does not fit the buffers or copies 0 bytes; nothing was copied")
                 return total
         cells, total, largest = direct_table(rows, pair.dst_bytes, pair.src_bytes)
-        if kernel is None and self._batched is None:
-            from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
-
-            self._batched = BatchedDma()
-        if kernel is not None:
-            kernel.launch(pair.on_device[0], pair.on_device[1], cells, largest, stream)
-        else:
-            self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
+        kernel.launch(pair.on_device[0], pair.on_device[1], cells, largest, stream)
         self._wait(stream)
         return total
 

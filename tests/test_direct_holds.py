@@ -299,6 +299,68 @@ def test_direct_rows_takes_a_c_ordered_8_byte_table_as_it_is() -> None:
             direct_rows(bad)
 
 
+def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks that either the copy kernel or batched DMA can carry go by the one whose recent
+    batches of that size were faster: the kernel first, DMA once to compare, then the faster,
+    the other looked at again once per ``explore_s`` (another process's GEMMs make the kernel
+    wait for their time slice on the SMs, and stop again). ``batch_path`` "kernel" or "dma": that one only.
+    The paths here are stand-ins that take a set time; the real ones run in tests/test_gpu_direct.py."""
+    from priod.engines.cuda import _driver
+
+    rt = types.SimpleNamespace(cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDefault="default"))
+    for name, value in (("_rt", rt), ("_drv", types.SimpleNamespace()), ("_RT_OK", "ok"), ("_NOT_READY", "not ready")):
+        monkeypatch.setattr(_driver, name, value)
+    monkeypatch.setattr("priod.direct.one_gpu", lambda: True)
+    taken: list[str] = []
+    took_s = {"kernel": 0.004, "dma": 0.0005}  # the kernel behind another process's GEMMs
+
+    def path(name: str) -> Any:
+        def run(*args: Any) -> int:
+            taken.append(name)
+            time.sleep(took_s[name])
+            return 64 << 10
+
+        return run
+
+    def copies(**options: Any) -> DirectCopies:
+        c = DirectCopies(cast(HoldPage, None), explore_s=0.2, **options)
+        c._kernels[0], c._streams[0] = cast(Any, object()), "stream"  # the kernel loaded, the stream made
+        monkeypatch.setattr(c, "_kernel_batch", path("kernel"))
+        monkeypatch.setattr(c, "_dma_batch", path("dma"))
+        return c
+
+    c = copies()
+    pair = DirectPair(c, 1 << 40, 1 << 20, 1 << 41, 1 << 20, 0, 0, on_device=(1 << 40, 1 << 42), direction="h2d")
+    rows = direct_rows(np.array([[0, 0, 16 << 10]] * 4))
+    for _ in range(6):
+        c._run_batch(pair, rows)
+    assert taken == ["kernel", "dma", "dma", "dma", "dma", "dma"]
+    (est,) = c.path_estimates()
+    assert est.lane == str(H2D) and est.express_us is not None and est.dma_us is not None and est.express_us > 2 * est.dma_us
+    time.sleep(0.25)
+    took_s["kernel"] = 0.0001  # the GEMMs stopped
+    taken.clear()
+    for _ in range(3):
+        c._run_batch(pair, rows)
+    assert taken == ["kernel", "dma", "kernel"]  # each looked at again (both figures old), the faster kept
+    other = DirectPair(c, 1 << 40, 1 << 20, 1 << 41, 1 << 20, 0, 1, on_device=(1 << 40, 1 << 42), direction="d2h")
+    taken.clear()
+    c._run_batch(other, rows)
+    assert taken == ["kernel"]  # another direction has figures of its own
+    big = direct_rows(np.array([[0, 0, 512 << 10]]))
+    taken.clear()
+    c._run_batch(pair, big)
+    assert taken == ["dma"]  # blocks past KERNEL_BLOCK_MAX keep to the copy engines, unmeasured
+    for only in ("kernel", "dma"):
+        fixed = copies(batch_path=only)
+        taken.clear()
+        for _ in range(3):
+            fixed._run_batch(DirectPair(fixed, 1 << 40, 1 << 20, 1 << 41, 1 << 20, 0, 0, on_device=(1 << 40, 1 << 42)), rows)
+        assert taken == [only] * 3 and fixed.path_estimates() == []
+    with pytest.raises(ValueError, match="'fastest', 'kernel' or 'dma'"):
+        copies(batch_path="sm")
+
+
 def test_a_direct_batch_table_is_checked_row_by_row() -> None:
     """`direct_table` accepts exactly the rows that fit: the largest offset plus the largest
     size may overrun when no single row does; a negative figure, a zero size, an offset that
