@@ -105,10 +105,13 @@ class BatchedDma:
         done = 0
         if count > 1 and self.error is None:
             lengths = np.ascontiguousarray(sizes, dtype=np.uint64)
+            # The arrays' addresses once per chunk, not per call: each ``.ctypes`` runs Python
+            # code of numpy's, microseconds on a thread that has just woken.
+            arrays = (dsts.ctypes.data, srcs.ctypes.data, lengths.ctypes.data)
             while done < count:
                 n = min(self.call_segments, count - done)
                 try:
-                    self._call(dsts, srcs, lengths, done, n, stream)
+                    self._call(arrays, done, n, stream)
                 except CudaError as exc:
                     if self._proven:
                         raise
@@ -122,14 +125,15 @@ class BatchedDma:
         for d, s_, n in zip(dsts[done:].tolist(), srcs[done:].tolist(), sizes[done:].tolist(), strict=True):
             check(memcpy(d, s_, n, kind, stream))
 
-    def _call(self, dsts: U64, srcs: U64, lengths: U64, first: int, count: int, stream: Any) -> None:
-        """One ``cuMemcpyBatchAsync`` of ``count`` segments of the (contiguous uint64) arrays
-        from index ``first``."""
+    def _call(self, arrays: tuple[int, int, int], first: int, count: int, stream: Any) -> None:
+        """One ``cuMemcpyBatchAsync`` of ``count`` segments from index ``first`` of three
+        contiguous uint64 arrays (destinations, sources, sizes) at the addresses ``arrays``."""
         skip = first * 8  # bytes of uint64 (CUdeviceptr, size_t) ahead of the first segment
+        dsts, srcs, lengths = arrays
         rc = self._batch(
-            dsts.ctypes.data + skip,
-            srcs.ctypes.data + skip,
-            lengths.ctypes.data + skip,
+            dsts + skip,
+            srcs + skip,
+            lengths + skip,
             count,
             self._attrs_ptr,
             ctypes.addressof(self._attrs_index),
