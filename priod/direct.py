@@ -44,7 +44,7 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
-__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_rows", "direct_table", "pin_host"]
+__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_pointers", "direct_rows", "direct_table", "pin_host"]
 
 WORDS_PER_SLOT = SLOT_BYTES // 8
 """A slot's uint64 words: ``begun``, then ``ended``."""
@@ -178,6 +178,8 @@ the launch cost ~30 us of a thread that had just woken (H200, docs/benchmarks.md
 Either path copies any table exactly."""
 _WORD_FORMATS = frozenset({"l", "q", "L", "Q"})
 """The buffer formats of 8-byte native integers (numpy's int64 and uint64 on a 64-bit Linux)."""
+_ROW = np.dtype((np.uint64, (3,)))
+"""A table row as three native uint64: ``frombuffer`` with it gives the (N, 3) shape in one call."""
 
 
 def _device_address(attributes: Any) -> int:
@@ -383,6 +385,37 @@ def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[Cell
     return cells, int(sizes.sum()), largest
 
 
+def direct_pointers(rows: memoryview, dst: int, dst_bytes: int, src: int, src_bytes: int, bases: Cells) -> Cells:
+    """A direct batch's ``rows`` (`direct_rows`) in the form batched DMA takes: a C-ordered
+    (3, N) uint64 array of destination addresses, source addresses and sizes (the three C arrays
+    of ``cuMemcpyBatchAsync``, end to end), every row checked against the buffers at ``dst`` and
+    ``src`` (InvalidRequest otherwise, naming the fault as `direct_table` does). ``bases``: the
+    (3, 1) uint64 column ``[dst, src, 0]``.
+
+    Five numpy calls, where `direct_table` and `BatchedDma.copy` make about fifteen: on a thread
+    that has just woken each costs microseconds, and batched DMA is the path taken while another
+    process computes (`DirectCopies`). The checks read the addresses: one past ``2**64`` wraps
+    below its buffer, and the smallest address of each column shows it."""
+    table = np.frombuffer(rows, dtype=_ROW)  # (N, 3) uint64: a negative int64 reads as 2**63 or more
+    pointers: Cells = np.empty((3, len(table)), dtype=np.uint64)
+    np.add(table.T, bases, out=pointers)
+    low, high = pointers.min(axis=1).tolist(), pointers.max(axis=1).tolist()
+    dst_end, src_end = dst + dst_bytes, src + src_bytes
+    fits = low[0] >= dst and low[1] >= src and low[2] >= 1 and high[2] < 1 << 62
+    if fits and (high[0] + high[2] > dst_end or high[1] + high[2] > src_end):
+        # The largest address plus the largest size overshoots: blocks of several sizes, or a
+        # bad row. Each row's end then, where every address is inside its buffer (below 2**63,
+        # so an address plus a size below 2**62 cannot wrap).
+        fits = high[0] < dst_end and high[1] < src_end
+        if fits:
+            ends = (pointers[:2] + pointers[2]).max(axis=1).tolist()
+            fits = ends[0] <= dst_end and ends[1] <= src_end
+    if not fits:
+        direct_table(rows, dst_bytes, src_bytes)  # raises, saying what is wrong
+        raise InvalidRequest("a segment does not fit the buffers")  # not reached: the checks agree
+    return pointers
+
+
 class DirectPair:
     """Copies between one host buffer and one device buffer, resolved once (`DirectCopies.pair`):
     which GPU, which direction, which slot of the page. For a loop over the same buffers, such as
@@ -402,6 +435,8 @@ class DirectPair:
         direction: str = "h2d",
     ) -> None:
         self._owner, self._device, self._slot = owner, device, slot
+        self._bases: Cells = np.array([[dst], [src], [0]], dtype=np.uint64)
+        """The buffers' addresses as `direct_pointers` adds them to a table's offsets."""
         self._lane = LaneKey(device, Direction(direction))
         self._figures_size = 0
         self._figures: PathFigures | None = None
@@ -603,13 +638,15 @@ class DirectCopies:
         return self._paths.estimates()
 
     def _dma_batch(self, pair: DirectPair, rows: memoryview, stream: Any) -> int:
-        """A batch by ``cuMemcpyBatchAsync`` (or a loop of copies where the driver has none): checked, enqueued, waited for."""
-        cells, total, _ = direct_table(rows, pair.dst_bytes, pair.src_bytes)
+        """A batch by ``cuMemcpyBatchAsync`` (or a loop of copies where the driver has none):
+        checked, enqueued, waited for; the sum of its sizes taken while it runs."""
+        pointers = direct_pointers(rows, pair.dst, pair.dst_bytes, pair.src, pair.src_bytes, pair._bases)
         if self._batched is None:
             from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
 
             self._batched = BatchedDma()
-        self._batched.copy(pair.dst, pair.src, cells[:, 0], cells[:, 1], cells[:, 2], self._default, stream)
+        self._batched.copy_pointers(pointers, self._default, stream)
+        total = int(pointers[2].sum())
         self._wait(stream)
         return total
 

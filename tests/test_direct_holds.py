@@ -16,6 +16,7 @@ import asyncio
 import errno
 import fcntl
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ import pytest
 
 import priod
 from priod.cli import format_status
-from priod.direct import DirectCopies, DirectPair, HoldPage, direct_rows, direct_table
+from priod.direct import DirectCopies, DirectPair, HoldPage, direct_pointers, direct_rows, direct_table
 from priod.engines.base import Direction, LaneInfo, LaneKey, Path
 from priod.errors import InvalidRequest
 from priod.holds import PAGE_BYTES, Holds
@@ -297,6 +298,37 @@ def test_direct_rows_takes_a_c_ordered_8_byte_table_as_it_is() -> None:
     for bad in ([[0, 0]], [], [[0, 0, 8], [0, 8]], np.zeros((2, 3, 1), dtype=np.int64), np.zeros((0, 3), dtype=np.int64), *odd_types):
         with pytest.raises(InvalidRequest, match=r"\(N, 3\) integer array"):
             direct_rows(bad)
+
+
+def test_a_direct_batch_for_batched_dma_is_checked_as_the_host_checks_it() -> None:
+    """`direct_pointers` (batched DMA's table: addresses, checked by their extremes) accepts what
+    `direct_table` accepts and refuses what it refuses, with its message, over random tables of
+    one or several sizes with rows pushed past either end, to zero bytes, below zero, or past
+    2**64 - the base (an address that wraps below its buffer)."""
+    rng = np.random.default_rng(29)
+    dst, src, dst_bytes, src_bytes = 0x7F00_0000_0000, 0x20_0000_0000, 1 << 20, 3 << 19
+    bases = np.array([[dst], [src], [0]], dtype=np.uint64)
+    refused = 0
+    for trial in range(400):
+        n = int(rng.integers(1, 40))
+        sizes = np.full(n, 4096) if trial % 2 else rng.integers(1, 9000, n)
+        table = np.stack([rng.integers(0, dst_bytes - 9000, n), rng.integers(0, src_bytes - 9000, n), sizes], axis=1).astype(np.int64)
+        if trial % 4 >= 2:  # one bad row
+            row, column = int(rng.integers(0, n)), int(rng.integers(0, 3))
+            end, base = (dst_bytes, dst) if column == 0 else (src_bytes, src)
+            table[row, column] = rng.choice([end, end - int(table[row, 2]) + 1, 0, -1, -base - 4096, -base + 5])
+        rows = direct_rows(table)
+        try:
+            cells, _, _ = direct_table(rows, dst_bytes, src_bytes)
+        except InvalidRequest as exc:
+            refused += 1
+            with pytest.raises(InvalidRequest, match=re.escape(str(exc))):
+                direct_pointers(rows, dst, dst_bytes, src, src_bytes, bases)
+            continue
+        pointers = direct_pointers(rows, dst, dst_bytes, src, src_bytes, bases)
+        assert pointers.flags.c_contiguous and pointers.dtype == np.uint64
+        assert pointers.tolist() == [(cells[:, 0] + dst).tolist(), (cells[:, 1] + src).tolist(), cells[:, 2].tolist()]
+    assert 150 < refused <= 200  # the bad rows, all but a few that land inside by chance
 
 
 def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,15 +99,22 @@ class BatchedDma:
     def copy(self, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, kind: Any, stream: Any) -> None:
         """Enqueue ``sizes[i]`` bytes from ``src + src_offsets[i]`` to ``dst + dst_offsets[i]``
         for each i on ``stream`` (``kind``: the runtime's cudaMemcpyKind, for the loop)."""
-        count = len(sizes)
-        dsts = dst_offsets + np.uint64(dst)  # new contiguous uint64 arrays: the C arrays
-        srcs = src_offsets + np.uint64(src)
+        pointers = np.empty((3, len(sizes)), dtype=np.uint64)  # the three C arrays, end to end
+        np.add(dst_offsets, np.uint64(dst), out=pointers[0])
+        np.add(src_offsets, np.uint64(src), out=pointers[1])
+        pointers[2] = sizes
+        self.copy_pointers(pointers, kind, stream)
+
+    def copy_pointers(self, pointers: U64, kind: Any, stream: Any) -> None:
+        """`copy` of a table already in the driver's form: a C-ordered (3, N) uint64 array of
+        destination addresses, source addresses and sizes."""
+        count = pointers.shape[1]
         done = 0
         if count > 1 and self.error is None:
-            lengths = np.ascontiguousarray(sizes, dtype=np.uint64)
             # The arrays' addresses once per chunk, not per call: each ``.ctypes`` runs Python
             # code of numpy's, microseconds on a thread that has just woken.
-            arrays = (dsts.ctypes.data, srcs.ctypes.data, lengths.ctypes.data)
+            base = pointers.ctypes.data
+            arrays = (base, base + 8 * count, base + 16 * count)
             while done < count:
                 n = min(self.call_segments, count - done)
                 try:
@@ -122,7 +129,7 @@ class BatchedDma:
                 self._proven = True
                 done += n
         memcpy = self._memcpy
-        for d, s_, n in zip(dsts[done:].tolist(), srcs[done:].tolist(), sizes[done:].tolist(), strict=True):
+        for d, s_, n in pointers[:, done:].T.tolist():
             check(memcpy(d, s_, n, kind, stream))
 
     def _call(self, arrays: tuple[int, int, int], first: int, count: int, stream: Any) -> None:
