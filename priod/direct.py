@@ -13,6 +13,7 @@ contexts, so the urgent copy waits only for the short bulk chunks already in fli
     direct.copy(gpu_tensor, pinned_cpu_tensor)    # h2d, blocking; bytes, not elements
     blocks = direct.pair(gpu_pool, pinned_pool)   # resolved once, for a loop over the same buffers
     blocks.copy(nbytes, dst_offset=..., src_offset=...)
+    blocks.copy_batch(table)                      # (N, 3) (dst_offset, src_offset, nbytes): one hold
 
 `HoldPage` is the page alone (announce, no CUDA); `DirectCopies` makes the copies. Buffers are
 PyTorch tensors (any dtype, contiguous; host ones pinned), NumPy arrays in pinned memory, objects
@@ -530,7 +531,8 @@ class DirectCopies:
     another one; it shares the SMs with this process's own kernels at block granularity. But
     while another process computes on the GPU, the kernel waits for that process's time slice
     on the SMs: on the H200 beside a process running GEMMs, 256 blocks of 64 KiB took p50
-    1.1-1.2 ms by the kernel against 0.66-0.71 by batched DMA, which the SMs do not concern.
+    1.1-1.9 ms by the kernel against 0.59-0.71 by batched DMA, which the SMs do not concern
+    (docs/benchmarks.md, session 15).
     So which of the two a batch takes is measured, as the daemon's urgent copies are
     (`priod.choice.PathChooser`, per GPU, direction and size): the kernel until batched DMA has
     been seen faster, each looked at again once per ``explore_s`` (`path_estimates` shows the
@@ -608,8 +610,8 @@ class DirectCopies:
         the hold the caller began (`DirectPair.copy_batch`). Returns its bytes.
 
         Which path: see `DirectCopies`. A table of one copy-kernel launch is checked by the
-        kernel as it starts (every row or none is copied); any other by `direct_table` before
-        anything is enqueued. Before the launch this thread does only what the launch needs;
+        kernel as it starts (every row or none is copied); any other before anything is
+        enqueued, by `direct_table` for the kernel and `direct_pointers` for batched DMA. Before the launch this thread does only what the launch needs;
         the sum waits until after it."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
