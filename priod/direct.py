@@ -435,10 +435,11 @@ class DirectPair:
         on_device: tuple[int, int] = (0, 0),
         direction: str = "h2d",
     ) -> None:
-        self._owner, self._device, self._slot = owner, device, slot
-        self._bases: Cells = np.array([[dst], [src], [0]], dtype=np.uint64)
+        self._owner, self._device, self._slot, self._direction = owner, device, slot, direction
+        # What batches need is made by the first batch, not here: `DirectCopies.copy` makes a
+        # pair per copy.
+        self._bases: Cells | None = None
         """The buffers' addresses as `direct_pointers` adds them to a table's offsets."""
-        self._lane = LaneKey(device, Direction(direction))
         self._figures_size = 0
         self._figures: PathFigures | None = None
         """The figures of `DirectCopies`'s path choice that batches of ``_figures_size`` bytes
@@ -625,7 +626,7 @@ class DirectCopies:
         # block times the rows, as the sum is not taken before a launch.
         size, figures = int(rows[0, 2]) * len(rows), pair._figures
         if figures is None or size != pair._figures_size:
-            figures = pair._figures = self._paths.bucket(pair._lane, size)
+            figures = pair._figures = self._paths.bucket(LaneKey(device, Direction(pair._direction)), size)
             pair._figures_size = size
         t0 = time.perf_counter()
         path = self._paths.choose_in(figures, t0)
@@ -642,7 +643,10 @@ class DirectCopies:
     def _dma_batch(self, pair: DirectPair, rows: memoryview, stream: Any) -> int:
         """A batch by ``cuMemcpyBatchAsync`` (or a loop of copies where the driver has none):
         checked, enqueued, waited for; the sum of its sizes taken while it runs."""
-        pointers = direct_pointers(rows, pair.dst, pair.dst_bytes, pair.src, pair.src_bytes, pair._bases)
+        bases = pair._bases
+        if bases is None:
+            bases = pair._bases = np.array([[pair.dst], [pair.src], [0]], dtype=np.uint64)
+        pointers = direct_pointers(rows, pair.dst, pair.dst_bytes, pair.src, pair.src_bytes, bases)
         if self._batched is None:
             from .engines.cuda.batched import BatchedDma  # the daemon's batched DMA helper: _driver only, no engine state
 

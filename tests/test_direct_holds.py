@@ -331,6 +331,30 @@ def test_a_direct_batch_for_batched_dma_is_checked_as_the_host_checks_it() -> No
     assert 150 < refused <= 200  # the bad rows, all but a few that land inside by chance
 
 
+def test_a_direct_batch_by_dma_hands_the_driver_absolute_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batched DMA gets each block's absolute destination and source address and its size (the
+    pair's buffers plus the table's offsets), and the batch returns its bytes; a bad table
+    reaches no driver call. The driver here is a stand-in that records what it was given."""
+    from priod.engines.cuda import _driver
+
+    rt = types.SimpleNamespace(cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDefault="default"))
+    for name, value in (("_rt", rt), ("_drv", types.SimpleNamespace()), ("_RT_OK", "ok"), ("_NOT_READY", "not ready")):
+        monkeypatch.setattr(_driver, name, value)
+    monkeypatch.setattr("priod.direct.one_gpu", lambda: True)
+    given: list[list[list[int]]] = []
+    c = DirectCopies(cast(HoldPage, None), batch_path="dma")
+    c._streams[0] = "stream"
+    c._batched = types.SimpleNamespace(copy_pointers=lambda pointers, kind, stream: given.append(pointers.tolist()))
+    monkeypatch.setattr(c, "_wait", lambda stream: None)
+    dst, src = 0x7F00_0000_0000, 0x20_0000_0000
+    pair = DirectPair(c, dst, 1 << 20, src, 1 << 20, 0, 0, on_device=(1 << 40, 1 << 42))
+    assert c._run_batch(pair, direct_rows([[4096, 0, 100], [0, 8192, 4096]])) == 4196
+    assert given == [[[dst + 4096, dst], [src, src + 8192], [100, 4096]]]
+    with pytest.raises(InvalidRequest, match="does not fit"):
+        c._run_batch(pair, direct_rows([[(1 << 20) - 10, 0, 100]]))
+    assert len(given) == 1
+
+
 def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks that either the copy kernel or batched DMA can carry go by the one whose recent
     batches of that size were faster: the kernel first, DMA once to compare, then the faster,
