@@ -25,7 +25,8 @@ ALPHA = 0.25
 """Weight of the newest sample: a co-tenant that starts shows within a few copies."""
 
 
-_EXPRESS, _DMA = Path.EXPRESS, Path.DMA
+_PATHS = (Path.EXPRESS, Path.DMA)
+"""The paths in the order `PathFigures` holds their figures."""
 
 
 class PathFigures:
@@ -68,8 +69,10 @@ class PathChooser:
         self.explore_s = explore_s
         self._buckets: dict[tuple[LaneKey, int], PathFigures] = {}
 
-    def _bucket(self, lane: LaneKey, nbytes: int) -> PathFigures:
-        """The figures for ``lane`` and the size bucket of ``nbytes``, made on first use.
+    def bucket(self, lane: LaneKey, nbytes: int) -> PathFigures:
+        """The figures for ``lane`` and the size bucket of ``nbytes``, made on first use; a
+        caller that keeps them between copies of one size passes them to `choose_in` and
+        `observe_in` without this lookup.
 
         Not ``setdefault(key, PathFigures())``: that builds a bucket (four lists) per urgent copy,
         only to throw it away, and every urgent copy comes here once it is done (`observe`)."""
@@ -81,39 +84,33 @@ class PathChooser:
 
     def choose(self, lane: LaneKey, nbytes: int, now: float) -> Path:
         """The path for an urgent copy of ``nbytes`` that both paths could carry."""
-        return self.choose_in(self._bucket(lane, nbytes), now)
+        return self.choose_in(self.bucket(lane, nbytes), now)
 
     def observe(self, lane: LaneKey, path: Path, nbytes: int, latency_s: float, now: float) -> None:
         """An urgent copy on ``path`` took ``latency_s`` from submission to completion seen (at ``now``)."""
-        self.observe_in(self._bucket(lane, nbytes), path, latency_s, now)
-
-    def bucket(self, lane: LaneKey, nbytes: int) -> PathFigures:
-        """The figures that copies of ``nbytes`` on ``lane`` read and feed, for a caller that keeps
-        them between copies of one size (`choose_in`, `observe_in`)."""
-        return self._bucket(lane, nbytes)
+        self.observe_in(self.bucket(lane, nbytes), path, latency_s, now)
 
     def choose_in(self, b: PathFigures, now: float) -> Path:
         """`choose` for the copies of bucket ``b``."""
         ex, dma = b.latency
         if ex is None:
-            path = _EXPRESS  # the calibrated default: express where the engine offers it
+            i = 0  # the calibrated default: express where the engine offers it
         elif dma is None:
-            path = _DMA
+            i = 1
         else:
-            path, other = (_EXPRESS, 1) if ex <= dma else (_DMA, 0)
-            last = b.tried[other]
+            i = 0 if ex <= dma else 1
+            last = b.tried[1 - i]
             if last is not None and now - last >= self.explore_s:
-                path = _DMA if other else _EXPRESS  # look again: what slowed it may have gone
-        i = 0 if path is _EXPRESS else 1
+                i = 1 - i  # look again: what slowed it may have gone
         b.tried[i] = now
         b.chosen[i] += 1
-        return path
+        return _PATHS[i]
 
     def observe_in(self, b: PathFigures, path: Path, latency_s: float, now: float) -> None:
         """`observe` for a copy of bucket ``b``. A figure older than ``explore_s`` is replaced
         rather than averaged: it describes a GPU that may be gone (the co-tenant that slowed the
         path has stopped)."""
-        i = 0 if path is _EXPRESS else 1
+        i = 0 if path is Path.EXPRESS else 1
         old, seen = b.latency[i], b.seen[i]
         b.latency[i] = latency_s if old is None or seen is None or now - seen >= self.explore_s else old + ALPHA * (latency_s - old)
         b.seen[i] = now
