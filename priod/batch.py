@@ -21,7 +21,18 @@ import numpy.typing as npt
 
 from .errors import InvalidRequest
 
-__all__ = ["MAX_SEGMENTS", "MAX_SEGMENTS_PER_CHUNK", "SEGMENT_BYTES", "SEGMENT_COST_S", "SMALL_BLOCK_MEAN", "Cells", "Segments", "column_peaks", "encode_segments"]
+__all__ = [
+    "MAX_SEGMENTS",
+    "MAX_SEGMENTS_PER_CHUNK",
+    "SEGMENT_BYTES",
+    "SEGMENT_COST_S",
+    "SMALL_BLOCK_MEAN",
+    "URGENT_DMA_SEGMENTS",
+    "Cells",
+    "Segments",
+    "column_peaks",
+    "encode_segments",
+]
 
 SEGMENT_BYTES = 24
 """One segment on the wire: three little-endian uint64 (dst_offset, src_offset, nbytes)."""
@@ -44,6 +55,16 @@ SMALL_BLOCK_MEAN = 256 << 10
 its bulk chunks run under ``batch_block_us`` (policy.py). Larger blocks keep ``max_block_us``."""
 MAX_SEGMENTS_PER_CHUNK = 4096
 """Most segments one chunk covers whatever their cost: bounds one engine submission's work."""
+URGENT_DMA_SEGMENTS = 256
+"""Most segments of an urgent batch of small blocks one DMA chunk covers: up to this many whole
+segments go as one chunk, whatever their bytes, instead of chunks of the lane's short bound.
+Each chunk costs the loop its cut, its rows and its batched calls before the engine sees it, and
+with chunks of the short bound (~40 blocks of 64 KiB) the engine idled between them: on the H200,
+through the daemon, 256 scattered blocks of 64 KiB by DMA took 1.4-1.9 ms from the first chunk
+to the last seen done, against 0.37 ms for the same bytes in one range (docs/gpu/session16/
+choice_probe_out.txt). One chunk is 4 batched calls the engine starts on after the first
+(engines/cuda/batched.py). At 256 the calls hold the loop for ~300 us; a longer batch is
+several such chunks."""
 
 _WIRE = np.dtype("<u8")
 _ROW = np.dtype((_WIRE, (3,)))
@@ -212,15 +233,15 @@ class Segments:
             return len(self.size)  # a batch that finished: no cumulative sizes needed
         return int(np.searchsorted(self.ends, bytes_done, side="right"))
 
-    def cut(self, offset: int, size: int, seg_cost: int) -> int:
+    def cut(self, offset: int, size: int, seg_cost: int, most: int = MAX_SEGMENTS_PER_CHUNK) -> int:
         """The bytes of the chunk that starts at batch byte ``offset`` and may cost ``size``:
         its bytes plus ``seg_cost`` per segment it touches, and at least the rest of the segment
-        it starts in (up to ``size``)."""
-        if seg_cost <= 0 and offset == 0 and len(self.size) <= MAX_SEGMENTS_PER_CHUNK:
-            return min(size, self.total)  # an express batch, whole: no numpy call
+        it starts in (up to ``size``); it touches at most ``most`` segments."""
+        if seg_cost <= 0 and offset == 0 and len(self.size) <= most:
+            return min(size, self.total)  # an express batch, or an urgent one of few segments, whole: no numpy call
         ends = self.ends
         first = int(np.searchsorted(ends, offset, side="right"))
-        last = min(len(ends), first + MAX_SEGMENTS_PER_CHUNK)
+        last = min(len(ends), first + most)
         if seg_cost <= 0:
             return min(size, int(ends[last - 1]) - offset)
         # Candidate chunk ends at segment boundaries: the cost of ending after segment first+i.

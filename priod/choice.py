@@ -5,10 +5,16 @@ and ``dma`` (the copy engine, with bulk held back). Which is faster depends on w
 cannot see. Measured on an H200: with idle SMs a 64 KiB express copy took 240-280 us p50 end
 to end, but as soon as another process ran GEMMs the kernel waited for that process's compute
 time slice, 1.5-2.2 ms; DMA does not care about compute at all. So the choice is made by
-measurement, per lane and per power-of-two size bucket: an exponentially weighted average of
+measurement, per lane, form and power-of-two size bucket: an exponentially weighted average of
 each path's observed latency (submission to completion seen), the lower one wins. The path not
 chosen is tried again once per ``explore_s`` (a co-tenant comes and goes), so a path that
 recovered is found again at the cost of one slow copy per interval at most.
+
+A batch (many segments) and a contiguous copy of one size are told apart: a path's per-segment
+work makes them differ, differently on each path. On the H200 beside a GEMM process, through the
+daemon, 16 MiB went by DMA in 0.6 ms as one copy and 2.2 ms as 256 segments, by the copy kernel
+in 1.9-2.0 ms either way (docs/gpu/session16/choice_probe_out.txt): in one bucket, the batches'
+DMA samples kept the contiguous copies off DMA, their fastest path, for seconds at a time.
 
 Pure logic: the caller passes ``now`` and the latencies.
 """
@@ -55,6 +61,8 @@ class PathEstimate:
     lane: str
     size_bytes: int
     """Upper end of the bucket: copies of (size/2, size] bytes."""
+    form: str
+    """"copy" (one contiguous range) or "batch" (a segment table)."""
     express_us: float | None
     dma_us: float | None
     choice: str
@@ -67,28 +75,29 @@ class PathChooser:
 
     def __init__(self, explore_s: float = 2.0) -> None:
         self.explore_s = explore_s
-        self._buckets: dict[tuple[LaneKey, int], PathFigures] = {}
+        self._buckets: dict[tuple[LaneKey, int, bool], PathFigures] = {}
 
-    def bucket(self, lane: LaneKey, nbytes: int) -> PathFigures:
-        """The figures for ``lane`` and the size bucket of ``nbytes``, made on first use; a
+    def bucket(self, lane: LaneKey, nbytes: int, batch: bool = False) -> PathFigures:
+        """The figures for ``lane``, the size bucket of ``nbytes`` and the form (a ``batch`` or
+        one contiguous copy), made on first use; a
         caller that keeps them between copies of one size passes them to `choose_in` and
         `observe_in` without this lookup.
 
         Not ``setdefault(key, PathFigures())``: that builds a bucket (four lists) per urgent copy,
         only to throw it away, and every urgent copy comes here once it is done (`observe`)."""
-        key = (lane, (nbytes - 1 or 1).bit_length())  # copies of (2**(k-1), 2**k] bytes (nbytes >= 1)
+        key = (lane, (nbytes - 1 or 1).bit_length(), batch)  # copies of (2**(k-1), 2**k] bytes (nbytes >= 1)
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = PathFigures()
         return b
 
-    def choose(self, lane: LaneKey, nbytes: int, now: float) -> Path:
-        """The path for an urgent copy of ``nbytes`` that both paths could carry."""
-        return self.choose_in(self.bucket(lane, nbytes), now)
+    def choose(self, lane: LaneKey, nbytes: int, now: float, batch: bool = False) -> Path:
+        """The path for an urgent copy (or ``batch``) of ``nbytes`` that both paths could carry."""
+        return self.choose_in(self.bucket(lane, nbytes, batch), now)
 
-    def observe(self, lane: LaneKey, path: Path, nbytes: int, latency_s: float, now: float) -> None:
-        """An urgent copy on ``path`` took ``latency_s`` from submission to completion seen (at ``now``)."""
-        self.observe_in(self.bucket(lane, nbytes), path, latency_s, now)
+    def observe(self, lane: LaneKey, path: Path, nbytes: int, latency_s: float, now: float, batch: bool = False) -> None:
+        """An urgent copy (or ``batch``) on ``path`` took ``latency_s`` from submission to completion seen (at ``now``)."""
+        self.observe_in(self.bucket(lane, nbytes, batch), path, latency_s, now)
 
     def choose_in(self, b: PathFigures, now: float) -> Path:
         """`choose` for the copies of bucket ``b``."""
@@ -117,13 +126,14 @@ class PathChooser:
 
     def estimates(self) -> list[PathEstimate]:
         out = []
-        for (lane, bucket), b in sorted(self._buckets.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        for (lane, bucket, batch), b in sorted(self._buckets.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
             ex, dma = b.latency
             choice = "express" if ex is not None and (dma is None or ex <= dma) else ("dma" if dma is not None else "express")
             out.append(
                 PathEstimate(
                     str(lane),
                     1 << bucket,
+                    "batch" if batch else "copy",
                     None if ex is None else round(ex * 1e6, 1),
                     None if dma is None else round(dma * 1e6, 1),
                     choice,

@@ -626,7 +626,7 @@ class DirectCopies:
         # block times the rows, as the sum is not taken before a launch.
         size, figures = int(rows[0, 2]) * len(rows), pair._figures
         if figures is None or size != pair._figures_size:
-            figures = pair._figures = self._paths.bucket(LaneKey(device, Direction(pair._direction)), size)
+            figures = pair._figures = self._paths.bucket(LaneKey(device, Direction(pair._direction)), size, batch=True)
             pair._figures_size = size
         t0 = time.perf_counter()
         path = self._paths.choose_in(figures, t0)

@@ -166,7 +166,9 @@ class Dispatcher:
                 if g.tenant.inflight[STRICT] >= cap:
                     park(g)
                     continue
-                size = min(chunk, left)
+                # An urgent batch of small blocks: chunks of whole segments, not of the short
+                # bound (`batch.URGENT_DMA_SEGMENTS` says why); `Scheduler._hand_out` cuts them.
+                size = left if req.segments is not None and req.segments.small_blocks() else min(chunk, left)
                 if not dma_ok or (lane.strict_inflight and lane.strict_inflight + size > bound):
                     waiting = True
                     ring.rotate(-1)
@@ -186,7 +188,7 @@ class Dispatcher:
             p.express_max
             and req.submitted_bytes == 0
             and p.express_min <= req.nbytes <= p.express_max
-            and self.chooser.choose(t.lane.key, req.nbytes, now) is _EXPRESS
+            and self.chooser.choose(t.lane.key, req.nbytes, now, req.segments is not None) is _EXPRESS
         ):
             return _EXPRESS
         return _DMA

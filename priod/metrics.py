@@ -169,8 +169,8 @@ class Metrics:
         )
         self.urgent_path_latency = Gauge(
             "priod_urgent_path_latency_seconds",
-            "Recent latency of each urgent path (smoothed, submission to completion seen), by lane and size bucket; the lower is chosen",
-            [*lane, "path", "size_bytes"],
+            "Recent latency of each urgent path (smoothed, submission to completion seen), by lane, size bucket and form (copy or batch); the lower is chosen",
+            [*lane, "path", "size_bytes", "form"],
             registry=r,
         )
         self.urgent_beat = Gauge(

@@ -117,7 +117,7 @@ def refresh_metrics(d: Daemon) -> None:
         gpu, direction = lane_labels(keys[e.lane], m.gpu_names)
         for path, us in (("express", e.express_us), ("dma", e.dma_us)):
             if us is not None:
-                m.urgent_path_latency.labels(gpu, direction, path, str(e.size_bytes)).set(us / 1e6)
+                m.urgent_path_latency.labels(gpu, direction, path, str(e.size_bytes), e.form).set(us / 1e6)
     holds = d.pump.holds
     for key in holds.copies.keys() | holds.cut.keys() | holds.stepped_back.keys():
         m.add_direct(key, holds.copies.get(key, 0), holds.cut.get(key, 0), holds.stepped_back.get(key, 0))

@@ -34,7 +34,7 @@ from collections.abc import Hashable, Iterable
 from typing import Literal
 
 from . import budget
-from .batch import SEGMENT_COST_S
+from .batch import SEGMENT_COST_S, URGENT_DMA_SEGMENTS
 from .budget import TenantKey
 from .choice import PathChooser, PathEstimate
 from .dispatch import Dispatcher
@@ -453,7 +453,7 @@ class Scheduler:
         if outcome == "done" and t.cq.spec.strict and req.path is not None and req.first_submit is not None and req.last_done is not None:
             p = t.lane.params
             if p.express_max and p.express_min <= req.nbytes <= p.express_max:  # a size with a choice (`Dispatcher._route`)
-                self._chooser.observe(t.lane.key, req.path, req.nbytes, req.last_done - req.first_submit, req.last_done)
+                self._chooser.observe(t.lane.key, req.path, req.nbytes, req.last_done - req.first_submit, req.last_done, req.segments is not None)
         if missed:
             self._misses += 1
         return Finished(req, outcome, req.done_bytes, missed, req.error if outcome == "failed" else None)
@@ -466,6 +466,8 @@ class Scheduler:
             if path is _EXPRESS:
                 # One kernel row per segment: no per-descriptor cost, only the cap per chunk.
                 size = req.segments.cut(offset, size, 0)
+            elif cq.spec.strict and req.segments.small_blocks():
+                size = req.segments.cut(offset, size, 0, URGENT_DMA_SEGMENTS)
             else:
                 # The cost budget is a whole chunk of the lane even when fewer bytes are left
                 # (``size`` is then the rest): else each chunk would be cut against what remains

@@ -14,7 +14,7 @@ import numpy.typing as npt
 import pytest
 
 import priod
-from priod.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, Segments, encode_segments
+from priod.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, URGENT_DMA_SEGMENTS, Segments, encode_segments
 from priod.engines.base import Direction, LaneInfo, LaneKey
 from priod.errors import Cancelled, CopyTimeout, EngineError, InvalidRequest, LimitExceeded
 from priod.policy import Policy
@@ -542,6 +542,34 @@ def test_a_bulk_batch_of_small_blocks_runs_under_batch_block_us_until_an_urgent_
     after = s.next_chunks(0.002)  # within urgent_window_ms of the urgent copy
     assert after and all(c.request.id == 1 for c in after)
     assert sum(c.nbytes for c in after) <= p.urgent_inflight_bytes < p.inflight_bytes
+
+
+def test_an_urgent_batch_of_small_blocks_goes_by_dma_in_chunks_of_whole_segments() -> None:
+    """On the DMA path an urgent batch of small blocks is handed out in chunks of up to
+    `URGENT_DMA_SEGMENTS` whole segments, not of the short bound: each chunk costs the loop its
+    batched calls before the engine sees it, and the engine idled between short ones (batch.py).
+    A contiguous urgent copy of the same bytes keeps the short bound's chunks."""
+    lane = LaneKey(0, Direction.H2D)
+    info = LaneInfo(lane, bandwidth=50e9, express_min=0, express_max=0)  # DMA only
+    block = 16 << 10
+    table = Segments.decode(encode_segments(scattered(URGENT_DMA_SEGMENTS + 44, block, 2 * URGENT_DMA_SEGMENTS + 88, seed=5)))
+    s = Scheduler(Policy(min_chunk_bytes=4096), [info])
+    short = s.lane_params(lane).urgent_chunk_bytes
+    assert short < URGENT_DMA_SEGMENTS * block  # the batch's chunk is larger than the short bound's
+    s.enqueue(Request(1, "a", lane, "urgent", table.total, 0.0, segments=table), 0.0)
+    sizes = []
+    while not s.idle:
+        chunks = s.next_chunks(0.0)
+        assert chunks and all(c.request.cls == "urgent" for c in chunks)
+        sizes += [c.nbytes for c in chunks]
+        for c in chunks:
+            s.chunk_done(c, 0.0)
+    assert sizes == [URGENT_DMA_SEGMENTS * block, 44 * block]
+
+    plain = Scheduler(Policy(min_chunk_bytes=4096), [info])
+    plain.enqueue(Request(2, "a", lane, "urgent", table.total, 0.0), 0.0)
+    chunks = plain.next_chunks(0.0)
+    assert chunks and all(c.nbytes <= short for c in chunks)
 
 
 def test_urgent_budget_charges_a_batch_its_segments_too() -> None:

@@ -59,6 +59,19 @@ def test_chooser_keeps_sizes_and_lanes_apart() -> None:
     assert c.choose(LaneKey(0, Direction.D2H), 65536, now=0.0) is Path.EXPRESS
 
 
+def test_chooser_keeps_batches_apart_from_copies_of_their_size() -> None:
+    """A batch's per-segment work makes its paths' times differ from a contiguous copy's
+    (H200, beside a GEMM process: 16 MiB by DMA 0.6 ms as one copy, 2.2 as 256 segments): its
+    figures must not decide for single copies, nor theirs for it."""
+    c = PathChooser()
+    for batch, dma in ((False, 6e-4), (True, 2.2e-3)):
+        c.observe(LANE, Path.EXPRESS, 16 << 20, 2e-3, now=0.0, batch=batch)
+        c.observe(LANE, Path.DMA, 16 << 20, dma, now=0.0, batch=batch)
+    assert c.choose(LANE, 16 << 20, now=0.1) is Path.DMA
+    assert c.choose(LANE, 16 << 20, now=0.1, batch=True) is Path.EXPRESS
+    assert sorted((e.form, e.choice) for e in c.estimates()) == [("batch", "express"), ("copy", "dma")]
+
+
 # -- the short bound (pure) -----------------------------------------------------------------------
 def _bulk_chunks(s: Scheduler, i: int, now: float) -> list[int]:
     """The chunks a fresh bulk request gets at ``now`` (then cancelled: nothing stays in flight)."""
