@@ -56,17 +56,20 @@ its bulk chunks run under ``batch_block_us`` (policy.py). Larger blocks keep ``m
 MAX_SEGMENTS_PER_CHUNK = 4096
 """Most segments one chunk covers whatever their cost: bounds one engine submission's work."""
 URGENT_DMA_SEGMENTS = 256
-"""Most segments of an urgent batch of small blocks one DMA chunk covers: up to this many whole
-segments go as one chunk, whatever their bytes, instead of chunks of the lane's short bound.
-Each chunk costs the loop its cut, its rows and its batched calls before the engine sees it, and
-with chunks of the short bound (~40 blocks of 64 KiB) the engine idled between them: on the H200,
-through the daemon, 256 scattered blocks of 64 KiB by DMA took 1.4-1.9 ms from the first chunk
-to the last seen done, against 0.37 ms for the same bytes in one range (docs/gpu/session16/
-choice_probe_out.txt). One chunk is 4 batched calls the engine starts on after the first
-(engines/cuda/batched.py). At 256 the calls hold the loop for ~300 us; a longer batch is
-several such chunks."""
+"""Most segments one DMA chunk of an urgent batch covers. An urgent batch goes by DMA in chunks
+of the lane's regular size (``max_block_us``) of at most this many segments, not in chunks of
+the short bound as an urgent contiguous copy does: each chunk costs the loop its cut, its rows
+and its batched calls before the engine sees it (~1.2 us a segment and tens of us a chunk), and
+with the short bound's chunks (~40 blocks of 64 KiB) the engine idled between them. On the
+H200, through the daemon beside a GEMM process, 256 scattered blocks of 64 KiB by DMA took
+1.4-1.9 ms from the first chunk submitted to the last seen done, against 0.37 ms for the same
+bytes in one range; as one chunk, 0.42 (docs/gpu/session16/choice_probe_out.txt and
+run_a/choice_probe_after_out.txt). One chunk of 256 is four batched calls, the engine starting
+after the first (engines/cuda/batched.py), and holds the loop ~300 us; another tenant's urgent
+DMA copy waits behind it at most a regular chunk's time, as behind bulk."""
 
 _WIRE = np.dtype("<u8")
+_LE_INT64 = np.dtype("<i8")
 _ROW = np.dtype((_WIRE, (3,)))
 """A segment as one element: ``frombuffer`` with it gives the (N, 3) table at once."""
 U64 = npt.NDArray[np.uint64]
@@ -98,6 +101,11 @@ def encode_segments(segments: object) -> bytes:
         raise InvalidRequest("segments hold a negative offset or size; offsets are >= 0 and sizes >= 1")
     if arr.shape[0] > MAX_SEGMENTS:
         raise InvalidRequest(f"{arr.shape[0]} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
+    if (arr.dtype == _WIRE or arr.dtype == _LE_INT64) and arr.flags.c_contiguous:
+        # The usual table: its bytes are the wire's as they are (a non-negative int64 is its
+        # uint64), so no converted copy first: a numpy call fewer, ~15 us of a client that has
+        # just woken (this VM).
+        return arr.tobytes()
     return np.ascontiguousarray(arr, dtype=_WIRE).tobytes()
 
 

@@ -166,9 +166,9 @@ class Dispatcher:
                 if g.tenant.inflight[STRICT] >= cap:
                     park(g)
                     continue
-                # An urgent batch of small blocks: chunks of whole segments, not of the short
-                # bound (`batch.URGENT_DMA_SEGMENTS` says why); `Scheduler._hand_out` cuts them.
-                size = left if req.segments is not None and req.segments.small_blocks() else min(chunk, left)
+                # An urgent batch: chunks of the lane's regular size, not of the short bound
+                # (`batch.URGENT_DMA_SEGMENTS` says why); `Scheduler._hand_out` cuts them.
+                size = min(max(chunk, lane.params.chunk_bytes) if req.segments is not None else chunk, left)
                 if not dma_ok or (lane.strict_inflight and lane.strict_inflight + size > bound):
                     waiting = True
                     ring.rotate(-1)

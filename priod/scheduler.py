@@ -466,7 +466,7 @@ class Scheduler:
             if path is _EXPRESS:
                 # One kernel row per segment: no per-descriptor cost, only the cap per chunk.
                 size = req.segments.cut(offset, size, 0)
-            elif cq.spec.strict and req.segments.small_blocks():
+            elif cq.spec.strict:
                 size = req.segments.cut(offset, size, 0, URGENT_DMA_SEGMENTS)
             else:
                 # The cost budget is a whole chunk of the lane even when fewer bytes are left

@@ -544,11 +544,12 @@ def test_a_bulk_batch_of_small_blocks_runs_under_batch_block_us_until_an_urgent_
     assert sum(c.nbytes for c in after) <= p.urgent_inflight_bytes < p.inflight_bytes
 
 
-def test_an_urgent_batch_of_small_blocks_goes_by_dma_in_chunks_of_whole_segments() -> None:
-    """On the DMA path an urgent batch of small blocks is handed out in chunks of up to
-    `URGENT_DMA_SEGMENTS` whole segments, not of the short bound: each chunk costs the loop its
+def test_an_urgent_batch_goes_by_dma_in_regular_chunks_of_at_most_256_segments() -> None:
+    """On the DMA path an urgent batch is handed out in chunks of the lane's regular size of up
+    to `URGENT_DMA_SEGMENTS` segments, not of the short bound: each chunk costs the loop its
     batched calls before the engine sees it, and the engine idled between short ones (batch.py).
-    A contiguous urgent copy of the same bytes keeps the short bound's chunks."""
+    A contiguous urgent copy of the same bytes keeps the short bound's chunks; a batch of large
+    blocks keeps within the regular chunk."""
     lane = LaneKey(0, Direction.H2D)
     info = LaneInfo(lane, bandwidth=50e9, express_min=0, express_max=0)  # DMA only
     block = 16 << 10
@@ -570,6 +571,35 @@ def test_an_urgent_batch_of_small_blocks_goes_by_dma_in_chunks_of_whole_segments
     plain.enqueue(Request(2, "a", lane, "urgent", table.total, 0.0), 0.0)
     chunks = plain.next_chunks(0.0)
     assert chunks and all(c.nbytes <= short for c in chunks)
+
+    large = Segments.decode(encode_segments(scattered(8, 4 << 20, 16, seed=6)))  # 32 MiB in 4 MiB blocks
+    big = Scheduler(Policy(min_chunk_bytes=4096), [info])
+    regular = big.lane_params(lane).chunk_bytes
+    assert short < regular < large.total
+    big.enqueue(Request(3, "a", lane, "urgent", large.total, 0.0, segments=large), 0.0)
+    sizes = []
+    while not big.idle:
+        chunks = big.next_chunks(0.0)
+        assert chunks and all(c.request.cls == "urgent" and c.strict for c in chunks)
+        sizes += [c.nbytes for c in chunks]
+        for c in chunks:
+            big.chunk_done(c, 0.0)
+    assert sum(sizes) == large.total and max(sizes) == regular and all(n > short for n in sizes[:-1])
+
+
+def test_every_integer_form_of_a_table_encodes_to_the_same_wire_bytes() -> None:
+    """int64 and uint64 tables in C order go on the wire as they are (no converted copy); every
+    other form (int32, Fortran order, a strided view, a list of triples) is converted, to the same
+    bytes. A negative figure is refused before anything is sent."""
+    table = scattered(64, 4096, 200, seed=9)
+    want = np.ascontiguousarray(table, dtype="<u8").tobytes()
+    forms = [table, table.astype(np.uint64), table.astype(np.int32), np.asfortranarray(table), np.repeat(table, 2, axis=0)[::2], table.tolist()]
+    assert all(encode_segments(form) == want for form in forms)
+    assert Segments.decode(want).cells.tolist() == table.tolist()
+    negative = table.copy()
+    negative[5, 1] = -4096
+    with pytest.raises(InvalidRequest, match=r"negative"):
+        encode_segments(negative)
 
 
 def test_urgent_budget_charges_a_batch_its_segments_too() -> None:
