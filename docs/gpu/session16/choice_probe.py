@@ -1,7 +1,7 @@
 """Why the daemon's path choice kept the express lane for 16 MiB h2d copies beside a GEMM
 process in 3 of 6 runs of Session 15 (p50 2.0 ms where DMA gave 1.1-1.5): every urgent copy's
 path, client latency and the daemon's queued/transfer times, over ~15 s of alternating urgent
-copy_batch (256 x 64 KiB) and 16 MiB contiguous copies 5 ms apart, while a bulk client streams
+copy_batch (256 x 64 KiB, or BLOCK_KIB blocks of the same 16 MiB) and 16 MiB contiguous copies 5 ms apart, while a bulk client streams
 256 MiB copies and a GEMM process computes; the daemon's path figures every 0.5 s.
 
     PYTHONPATH=<wheels>:. python3 docs/gpu/session16/choice_probe.py
@@ -18,11 +18,12 @@ from enqueue_probe_gemm import GEMM
 
 KiB, MiB = 1 << 10, 1 << 20
 SECONDS = float(os.environ.get("SECONDS_", "15"))
+BLOCK_KIB = int(os.environ.get("BLOCK_KIB", "64"))  # the batch: 16 MiB in blocks of this size
 copies, figures = [], []
 with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}, backend="cuda", start_timeout=180) as d, priod.SyncClient(d.socket_path, name="urgent", spin_us=2000) as c:
     size = 2 * 256 * 64 * KiB
     h, dv = c.alloc_host(size), c.alloc_device(size)
-    segs = scattered(256, 64 * KiB, seed=4)
+    segs = scattered(256 * 64 // BLOCK_KIB, BLOCK_KIB * KiB, seed=4)
     gemm = subprocess.Popen([sys.executable, "-c", GEMM], stdout=subprocess.PIPE, text=True)
     print(gemm.stdout.readline().strip(), flush=True)
     bulk = BulkProcess(d.socket_path, 256 * MiB, 2, "h2d")
