@@ -42,7 +42,7 @@ class PathFigures:
     method, and every Python function a copy's path touches costs microseconds on a thread that
     has just woken (docs/benchmarks.md, session 15)."""
 
-    __slots__ = ("chosen", "latency", "seen", "tried")
+    __slots__ = ("chosen", "latency", "seen", "streak", "tried")
 
     def __init__(self) -> None:
         self.latency: list[float | None] = [None, None]
@@ -52,6 +52,8 @@ class PathFigures:
         self.seen: list[float | None] = [None, None]
         """When each path's latency was last observed."""
         self.chosen = [0, 0]
+        self.streak = 0
+        """Choices since the path not chosen was last looked at."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,13 @@ class PathEstimate:
 class PathChooser:
     """Per lane and size bucket, the recent latency of each path; `choose` picks the lower."""
 
-    def __init__(self, explore_s: float = 2.0) -> None:
+    def __init__(self, explore_s: float = 2.0, explore_every: int = 1) -> None:
         self.explore_s = explore_s
+        self.explore_every = explore_every
+        """The path not chosen is looked at again once ``explore_s`` has passed *and* this many
+        copies of the bucket have taken the other since the last look: a look costs its copy
+        the slower path's time, and where copies are few a look each ``explore_s`` is a good
+        part of them (see `priod.direct.EXPLORE_EVERY`)."""
         self._buckets: dict[tuple[LaneKey, int, bool], PathFigures] = {}
 
     def bucket(self, lane: LaneKey, nbytes: int, batch: bool = False) -> PathFigures:
@@ -109,10 +116,12 @@ class PathChooser:
         else:
             i = 0 if ex <= dma else 1
             last = b.tried[1 - i]
-            if last is not None and now - last >= self.explore_s:
+            if last is not None and now - last >= self.explore_s and b.streak >= self.explore_every:
                 i = 1 - i  # look again: what slowed it may have gone
+                b.streak = 0
         b.tried[i] = now
         b.chosen[i] += 1
+        b.streak += 1
         return _PATHS[i]
 
     def observe_in(self, b: PathFigures, path: Path, latency_s: float, now: float) -> None:

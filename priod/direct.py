@@ -45,7 +45,7 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
-__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_pointers", "direct_rows", "direct_table", "pin_host"]
+__all__ = ["EXPLORE_EVERY", "KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_pointers", "direct_rows", "direct_table", "pin_host"]
 
 WORDS_PER_SLOT = SLOT_BYTES // 8
 """A slot's uint64 words: ``begun``, then ``ended``."""
@@ -516,6 +516,16 @@ class DirectPair:
             page.end(slot)
 
 
+EXPLORE_EVERY = 200
+"""A direct batch looks at the path it does not take at most once in this many batches of its
+size (and once per ``explore_s``): the look costs that batch the slower path's time, and one in
+200 keeps it out of the batches' p99. With a look each 2 s alone, a process sending a batch every
+~20 ms looked once in ~100: on the H200, with nothing else computing, batches as chosen read p99
+606 and 936 us where the same batches by the kernel alone read 493 and 524 in the same run
+(docs/benchmarks.md, session 16, run C). The price: where the faster path's cause goes away (a
+co-tenant stops computing), the batches notice it up to 200 batches later, not 2 s later."""
+
+
 class DirectCopies:
     """Urgent copies by this process's own DMA, announced on a `HoldPage`.
 
@@ -536,8 +546,9 @@ class DirectCopies:
     (docs/benchmarks.md, session 15).
     So which of the two a batch takes is measured, as the daemon's urgent copies are
     (`priod.choice.PathChooser`, per GPU, direction and size): the kernel until batched DMA has
-    been seen faster, each looked at again once per ``explore_s`` (`path_estimates` shows the
-    figures). ``batch_path`` "kernel" or "dma" takes that path for every batch that it can carry
+    been seen faster, the other looked at again once ``explore_s`` has passed and
+    ``explore_every`` batches of that size have taken the faster since the last look
+    (`EXPLORE_EVERY`; `path_estimates` shows the figures). ``batch_path`` "kernel" or "dma" takes that path for every batch that it can carry
     instead of the faster ("fastest", the default).
 
     The stream is non-blocking, so a copy is not ordered after this process's work on other
@@ -547,13 +558,13 @@ class DirectCopies:
     one's own. A copy has landed when it returns.
     """
 
-    def __init__(self, page: HoldPage, *, spin_s: float = 0.002, batch_path: str = "fastest", explore_s: float = 2.0) -> None:
+    def __init__(self, page: HoldPage, *, spin_s: float = 0.002, batch_path: str = "fastest", explore_s: float = 2.0, explore_every: int = EXPLORE_EVERY) -> None:
         if batch_path not in ("fastest", "kernel", "dma"):
             raise ValueError(f"batch_path is 'fastest', 'kernel' or 'dma', not {batch_path!r}")
         self.page = page
         self.spin_s = spin_s
         self.batch_path = batch_path
-        self._paths = PathChooser(explore_s)
+        self._paths = PathChooser(explore_s, explore_every)
         """The copy kernel (`Path.EXPRESS`) or batched DMA (`Path.DMA`) for a batch whose blocks
         either can carry: their recent latencies. Not locked: threads that race here lose a
         figure at worst."""

@@ -358,8 +358,9 @@ def test_a_direct_batch_by_dma_hands_the_driver_absolute_addresses(monkeypatch: 
 def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks that either the copy kernel or batched DMA can carry go by the one whose recent
     batches of that size were faster: the kernel first, DMA once to compare, then the faster,
-    the other looked at again once per ``explore_s`` (another process's GEMMs make the kernel
-    wait for their time slice on the SMs, and stop again). ``batch_path`` "kernel" or "dma": that one only.
+    the other looked at again once ``explore_s`` has passed and ``explore_every`` batches have
+    gone the faster way since the last look (another process's GEMMs make the kernel wait for
+    their time slice on the SMs, and stop again). ``batch_path`` "kernel" or "dma": that one only.
     The paths here are stand-ins that take a set time; the real ones run in tests/test_gpu_direct.py."""
     from priod.engines.cuda import _driver
 
@@ -385,7 +386,7 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
         monkeypatch.setattr(c, "_dma_batch", path("dma"))
         return c
 
-    c = copies()
+    c = copies(explore_every=3)
     pair = DirectPair(c, 1 << 40, 1 << 20, 1 << 41, 1 << 20, 0, 0, on_device=(1 << 40, 1 << 42), direction="h2d")
     rows = direct_rows(np.array([[0, 0, 16 << 10]] * 4))
     for _ in range(6):
@@ -396,9 +397,11 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
     time.sleep(0.25)
     took_s["kernel"] = 0.0001  # the GEMMs stopped
     taken.clear()
-    for _ in range(3):
+    for _ in range(5):
         c._run_batch(pair, rows)
-    assert taken == ["kernel", "dma", "kernel"]  # each looked at again (both figures old), the faster kept
+    # The kernel looked at again (its figure old), kept as the faster; DMA looked at again only
+    # once three batches have gone by the kernel since the last look.
+    assert taken == ["kernel", "kernel", "kernel", "dma", "kernel"]
     other = DirectPair(c, 1 << 40, 1 << 20, 1 << 41, 1 << 20, 0, 1, on_device=(1 << 40, 1 << 42), direction="d2h")
     taken.clear()
     c._run_batch(other, rows)

@@ -50,6 +50,20 @@ def test_chooser_tries_both_then_keeps_the_faster_and_looks_again_later() -> Non
     assert c.choose(LANE, 65536, now=1.7) is Path.EXPRESS
 
 
+def test_chooser_looks_again_only_after_explore_every_copies_too() -> None:
+    """With ``explore_every`` the path not chosen is looked at once ``explore_s`` has passed *and*
+    that many copies have taken the faster since the last look: a look costs its copy the slower
+    path's time, which at a few copies per ``explore_s`` would reach their p99."""
+    c = PathChooser(explore_s=1.0, explore_every=5)
+    for path, latency in ((Path.EXPRESS, 2e-3), (Path.DMA, 1e-4)):  # each tried once, as at the start
+        assert c.choose(LANE, 65536, now=0.0) is path
+        c.observe(LANE, path, 65536, latency, now=0.0)
+    # Two copies so far: a second passes, yet express waits for the fifth copy since its look.
+    assert [c.choose(LANE, 65536, now=2.0 + i * 0.01) for i in range(6)] == [Path.DMA] * 3 + [Path.EXPRESS] + [Path.DMA] * 2
+    # Another second on, three copies since that look: two more go by DMA first.
+    assert [c.choose(LANE, 65536, now=3.1 + i * 0.01) for i in range(4)] == [Path.DMA] * 2 + [Path.EXPRESS, Path.DMA]
+
+
 def test_chooser_keeps_sizes_and_lanes_apart() -> None:
     c = PathChooser()
     c.observe(LANE, Path.EXPRESS, 65536, 1e-3, now=0.0)
