@@ -102,7 +102,7 @@ class Scheduler:
         self._strict_chunks = 0
         self._misses = 0
         self._finished = dict.fromkeys(_OUTCOMES, 0)
-        self._chooser = PathChooser(policy.explore_ms / 1e3)
+        self._chooser = PathChooser(policy.explore_ms / 1e3, policy.explore_every)
         self._urgent_until = -math.inf
         self._requests_until = -math.inf
         """Like ``_urgent_until``, from urgent requests only (not clients' direct copies)."""
@@ -134,6 +134,7 @@ class Scheduler:
         self._policy = policy
         self._dispatch.configure(policy)
         self._chooser.explore_s = policy.explore_ms / 1e3
+        self._chooser.explore_every = policy.explore_every
         for lane in self._lane_list:
             lane.configure(policy)
         self._queued = 0

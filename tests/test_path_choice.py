@@ -292,10 +292,11 @@ async def _urgent_paths(daemon: Daemon, c: Any, dev: Any, host: Any, n: int) -> 
 async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> None:
     """Urgent copies under bulk on the same lane. A co-tenant starts computing (express chunks
     wait 20-40 ms): within a few copies the daemon sends urgent copies by DMA. It stops: after
-    explore_ms the daemon looks at express again and its figure is fresh. Every byte is checked."""
+    explore_ms, and explore_every copies by DMA, the daemon looks at express again and its figure
+    is fresh. Every byte is checked."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(
-        server={"socket": path}, scheduler={"explore_ms": 300.0}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
+        server={"socket": path}, scheduler={"explore_ms": 300.0, "explore_every": 4}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
     )
     engine = SimEngine(cfg.sim)
     daemon = Daemon(cfg, engine)
@@ -337,6 +338,8 @@ def test_short_bound_settings_are_validated() -> None:
         load_config(None, environ={"PRIOD_SCHEDULER__URGENT_BLOCK_US": "-1.0"})
     with pytest.raises(ConfigError, match=r"^\[scheduler\] explore_ms = 0.0 is invalid"):
         load_config(None, environ={"PRIOD_SCHEDULER__EXPLORE_MS": "0.0"})
+    with pytest.raises(ConfigError, match=r"^\[scheduler\] explore_every = 0 is invalid; set a whole number >= 1"):
+        load_config(None, environ={"PRIOD_SCHEDULER__EXPLORE_EVERY": "0"})
     assert np.isfinite(load_config(None, environ={}).scheduler.urgent_block_us)
 
 
