@@ -103,8 +103,8 @@ def encode_segments(segments: object) -> bytes:
         raise InvalidRequest(f"{arr.shape[0]} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
     if (arr.dtype == _WIRE or arr.dtype == _LE_INT64) and arr.flags.c_contiguous:
         # The usual table: its bytes are the wire's as they are (a non-negative int64 is its
-        # uint64), so no converted copy first: a numpy call fewer, ~15 us of a client that has
-        # just woken (this VM).
+        # uint64), so no converted copy first (256 rows: 6.4 against 8.0 us, 2 ms asleep
+        # between calls, this VM).
         return arr.tobytes()
     return np.ascontiguousarray(arr, dtype=_WIRE).tobytes()
 
