@@ -24,6 +24,7 @@ from .errors import InvalidRequest
 __all__ = [
     "MAX_SEGMENTS",
     "MAX_SEGMENTS_PER_CHUNK",
+    "ROW",
     "SEGMENT_BYTES",
     "SEGMENT_COST_S",
     "SMALL_BLOCK_MEAN",
@@ -70,7 +71,7 @@ DMA copy waits behind it at most a regular chunk's time, as behind bulk."""
 
 _WIRE = np.dtype("<u8")
 _LE_INT64 = np.dtype("<i8")
-_ROW = np.dtype((_WIRE, (3,)))
+ROW = np.dtype((_WIRE, (3,)))
 """A segment as one element: ``frombuffer`` with it gives the (N, 3) table at once."""
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -165,7 +166,7 @@ class Segments:
             raise InvalidRequest("segments is empty; a batch holds at least one segment")
         if n > MAX_SEGMENTS:
             raise InvalidRequest(f"{n} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
-        table: Cells = np.frombuffer(raw, dtype=_ROW)  # (n, 3) uint64: the row type makes the shape, no reshape call
+        table: Cells = np.frombuffer(raw, dtype=ROW)  # (n, 3) uint64: the row type makes the shape, no reshape call
         # Offsets and sizes past 2**62 cannot fit any region; refusing them here keeps every sum
         # below within int64 (and an overflowing sum cannot pass a bounds check).
         dst_max, src_max, largest = column_peaks(table)

@@ -7,8 +7,9 @@ to end, but as soon as another process ran GEMMs the kernel waited for that proc
 time slice, 1.5-2.2 ms; DMA does not care about compute at all. So the choice is made by
 measurement, per lane, form and power-of-two size bucket: an exponentially weighted average of
 each path's observed latency (submission to completion seen), the lower one wins. The path not
-chosen is tried again once per ``explore_s`` (a co-tenant comes and goes), so a path that
-recovered is found again at the cost of one slow copy per interval at most.
+chosen is tried again once ``explore_s`` has passed and `EXPLORE_EVERY` copies of the bucket
+have gone the other way (a co-tenant comes and goes), so a path that recovered is found again
+at the cost of one slow copy per look.
 
 A batch (many segments) and a contiguous copy of one size are told apart: a path's per-segment
 work makes them differ, differently on each path. On the H200 beside a GEMM process, through the
@@ -25,10 +26,19 @@ from dataclasses import dataclass
 
 from .engines.base import LaneKey, Path
 
-__all__ = ["PathChooser", "PathEstimate", "PathFigures"]
+__all__ = ["EXPLORE_EVERY", "PathChooser", "PathEstimate", "PathFigures"]
 
 ALPHA = 0.25
 """Weight of the newest sample: a co-tenant that starts shows within a few copies."""
+EXPLORE_EVERY = 200
+"""The path not chosen is looked at again at most once in this many copies of a bucket (and once
+per ``explore_s``): a look costs its copy the slower path's time (beside a GEMM process, 1.1-2.1
+ms by the copy kernel where DMA took 0.6; H200, session 16), and one in 200 keeps the looks out
+of the bucket's p99. With a look each 2 s alone, copies every ~20 ms looked once in ~100: direct
+batches as chosen read p99 606 and 936 us where the kernel alone read 493 and 524 in the same run
+(docs/benchmarks.md, session 16, run C). The price: where the faster path's cause goes away (a
+co-tenant stops computing), the copies notice it up to this many copies later, not ``explore_s``
+later. Where copies come faster than this many per ``explore_s``, ``explore_s`` alone decides."""
 
 
 _PATHS = (Path.EXPRESS, Path.DMA)
@@ -73,22 +83,19 @@ class PathEstimate:
 
 
 class PathChooser:
-    """Per lane and size bucket, the recent latency of each path; `choose` picks the lower."""
+    """Per lane, size bucket and form, the recent latency of each path; `choose` picks the lower."""
 
-    def __init__(self, explore_s: float = 2.0, explore_every: int = 1) -> None:
+    def __init__(self, explore_s: float = 2.0, explore_every: int = EXPLORE_EVERY) -> None:
         self.explore_s = explore_s
         self.explore_every = explore_every
         """The path not chosen is looked at again once ``explore_s`` has passed *and* this many
-        copies of the bucket have taken the other since the last look: a look costs its copy
-        the slower path's time, and where copies are few a look each ``explore_s`` is a good
-        part of them (see `priod.direct.EXPLORE_EVERY`)."""
+        copies of the bucket have taken the other since the last look (1: ``explore_s`` alone)."""
         self._buckets: dict[tuple[LaneKey, int, bool], PathFigures] = {}
 
     def bucket(self, lane: LaneKey, nbytes: int, batch: bool = False) -> PathFigures:
         """The figures for ``lane``, the size bucket of ``nbytes`` and the form (a ``batch`` or
-        one contiguous copy), made on first use; a
-        caller that keeps them between copies of one size passes them to `choose_in` and
-        `observe_in` without this lookup.
+        one contiguous copy), made on first use; a caller that keeps them between copies of one
+        size passes them to `choose_in` and `observe_in` without this lookup.
 
         Not ``setdefault(key, PathFigures())``: that builds a bucket (four lists) per urgent copy,
         only to throw it away, and every urgent copy comes here once it is done (`observe`)."""
@@ -135,7 +142,7 @@ class PathChooser:
 
     def estimates(self) -> list[PathEstimate]:
         out = []
-        for (lane, bucket, batch), b in sorted(self._buckets.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        for (lane, bucket, batch), b in sorted(self._buckets.items(), key=lambda kv: kv[0]):
             ex, dma = b.latency
             choice = "express" if ex is not None and (dma is None or ex <= dma) else ("dma" if dma is not None else "express")
             out.append(

@@ -36,8 +36,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from .batch import Cells
-from .choice import PathChooser, PathEstimate, PathFigures
+from .batch import ROW, Cells
+from .choice import EXPLORE_EVERY, PathChooser, PathEstimate, PathFigures
 from .cuda_ipc import _is_torch_tensor, device_span
 from .engines.base import Direction, LaneKey, Path
 from .engines.cuda._driver import DeviceScope, bindings, check, gpu_uuid, one_gpu, status_codes
@@ -45,7 +45,7 @@ from .errors import InvalidRequest
 from .gpus import uuid_key
 from .holds import PAGE_BYTES, SLOT_BYTES
 
-__all__ = ["EXPLORE_EVERY", "KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_pointers", "direct_rows", "direct_table", "pin_host"]
+__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_pointers", "direct_rows", "direct_table", "pin_host"]
 
 WORDS_PER_SLOT = SLOT_BYTES // 8
 """A slot's uint64 words: ``begun``, then ``ended``."""
@@ -179,8 +179,6 @@ the launch cost ~30 us of a thread that had just woken (H200, docs/benchmarks.md
 Either path copies any table exactly."""
 _WORD_FORMATS = frozenset({"l", "q", "L", "Q"})
 """The buffer formats of 8-byte native integers (numpy's int64 and uint64 on a 64-bit Linux)."""
-_ROW = np.dtype((np.uint64, (3,)))
-"""A table row as three native uint64: ``frombuffer`` with it gives the (N, 3) shape in one call."""
 
 
 def _device_address(attributes: Any) -> int:
@@ -397,7 +395,9 @@ def direct_pointers(rows: memoryview, dst: int, dst_bytes: int, src: int, src_by
     that has just woken each costs microseconds, and batched DMA is the path taken while another
     process computes (`DirectCopies`). The checks read the addresses: one past ``2**64`` wraps
     below its buffer, and the smallest address of each column shows it."""
-    table = np.frombuffer(rows, dtype=_ROW)  # (N, 3) uint64: a negative int64 reads as 2**63 or more
+    # (N, 3) uint64 (the wire's little-endian row: native on every host CUDA runs on); a negative
+    # int64 reads as 2**63 or more.
+    table = np.frombuffer(rows, dtype=ROW)
     pointers: Cells = np.empty((3, len(table)), dtype=np.uint64)
     np.add(table.T, bases, out=pointers)
     low, high = pointers.min(axis=1).tolist(), pointers.max(axis=1).tolist()
@@ -516,16 +516,6 @@ class DirectPair:
             page.end(slot)
 
 
-EXPLORE_EVERY = 200
-"""A direct batch looks at the path it does not take at most once in this many batches of its
-size (and once per ``explore_s``): the look costs that batch the slower path's time, and one in
-200 keeps it out of the batches' p99. With a look each 2 s alone, a process sending a batch every
-~20 ms looked once in ~100: on the H200, with nothing else computing, batches as chosen read p99
-606 and 936 us where the same batches by the kernel alone read 493 and 524 in the same run
-(docs/benchmarks.md, session 16, run C). The price: where the faster path's cause goes away (a
-co-tenant stops computing), the batches notice it up to 200 batches later, not 2 s later."""
-
-
 class DirectCopies:
     """Urgent copies by this process's own DMA, announced on a `HoldPage`.
 
@@ -548,8 +538,9 @@ class DirectCopies:
     (`priod.choice.PathChooser`, per GPU, direction and size): the kernel until batched DMA has
     been seen faster, the other looked at again once ``explore_s`` has passed and
     ``explore_every`` batches of that size have taken the faster since the last look
-    (`EXPLORE_EVERY`; `path_estimates` shows the figures). ``batch_path`` "kernel" or "dma" takes that path for every batch that it can carry
-    instead of the faster ("fastest", the default).
+    (`priod.choice.EXPLORE_EVERY`; `path_estimates` shows the figures). ``batch_path``
+    "kernel" or "dma" takes that path for every batch that it can carry instead of the faster
+    ("fastest", the default).
 
     The stream is non-blocking, so a copy is not ordered after this process's work on other
     streams, the legacy default stream included (CuPy's ``cp.zeros`` or a PyTorch kernel): wait
@@ -623,8 +614,8 @@ class DirectCopies:
 
         Which path: see `DirectCopies`. A table of one copy-kernel launch is checked by the
         kernel as it starts (every row or none is copied); any other before anything is
-        enqueued, by `direct_table` for the kernel and `direct_pointers` for batched DMA. Before the launch this thread does only what the launch needs;
-        the sum waits until after it."""
+        enqueued, by `direct_table` for the kernel and `direct_pointers` for batched DMA. Before
+        the launch this thread does only what the launch needs; the sum waits until after it."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
         kernel = self._kernel(device) if self.batch_path != "dma" and all(pair.on_device) and rows[0, 2] < KERNEL_BLOCK_MAX else None

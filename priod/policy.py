@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from .choice import EXPLORE_EVERY
 from .engines.base import LaneInfo
 from .errors import ConfigError
 
@@ -103,13 +104,10 @@ class SchedulerSettings:
     begun then waits, so the copy waits for the running chunk only (engines without gates ignore it)."""
     explore_ms: float = 2000.0
     """An urgent path not chosen for a size is tried again after this long (see choice.py)."""
-    explore_every: int = 200
+    explore_every: int = EXPLORE_EVERY
     """... and only once this many urgent copies of that size and form (on one lane) have taken
-    the other path since the last look. A look costs its copy the slower path's time: beside a
-    GEMM process, 1.1-2.1 ms by the copy kernel where DMA took 0.6 (H200, session 16). At one
-    look per ``explore_ms`` alone a lane with a copy every ~20 ms looked once in ~100, inside its
-    p99; one in 200 stays out of it. Where copies come faster than this many per ``explore_ms``,
-    ``explore_ms`` alone decides, as before. 1: ``explore_ms`` alone."""
+    the other path since the last look: each look costs its copy the slower path's time
+    (`priod.choice.EXPLORE_EVERY` says why 200). 1: ``explore_ms`` alone."""
     urgent_budget_bytes_per_s: float = float(8 << 30)
     """Per client (uid) and lane: the long-run rate of strict-class (urgent) bytes, a token
     bucket. Past its budget a client's urgent copies are served as the highest-weight

@@ -36,7 +36,7 @@ LANE = LaneKey(0, Direction.H2D)
 
 # -- the chooser (pure) ---------------------------------------------------------------------------
 def test_chooser_tries_both_then_keeps_the_faster_and_looks_again_later() -> None:
-    c = PathChooser(explore_s=1.0)
+    c = PathChooser(explore_s=1.0, explore_every=1)  # explore_s alone
     assert c.choose(LANE, 65536, now=0.0) is Path.EXPRESS  # no figures yet: the calibrated default
     c.observe(LANE, Path.EXPRESS, 65536, 2e-3, now=0.0)
     assert c.choose(LANE, 65536, now=0.01) is Path.DMA  # the other path has no figure yet
