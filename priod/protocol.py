@@ -283,6 +283,10 @@ class FrameDecoder:
             n = missing + length
         return n if n <= len(data) else None
 
+    def is_one_frame(self, data: bytes) -> bool:
+        """``data`` is exactly one whole frame, beginning at a frame boundary."""
+        return self._need is None and not self._buf and len(data) >= HEADER.size and HEADER.unpack_from(data)[0] == len(data) - HEADER.size
+
     def feed(self, data: bytes) -> list[Message]:
         out: list[Message] = []
         if self._need is None and not self._buf:

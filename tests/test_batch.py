@@ -223,6 +223,24 @@ def test_largest_batch_is_checked_quickly() -> None:
     assert refusal < 0.001
 
 
+def test_a_batch_within_one_chunk_is_cut_whole_and_one_byte_less_is_not() -> None:
+    """A batch whose bytes plus its segments' cost fit the chunk's budget is one chunk (the
+    shortcut without numpy calls); a budget one byte short of that is cut by the general rule,
+    its bytes and the cost of the segments it touches within the budget, and the chunks cover
+    the batch in order."""
+    table = Segments.decode(encode_segments(scattered(300, 1000, 600, seed=5)))
+    cost = 100
+    whole = table.total + cost * len(table)
+    assert table.cut(0, whole, cost) == table.total
+    assert table.cut(0, whole, cost, most=len(table) - 1) < table.total  # the segment cap still cuts
+    short = table.cut(0, whole - 1, cost)
+    assert 0 < short < table.total and short + cost * len(table.piece(0, short)) <= whole - 1
+    offset = 0
+    while offset < table.total:
+        offset += table.cut(offset, whole - 1, cost)
+    assert offset == table.total
+
+
 def test_scheduler_cuts_a_batch_by_segment_cost_in_every_mode() -> None:
     """A batch is one request; its chunks cost (bytes + a per-segment cost) no more than a
     bulk batch's chunk (``batch_block_us``), and fifo mode hands out all of it too."""
@@ -331,7 +349,9 @@ async def test_hostile_batches_get_clear_errors_and_harm_no_one(daemon: DaemonPr
         with pytest.raises(InvalidRequest, match=r"an \(N, 3\) array"):
             bad.start_copy_batch(d, h, [(1, 2)])
         with pytest.raises(InvalidRequest, match=r"negative"):
-            bad.start_copy_batch(d, h, [(-1, 0, 5)])
+            bad.start_copy_batch(d, h, np.array([(-1, 0, 5)], dtype=np.int32))  # converted on the client, refused there
+        with pytest.raises(InvalidRequest, match=r"negative figure"):
+            await bad.copy_batch(d, h, [(-1, 0, 5)])  # int64, sent as it is: the daemon refuses it
         await bad.ping()
         await honest_copy
         assert np.array_equal(hd.array, hh.array)
@@ -590,7 +610,8 @@ def test_an_urgent_batch_goes_by_dma_in_regular_chunks_of_at_most_256_segments()
 def test_every_integer_form_of_a_table_encodes_to_the_same_wire_bytes() -> None:
     """int64 and uint64 tables in C order go on the wire as they are (no converted copy); every
     other form (int32, Fortran order, a strided view, a list of triples) is converted, to the same
-    bytes. A negative figure is refused before anything is sent."""
+    bytes. A negative figure is refused before anything is sent where the table is converted;
+    in an int64 table, sent as it is, it reads as 2**63 or more and the daemon's decode refuses it."""
     table = scattered(64, 4096, 200, seed=9)
     want = np.ascontiguousarray(table, dtype="<u8").tobytes()
     forms = [table, table.astype(np.uint64), table.astype(np.int32), np.asfortranarray(table), np.repeat(table, 2, axis=0)[::2], table.tolist()]
@@ -599,7 +620,9 @@ def test_every_integer_form_of_a_table_encodes_to_the_same_wire_bytes() -> None:
     negative = table.copy()
     negative[5, 1] = -4096
     with pytest.raises(InvalidRequest, match=r"negative"):
-        encode_segments(negative)
+        encode_segments(negative.astype(np.int32))
+    with pytest.raises(InvalidRequest, match=r"negative figure"):
+        Segments.decode(encode_segments(negative))
 
 
 def test_urgent_budget_charges_a_batch_its_segments_too() -> None:

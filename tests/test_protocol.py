@@ -112,3 +112,16 @@ def test_a_frame_encoder_writes_what_encode_writes() -> None:
     msgs = [{"id": 1, "ok": True, "nbytes": 64, "queued_us": 3.125, "path": "dma", "missed_deadline": False}, {"id": 2, "handle": b"\x00" * 64, "n": None}]
     for msg in msgs * 2:
         assert enc(msg) == encode(msg)
+
+
+def test_is_one_frame_only_for_exactly_one_whole_frame_at_a_boundary() -> None:
+    """The transport decodes a read at once, whatever its size, when it is exactly one frame
+    (a batch's table): not a frame and a bit, not part of one, not after a partial frame."""
+    frame = encode({"id": 1, "op": "copy_batch", "segments": bytes(24 * 512)})
+    dec = FrameDecoder()
+    assert dec.is_one_frame(frame)
+    assert not dec.is_one_frame(frame[:-1]) and not dec.is_one_frame(frame + frame[:2]) and not dec.is_one_frame(frame[:3])
+    assert dec.feed(frame[:10]) == []
+    assert not dec.is_one_frame(frame)  # the decoder holds a partial frame: ``frame`` is not at a boundary
+    assert dec.feed(frame[10:]) == [msgpack.unpackb(frame[HEADER.size :])]
+    assert dec.is_one_frame(frame)
