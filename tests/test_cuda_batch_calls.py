@@ -133,6 +133,25 @@ def test_a_long_chunk_is_enqueued_in_calls_of_call_segments(fake: Bindings) -> N
     assert [v for c in calls for v in c[3]] == sizes.tolist()
 
 
+def test_a_gated_chunk_waits_on_its_gate_before_every_call(fake: Bindings) -> None:
+    """A gated bulk chunk: what ``each_call`` enqueues (the gate's wait) comes before each
+    batched call of ``call_segments``, so a gate closed mid-chunk stops it at its next call;
+    segment by segment (no batched call), once before the copies."""
+    dma = BatchedDma()
+    n = 300
+
+    def wait() -> None:
+        fake.calls.append(("wait",))
+
+    offsets = np.arange(n, dtype=np.uint64) * np.uint64(65536)
+    dma.copy(0, 1 << 30, offsets, offsets, np.full(n, 65536, dtype=np.uint64), "h2d", 5, each_call=wait, call_segments=128)
+    assert [(c[0], c[4]) if c[0] == "batch" else (c[0],) for c in fake.calls] == [("wait",), ("batch", 128), ("wait",), ("batch", 128), ("wait",), ("batch", 44)]
+    fake.calls.clear()
+    dma.error = "no batched call here"
+    dma.copy(0, 1 << 30, u64(0, 4096), u64(0, 4096), u64(16, 16), "h2d", 5, each_call=wait)
+    assert [c[0] for c in fake.calls] == ["wait", "memcpy", "memcpy"]
+
+
 @pytest.mark.parametrize(
     ("version", "batch", "why"),
     [(12060, True, r"driver supports CUDA 12\.6; cuMemcpyBatchAsync needs 12\.8"), (13000, False, r"cuda-bindings has no cuMemcpyBatchAsync .*>= 12\.8")],

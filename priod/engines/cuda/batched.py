@@ -24,6 +24,7 @@ and why, and `priod status` shows it.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from priod.errors import CudaError
 
 from ._driver import bindings, check, error
 
-__all__ = ["BATCH_MIN_DRIVER", "BULK_CALL_SEGMENTS", "CALL_SEGMENTS", "BatchedDma"]
+__all__ = ["BATCH_MIN_DRIVER", "BULK_CALL_SEGMENTS", "CALL_SEGMENTS", "GATED_CALL_SEGMENTS", "BatchedDma"]
 
 BATCH_MIN_DRIVER = 12080
 """``cuDriverGetVersion`` of the first driver with ``cuMemcpyBatchAsync`` (CUDA 12.8)."""
@@ -53,6 +54,16 @@ bulk chunk's latency does not matter, its rate does, and each call ends with a w
 (the event loop may hold it), so bulk calls are longer. A/B on the H200, bulk batches of 64 KiB
 blocks, GB/s, two rounds (docs/gpu/batch_probe/ab_bound_out.txt): calls of 64 / 256 ran at
 35.7, 31.0 / 42.3, 36.5 with a 1 ms in-flight bound; 44.1, 48.9 / 46.8, 54.6 with 4 ms."""
+
+GATED_CALL_SEGMENTS = 128
+"""Most segments one batched call of a *gated* bulk chunk takes (one the lane's gate can stop,
+pump.py), each call behind a wait on the gate of its own. The gate stops a chunk only where the
+GPU meets its wait, and a chunk's calls reach the GPU as the pusher's thread makes them, at the
+driver's ~1 us a segment: a chunk of 64 KiB blocks whose wait passed on an idle stream then
+went on copying into a direct urgent copy's hold as its calls came, up to the whole chunk. With
+a wait before each call, a hold that closes the gate stops the chunk at its next call, so an
+urgent copy waits for one call's blocks (128 x 64 KiB: ~150 us on the link) at most; a wait costs
+the link ~1.5 us (device.py, `Gates`), and a call the driver ~15 us beside its segments."""
 
 U64 = npt.NDArray[np.uint64]
 
@@ -96,19 +107,25 @@ class BatchedDma:
         p, n = ctypes.c_void_p, ctypes.c_size_t
         self._batch = ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, n, p, p, n, p, p)(address)
 
-    def copy(self, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, kind: Any, stream: Any) -> None:
+    def copy(
+        self, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, kind: Any, stream: Any, *, each_call: Callable[[], None] | None = None, call_segments: int = 0
+    ) -> None:
         """Enqueue ``sizes[i]`` bytes from ``src + src_offsets[i]`` to ``dst + dst_offsets[i]``
-        for each i on ``stream`` (``kind``: the runtime's cudaMemcpyKind, for the loop)."""
+        for each i on ``stream`` (``kind``: the runtime's cudaMemcpyKind, for the loop).
+        ``each_call``: enqueues what goes on the stream before each batched call (a gate's wait),
+        and before the copies of a chunk that goes segment by segment; ``call_segments``: most
+        segments a call, in place of this instance's (0: keep it)."""
         pointers = np.empty((3, len(sizes)), dtype=np.uint64)  # the three C arrays, end to end
         np.add(dst_offsets, np.uint64(dst), out=pointers[0])
         np.add(src_offsets, np.uint64(src), out=pointers[1])
         pointers[2] = sizes
-        self.copy_pointers(pointers, kind, stream)
+        self.copy_pointers(pointers, kind, stream, each_call=each_call, call_segments=call_segments)
 
-    def copy_pointers(self, pointers: U64, kind: Any, stream: Any) -> None:
+    def copy_pointers(self, pointers: U64, kind: Any, stream: Any, *, each_call: Callable[[], None] | None = None, call_segments: int = 0) -> None:
         """`copy` of a table already in the driver's form: a C-ordered (3, N) uint64 array of
         destination addresses, source addresses and sizes."""
         count = pointers.shape[1]
+        per_call = call_segments or self.call_segments
         done = 0
         if count > 1 and self.error is None:
             # The arrays' addresses once per chunk, not per call: each ``.ctypes`` runs Python
@@ -116,7 +133,9 @@ class BatchedDma:
             base = pointers.ctypes.data
             arrays = (base, base + 8 * count, base + 16 * count)
             while done < count:
-                n = min(self.call_segments, count - done)
+                n = min(per_call, count - done)
+                if each_call is not None:
+                    each_call()
                 try:
                     self._call(arrays, done, n, stream)
                 except CudaError as exc:
@@ -128,6 +147,10 @@ class BatchedDma:
                     break
                 self._proven = True
                 done += n
+        if done == count:
+            return
+        if each_call is not None:
+            each_call()
         memcpy = self._memcpy
         for d, s_, n in pointers[:, done:].T.tolist():
             check(memcpy(d, s_, n, kind, stream))

@@ -43,7 +43,7 @@ from priod.engines.base import (
 from priod.errors import CudaError, EngineError, InvalidRequest
 
 from ._driver import bindings, check, device_count, event_handle_from_bytes
-from .batched import BULK_CALL_SEGMENTS, BatchedDma
+from .batched import BULK_CALL_SEGMENTS, GATED_CALL_SEGMENTS, BatchedDma
 from .calibrate import Log, calibrate
 from .device import Device, Lane, open_device, open_gates
 from .events import CudaIpcEvent, Done, EventCompletion
@@ -343,17 +343,20 @@ class CudaEngine(Engine):
         gated: bool,
     ) -> Completion:
         """A bulk batch chunk, enqueued and followed by its event on the pusher's thread: the
-        driver's ~1 us a segment is spent there, not on the event loop (pusher.py)."""
+        driver's ~1 us a segment is spent there, not on the event loop (pusher.py). A gated
+        chunk goes in calls of `GATED_CALL_SEGMENTS`, each behind a wait on the lane's gate."""
         pool = dev.events
         event = pool.take()
         rt, batched, kind, device = self._rt, self._bulk_batched, info.kind, dev.index
-        gate = gated and info.gate is not None
+
+        def wait_gate() -> None:
+            self._wait_gate(info)
+
+        each_call, call_segments = (wait_gate, GATED_CALL_SEGMENTS) if gated and info.gate is not None else (None, 0)
 
         def enqueue() -> None:
             check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
-            if gate:
-                self._wait_gate(info)
-            batched.copy(dp, sp, dst_offsets, src_offsets, sizes, kind, stream)
+            batched.copy(dp, sp, dst_offsets, src_offsets, sizes, kind, stream, each_call=each_call, call_segments=call_segments)
             check(rt.cudaEventRecord(event, stream))
 
         return EventCompletion(event, pool, info.busy, stream, ticket=self._pusher.push(enqueue))
