@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from test_cuda_peer_calls import Runtime, _dev, _engine
 
 from priod.engines.base import Direction, LaneKey, Path
+from priod.engines.cuda.batched import GATED_CALL_SEGMENTS
 from priod.engines.cuda.events import CudaIpcEvent, EventCompletion
 from priod.engines.cuda.pusher import Pusher
 from priod.errors import CudaError, EngineError
@@ -75,10 +77,14 @@ class _Blocked:
         self.rt = rt
         self.release = threading.Event()
         self.threads: list[str] = []
+        self.call_segments: list[int] = []
 
-    def copy(self, *args: Any) -> None:
+    def copy(self, *args: Any, each_call: Callable[[], None] | None = None, call_segments: int = 0) -> None:
         self.release.wait(10)
         self.threads.append(threading.current_thread().name)
+        self.call_segments.append(call_segments)
+        if each_call is not None:
+            each_call()  # as BatchedDma does before each of its calls (one call here)
         self.rt.calls.append((self.rt.current, "batched", *args))
 
 
@@ -142,7 +148,7 @@ def test_a_signal_event_waits_behind_a_chunk_still_with_the_pusher(monkeypatch: 
     records = [c[2:] for c in rt.calls if c[1] == "record"]
     assert records[1] == ("client-event", "bulk-stream") and records[0][1] == "bulk-stream"
 
-    def fail(*args: Any) -> None:
+    def fail(*args: Any, **options: Any) -> None:
         raise CudaError("CUDA_ERROR_INVALID_VALUE", "bad batch")
 
     eng._bulk_batched = types.SimpleNamespace(copy=fail)
@@ -184,8 +190,9 @@ def test_an_event_closed_while_its_record_waits_is_destroyed_after_it(monkeypatc
 
 def test_a_gated_bulk_batch_chunk_waits_on_its_gate_first_on_the_pushers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """A gated bulk chunk (`Engine.set_gates`): the wait on the lane's gate word goes on the
-    lane's bulk stream right before the batched call, both on the pusher's thread; a chunk not
-    gated, or a lane without a gate, enqueues no wait."""
+    lane's bulk stream right before each batched call (calls of `GATED_CALL_SEGMENTS`), all on
+    the pusher's thread; a chunk not gated, or a lane without a gate, enqueues no wait and goes
+    in the bulk calls' own size."""
     eng, rt, blocked = _pushing_engine(monkeypatch)
     lane = eng._devices[0].d2d
     lane.dma_cu = "bulk-cu"
@@ -205,9 +212,9 @@ def test_a_gated_bulk_batch_chunk_waits_on_its_gate_first_on_the_pushers_thread(
         _wait(lambda c=c: not c.pending)
         kinds = [call[1] for call in rt.calls if call[1] in ("wait", "batched", "record")]
         if gated and gate is not None:
-            assert kinds == ["wait", "batched", "record"]
+            assert kinds == ["wait", "batched", "record"] and blocked.call_segments[-1] == GATED_CALL_SEGMENTS
             wait = next(call for call in rt.calls if call[1] == "wait")
             assert wait[2:6] == ("bulk-cu", "gate-word", 0, "eq") and wait[6] == "priod-cuda-pusher"
         else:
-            assert kinds == ["batched", "record"]
+            assert kinds == ["batched", "record"] and blocked.call_segments[-1] == 0
     eng._pusher.close()

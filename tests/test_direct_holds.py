@@ -361,20 +361,24 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
     the other looked at again once ``explore_s`` has passed and ``explore_every`` batches have
     gone the faster way since the last look (another process's GEMMs make the kernel wait for
     their time slice on the SMs, and stop again). ``batch_path`` "kernel" or "dma": that one only.
-    The paths here are stand-ins that take a set time; the real ones run in tests/test_gpu_direct.py."""
+    The paths here are stand-ins that take a set time on a clock of the test's own (a loaded
+    host's sleeps overshoot by more than the paths' difference); the real ones run in
+    tests/test_gpu_direct.py."""
     from priod.engines.cuda import _driver
 
     rt = types.SimpleNamespace(cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDefault="default"))
     for name, value in (("_rt", rt), ("_drv", types.SimpleNamespace()), ("_RT_OK", "ok"), ("_NOT_READY", "not ready")):
         monkeypatch.setattr(_driver, name, value)
     monkeypatch.setattr("priod.direct.one_gpu", lambda: True)
+    clock = [1000.0]
+    monkeypatch.setattr("priod.direct.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     taken: list[str] = []
     took_s = {"kernel": 0.004, "dma": 0.0005}  # the kernel behind another process's GEMMs
 
     def path(name: str) -> Any:
         def run(*args: Any) -> int:
             taken.append(name)
-            time.sleep(took_s[name])
+            clock[0] += took_s[name]
             return 64 << 10
 
         return run
@@ -394,7 +398,7 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
     assert taken == ["kernel", "dma", "dma", "dma", "dma", "dma"]
     (est,) = c.path_estimates()
     assert est.lane == str(H2D) and est.express_us is not None and est.dma_us is not None and est.express_us > 2 * est.dma_us
-    time.sleep(0.25)
+    clock[0] += 0.25
     took_s["kernel"] = 0.0001  # the GEMMs stopped
     taken.clear()
     for _ in range(5):
