@@ -56,14 +56,17 @@ blocks, GB/s, two rounds (docs/gpu/batch_probe/ab_bound_out.txt): calls of 64 / 
 35.7, 31.0 / 42.3, 36.5 with a 1 ms in-flight bound; 44.1, 48.9 / 46.8, 54.6 with 4 ms."""
 
 GATED_CALL_SEGMENTS = 128
-"""Most segments one batched call of a *gated* bulk chunk takes (one the lane's gate can stop,
-pump.py), each call behind a wait on the gate of its own. The gate stops a chunk only where the
-GPU meets its wait, and a chunk's calls reach the GPU as the pusher's thread makes them, at the
-driver's ~1 us a segment: a chunk of 64 KiB blocks whose wait passed on an idle stream then
+"""Most segments one batched call of a *gated* bulk chunk takes (a chunk the lane's gate can
+stop, pump.py), each call behind a wait on the gate of its own. The gate stops a chunk only where
+the GPU meets its wait, and a chunk's calls reach the GPU as the pusher's thread makes them, at
+the driver's ~1 us a segment: a chunk of 64 KiB blocks whose one wait passed on an idle stream
 went on copying into a direct urgent copy's hold as its calls came, up to the whole chunk. With
 a wait before each call, a hold that closes the gate stops the chunk at its next call, so an
 urgent copy waits for one call's blocks (128 x 64 KiB: ~150 us on the link) at most; a wait costs
-the link ~1.5 us (device.py, `Gates`), and a call the driver ~15 us beside its segments."""
+the link ~1.5 us (device.py, `Gates`), and a call the driver ~15 us beside its segments. H200,
+direct 64 KiB copies beside bulk batches of 4,096 x 64 KiB, the tree before and after
+interleaved: p99 162-318 us before, 122-176 after (beside contiguous bulk 142-159), the bulk rate
+within its noise (docs/gpu/session17/run_e)."""
 
 U64 = npt.NDArray[np.uint64]
 
