@@ -18,6 +18,7 @@ process may use other devices.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -348,11 +349,8 @@ class CudaEngine(Engine):
         pool = dev.events
         event = pool.take()
         rt, batched, kind, device = self._rt, self._bulk_batched, info.kind, dev.index
-
-        def wait_gate() -> None:
-            self._wait_gate(info)
-
-        each_call, call_segments = (wait_gate, GATED_CALL_SEGMENTS) if gated and info.gate is not None else (None, 0)
+        each_call = functools.partial(self._wait_gate, info) if gated and info.gate is not None else None
+        call_segments = GATED_CALL_SEGMENTS if each_call is not None else 0
 
         def enqueue() -> None:
             check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
