@@ -66,7 +66,7 @@ urgent copy waits for one call's blocks (128 x 64 KiB: ~150 us on the link) at m
 the link ~1.5 us (device.py, `Gates`), and a call the driver ~15 us beside its segments. H200,
 direct 64 KiB copies beside bulk batches of 4,096 x 64 KiB, the tree before and after
 interleaved: p99 162-318 us before, 122-176 after (beside contiguous bulk 142-159), the bulk rate
-within its noise (docs/gpu/session17/run_e)."""
+within its noise (docs/gpu/session17/run_e; priod against itself, no anchor rows in the run)."""
 
 U64 = npt.NDArray[np.uint64]
 
