@@ -481,13 +481,20 @@ def test_sync_client_start_poll_cancel_and_batches(daemon: DaemonProcess) -> Non
 async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonProcess) -> None:
     """A client that sends 24 batches at the segment cap, each checked in full and refused at its
     last segment, holds the daemon's loop for about one batch's checks at a time: another
-    client's pings keep coming back within milliseconds throughout (median, 90th percentile)."""
+    client's pings keep coming back within milliseconds throughout (median, 90th percentile),
+    measured against what one such batch's refusal takes on this machine, alone."""
     async with priod.connect(daemon.socket_path) as bad, priod.connect(daemon.socket_path) as honest:
         dev = await bad.alloc_device(8 << 20)
         segs = scattered(MAX_SEGMENTS, 64, 2 * MAX_SEGMENTS, seed=21)
         segs[:, 1] += 4 << 20  # sources in the region's upper half ...
         segs[-1, 1] = segs[0, 0]  # ... but the last one reads what the first one writes
         frame = {"op": "copy_batch", "dst": dev.id, "src": dev.id, "segments": encode_segments(segs)}
+        one = float("inf")  # one batch's refusal, round trip included: the loop's turn it takes
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with pytest.raises(InvalidRequest):
+                await bad.raw_request(frame)
+            one = min(one, time.perf_counter() - t0)
         flood = asyncio.gather(*(bad.raw_request(frame) for _ in range(24)), return_exceptions=True)
         rtts: list[float] = []
         while not flood.done():
@@ -497,12 +504,15 @@ async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonPr
         errors = await flood
         assert all(isinstance(e, InvalidRequest) and f"source segment {MAX_SEGMENTS - 1} overlaps" in str(e) for e in errors)
         assert len(rtts) >= 5, "the flood ended before the pings could measure anything"
-        print(f"pings during the flood: {len(rtts)}, worst {max(rtts) * 1e3:.1f} ms, median {statistics.median(rtts) * 1e3:.2f} ms")
+        print(f"pings during the flood: {len(rtts)}, worst {max(rtts) * 1e3:.1f} ms, median {statistics.median(rtts) * 1e3:.2f} ms; one batch alone {one * 1e3:.2f} ms")
         # One batch's checks take a few ms, the whole flood ~100 ms of the loop: pings must get
-        # through between batches, not after the flood. (Percentiles, not the worst: this machine
-        # may be shared, and one descheduling is not the daemon's doing.)
+        # through between batches, not after the flood. The bounds are 5 and 30 ms where one
+        # batch's refusal takes up to 3.3 ms, and scale with it on a slower machine (a 2-core VM
+        # read 5.6 ms once at the median: its batch checks were slower, not fewer pings through).
+        # (Percentiles, not the worst: this machine may be shared, and one descheduling is not
+        # the daemon's doing.)
         rtts.sort()
-        assert statistics.median(rtts) < 0.005 and rtts[int(len(rtts) * 0.9)] < 0.03, rtts
+        assert statistics.median(rtts) < max(0.005, 1.5 * one) and rtts[int(len(rtts) * 0.9)] < max(0.03, 9 * one), (one, rtts)
 
 
 async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonProcess) -> None:
