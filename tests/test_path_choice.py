@@ -296,7 +296,7 @@ async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> Non
     is fresh. Every byte is checked."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(
-        server={"socket": path}, scheduler={"explore_ms": 300.0, "explore_every": 4}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
+        server={"socket": path}, scheduler={"explore_ms": 1000.0, "explore_every": 4}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
     )
     engine = SimEngine(cfg.sim)
     daemon = Daemon(cfg, engine)
@@ -318,7 +318,10 @@ async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> Non
             engine.set_cotenant_stall(40_000)
             busy = await _urgent_paths(daemon, c, dev, host, 12)
             engine.set_cotenant_stall(0)
-            await asyncio.sleep(0.4)  # past explore_ms: the next copy looks at express again
+            # Past explore_ms: the next copy looks at express again. (1 s, longer than the busy
+            # phase's copies take even on a loaded 2-core VM: with 300 ms, a slow busy phase
+            # could look at express again within its last four copies.)
+            await asyncio.sleep(1.1)
             after = await _urgent_paths(daemon, c, dev, host, 6)
             status = await c.status()
             stop = True
