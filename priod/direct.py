@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .batch import ROW, Cells
+from .batch import LARGEST, ROW, SMALLEST, Cells
 from .choice import EXPLORE_EVERY, PathChooser, PathEstimate, PathFigures
 from .cuda_ipc import _is_torch_tensor, device_span
 from .engines.base import Direction, LaneKey, Path
@@ -400,7 +400,7 @@ def direct_pointers(rows: memoryview, dst: int, dst_bytes: int, src: int, src_by
     table = np.frombuffer(rows, dtype=ROW)
     pointers: Cells = np.empty((3, len(table)), dtype=np.uint64)
     np.add(table.T, bases, out=pointers)
-    low, high = pointers.min(axis=1).tolist(), pointers.max(axis=1).tolist()
+    low, high = SMALLEST(pointers, axis=1).tolist(), LARGEST(pointers, axis=1).tolist()  # the ufuncs themselves (batch.LARGEST)
     dst_end, src_end = dst + dst_bytes, src + src_bytes
     fits = low[0] >= dst and low[1] >= src and low[2] >= 1 and high[2] < 1 << 62
     if fits and (high[0] + high[2] > dst_end or high[1] + high[2] > src_end):
@@ -654,7 +654,7 @@ class DirectCopies:
 
             self._batched = BatchedDma()
         self._batched.copy_pointers(pointers, self._default, stream)
-        total = int(pointers[2].sum())
+        total = int(np.add.reduce(pointers[2]))
         self._wait(stream)
         return total
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from priod.batch import LARGEST
 from priod.errors import CudaError
 
 from ._driver import bindings, check
@@ -129,6 +130,8 @@ class ExpressKernel:
         # (dst_offset, src_offset, nbytes) per segment, as uint64.
         self._table = (ctypes.c_uint64 * (2 + 3 * TABLE_MAX))()
         self._table_view: U64 = np.ctypeslib.as_array(self._table)
+        self._table_rows: U64 = self._table_view[2:].reshape(TABLE_MAX, 3)
+        """The segments' part of the struct as (TABLE_MAX, 3) rows: a table's rows go in by one assignment."""
         self._tptrs = (ctypes.c_uint64 * 1)(ctypes.addressof(self._table))
         self._tparams = ctypes.addressof(self._tptrs)
 
@@ -185,18 +188,17 @@ class ExpressKernel:
             for d, s_, n in cells.tolist():
                 self.launch(dev, dst + d, src + s_, n, stream)
             return
-        table, view = self._table, self._table_view
+        table, rows_in = self._table, self._table_rows
         table[0] = src
         table[1] = dst
         wave = dev.sm_count * self.blocks_per_sm
         # Few numpy calls: code that has not run for a few milliseconds ran several times slower
         # on the H200's host, and building this table with ``np.stack`` took ~40 us of a direct
-        # batch there (docs/gpu/batch_probe/direct_batch_out.txt). The rows end to end (a view
-        # of a C-ordered table), then one slice per launch. Not ctypes.memmove from
-        # ``cells.ctypes.data``: that attribute is Python code in numpy, 40-52 us cold there.
-        flat = np.ascontiguousarray(cells, dtype=np.uint64).ravel()
+        # batch there (docs/gpu/batch_probe/direct_batch_out.txt). One assignment of rows per
+        # launch. Not ctypes.memmove from ``cells.ctypes.data``: that attribute is Python code
+        # in numpy, 40-52 us cold there.
         if largest is None:
-            largest = int(cells[:, 2].max())
+            largest = int(LARGEST(cells[:, 2]))
         # Threads for one 16-byte unrolled step each of the batch's largest segment, as `launch`
         # sizes its grid; rows share the wave (a row gets at least one block).
         wanted = max(1, -(-(largest // 16) // EXPRESS_UNROLL))
@@ -204,7 +206,7 @@ class ExpressKernel:
         streams = (stream, stream if side is None else side)
         for first in range(0, count, TABLE_MAX):
             rows = min(count, first + TABLE_MAX) - first
-            view[2 : 2 + 3 * rows] = flat[3 * first : 3 * (first + rows)]
+            rows_in[:rows] = cells[first : first + rows]
             per_row = max(1, min(-(-wanted // threads), wave // rows))
             on = streams[first // TABLE_MAX % 2]
             check(self._cu_launch(dev.table_function, per_row, rows, 1, threads, 1, 1, 0, on, self._tparams, 0))
