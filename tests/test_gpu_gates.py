@@ -3,7 +3,8 @@
 A gated chunk is preceded on its lane's DMA stream by a wait on the lane's gate word
 (`priod.engines.cuda.device.Gates`): while the gate is closed it does not begin, whatever the
 stream has ahead of it, and it runs once the gate opens, bytes intact. Another lane's gate is
-its own. Single chunks and a batch's chunk (enqueued by the pusher's thread) alike.
+its own. Single chunks and a batch's chunk (enqueued by the pusher's thread) alike. An urgent
+(strict) chunk on the same lane is not held by the gate.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: st
         _wait(other)
         _wait(first)
         time.sleep(0.05)  # 4 MiB would take ~80 us: still not done means it has not begun
+        assert not gated.done()
+        # An urgent chunk goes on the lane's strict stream, which has no wait on the gate: it
+        # runs while the gated chunk waits (the sim models this: tests/test_sim_cotenant.py).
+        strict = engine.submit(H2D, Path.DMA, dev, 0, host, 0, TAIL, strict=True)
+        _wait(strict)
         assert not gated.done()
         engine.set_gates(frozenset())
         _wait(gated)

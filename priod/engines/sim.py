@@ -199,7 +199,8 @@ class SimEngine(Engine):
         gated: bool = False,
     ) -> Completion:
         # One copy engine per lane: strict DMA chunks queue with the rest (the scheduler
-        # already put them first), as they would on a single hardware queue.
+        # already put them first), as they would on a single hardware queue; only a gated chunk
+        # waiting at a closed gate lets them pass (`Worker._take_turn`).
         completion = SimCompletion()
         job = Job(
             _view(dst),
@@ -211,11 +212,11 @@ class SimEngine(Engine):
             gated,
             dst_offset,
             src_offset,
+            strict,
         )
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
-            worker.submitted += 1
-            worker.jobs.put(job)
+            worker.put(job)
         return completion
 
     def submit_segments(
@@ -231,7 +232,7 @@ class SimEngine(Engine):
     ) -> Completion:
         """One job for the whole chunk: its segments move one after another on the lane's
         thread, paced by their bytes together, as one entry of the lane's FIFO."""
-        nbytes = int(cells[:, 2].sum())
+        nbytes = int(np.add.reduce(cells[:, 2]))  # the ufunc itself: ndarray.sum() runs Python code of numpy's first (batch.LARGEST)
         completion = SimCompletion()
         job = Job(
             _view(dst),
@@ -241,12 +242,12 @@ class SimEngine(Engine):
             fail=nbytes == self.cfg.fault_on_nbytes,
             stall_s=self._draw_stall() if self._cotenant_stall_s > 0 and path is Path.EXPRESS else 0.0,
             gated=gated,
+            strict=strict,
         )
         job.segments = cells.tolist()
         worker = self._workers[(lane, path)]
         if not worker.run_inline(job):
-            worker.submitted += 1
-            worker.jobs.put(job)
+            worker.put(job)
         return completion
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -123,7 +124,7 @@ class SimIpcEvent(IpcEvent):
 
 
 class Job:
-    __slots__ = ("completion", "dst", "dst_offset", "fail", "gated", "nbytes", "segments", "src", "src_offset", "stall_s")
+    __slots__ = ("completion", "dst", "dst_offset", "fail", "gated", "nbytes", "segments", "src", "src_offset", "stall_s", "strict")
 
     def __init__(
         self,
@@ -136,6 +137,7 @@ class Job:
         gated: bool = False,
         dst_offset: int = 0,
         src_offset: int = 0,
+        strict: bool = False,
     ) -> None:
         self.dst, self.src, self.nbytes, self.completion, self.fail = dst, src, nbytes, completion, fail
         """``dst`` and ``src`` are the whole regions' bytes: a contiguous job's bytes are
@@ -147,6 +149,9 @@ class Job:
         """Co-tenant compute wait before the copy starts (express only), drawn at submission."""
         self.gated = gated
         """It may not begin while its engine's gate is closed (`Worker.set_gate`)."""
+        self.strict = strict
+        """An urgent DMA chunk: on CUDA it has a stream of its own (the lane's strict stream),
+        so a gated chunk waiting at the gate on the bulk stream does not hold it up."""
         self.segments: list[list[int]] | None = None
         """A batch's chunk: its rows [dst offset, src offset, bytes] into ``dst`` and ``src``
         (the offsets above are then unused). The views are cut on the engine's thread, not the loop's."""
@@ -236,6 +241,9 @@ class Worker(threading.Thread):
         super().__init__(name=name, daemon=True)
         self.link, self.path, self._wakeup = link, path, wakeup
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._held: deque[Job | None] = deque()
+        """Jobs taken from ``jobs`` while a gated one waited at the closed gate, in their order
+        (the worker's alone): they go before anything still in ``jobs``."""
         self._last_due = 0.0
         # Jobs handed to the thread, and jobs it finished: one writer each (the loop, the
         # worker), so their difference is the queue's length without a lock.
@@ -284,6 +292,15 @@ class Worker(threading.Thread):
         self.link.busy_seconds += time.perf_counter() - started
         return True
 
+    def put(self, job: Job) -> None:
+        """Hand ``job`` to the thread (the loop's side). A strict job wakes a thread waiting at
+        the gate at once, to go ahead of the gated job there (`_take_turn`)."""
+        self.submitted += 1
+        self.jobs.put(job)
+        if job.strict and self._at_gate:  # read without the lock: a stale False costs one 1 ms poll
+            with self._contexts:
+                self._contexts.notify_all()
+
     @staticmethod
     def _complete(job: Job) -> None:
         if job.fail:
@@ -296,8 +313,7 @@ class Worker(threading.Thread):
             job.completion._fire()
 
     def run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            self._take_turn(job.gated)
+        while (job := self._take_turn()) is not None:
             if job.stall_s > 0:
                 self._stall(job.stall_s)
             started = time.perf_counter()
@@ -314,23 +330,53 @@ class Worker(threading.Thread):
             job = None  # drop the views now, so a freed region's mapping can close
             self._wakeup()()
 
-    def _take_turn(self, gated: bool) -> None:
-        """Before a chunk of the daemon's context: wait while another context's copy runs, or
-        is owed the engine (its time slice came while this context still had work), and while
-        a gated chunk's gate is closed. Waiting at the gate leaves the engine to another
-        context at once, as a CUDA stream waiting on a memory word was measured to (H200)."""
+    def _take_turn(self) -> Job | None:
+        """The next chunk of the daemon's context, once it may begin (None: the engine closes).
+
+        In submission order, waiting while another context's copy runs, or is owed the engine
+        (its time slice came while this context still had work), and while a gated chunk's
+        gate is closed. Waiting at the gate leaves the engine to another context at once, as a
+        CUDA stream waiting on a memory word was measured to (H200); and a strict chunk queued
+        behind the waiting one goes first, as it does on CUDA from its own stream. A chunk
+        that is neither waits behind it: on CUDA it is on the gated chunk's stream."""
+        job = self._held.popleft() if self._held else self.jobs.get()
+        if job is None:
+            return None
         with self._contexts:
             while (
                 self._foreign_running
                 or (self._foreign_since is not None and time.perf_counter() >= self._foreign_since + self._slice_s)
-                or (gated and self._gate_closed)
+                or (job.gated and self._gate_closed)
             ):
-                if gated and self._gate_closed and not self._at_gate:
-                    self._at_gate = True
-                    self._contexts.notify_all()
+                if job.gated and self._gate_closed:
+                    if not self._at_gate:
+                        self._at_gate = True
+                        self._contexts.notify_all()
+                    strict = self._strict_behind()
+                    if strict is not None:
+                        self._held.appendleft(job)
+                        job = strict
+                        continue
                 self._contexts.wait(0.001)
             self._at_gate = False
             self._running = True
+        return job
+
+    def _strict_behind(self) -> Job | None:
+        """The first strict chunk submitted after the gated one at the gate, taken out of the
+        queue (those before it keep their order in ``_held``); None if there is none."""
+        while True:
+            try:
+                self._held.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        for i, job in enumerate(self._held):
+            if job is None:
+                return None  # the engine closes: nothing after it runs first
+            if job.strict:
+                del self._held[i]
+                return job
+        return None
 
     def set_gate(self, closed: bool) -> None:
         """Close or open the gate gated jobs wait at before they begin (one running goes on)."""
