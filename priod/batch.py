@@ -86,9 +86,11 @@ LARGEST = np.maximum.reduce
 """A column's largest value, by the ufunc itself. ``ndarray.max()`` and ``min()`` first run a
 Python function of numpy's (``_methods._amax``), and ``np.diff`` and ``np.sort`` are Python
 functions too: on a batch's way through the daemon the loop has just woken, and each such layer
-costs microseconds of cold code. Checking 256 to 4,096 blocks of one size took 0.5-0.7x the time
-with ufunc reductions, the array's own ``sort`` and a subtraction in place of ``np.diff``
-(this VM, 5 ms asleep before each check: 100-125 against 183-210 us)."""
+costs microseconds of cold code. With ufunc reductions, the array's own ``sort`` and a
+subtraction in place of ``np.diff``, `Segments.decode` and `Segments.check_regions` of 64 to 4,096
+blocks of one size took 0.65-0.73x the time (this VM, 5 ms asleep before each: 103-119 against
+146-167 us; the H200, the daemon's steps from taking a batch to its first chunk: 149 against 183
+us, docs/benchmarks.md, Session 18)."""
 SMALLEST = np.minimum.reduce
 
 
