@@ -377,8 +377,12 @@ class Pump:
                     )
                 else:
                     # A batch's chunk: the parts of its segments that bytes [offset, +nbytes) cover.
-                    cells = req.segments.piece(chunk.offset, chunk.nbytes)
-                    completion = self.engine.submit_segments(req.lane, chunk.path, target.dst_mem, target.src_mem, cells, strict=chunk.strict, gated=chunk.gated)
+                    segments = req.segments
+                    cells = segments.piece(chunk.offset, chunk.nbytes)
+                    peaks = segments.peaks if cells is segments.cells else None  # the whole batch: found when it was read
+                    completion = self.engine.submit_segments(
+                        req.lane, chunk.path, target.dst_mem, target.src_mem, cells, strict=chunk.strict, gated=chunk.gated, peaks=peaks
+                    )
             except PriodError as exc:
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):

@@ -5,20 +5,26 @@ ones, timeouts, hostile tables; SyncClient's start/poll/cancel."""
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 import priod
-from priod.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, URGENT_DMA_SEGMENTS, Segments, encode_segments
-from priod.engines.base import Direction, LaneInfo, LaneKey
+from priod.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, URGENT_DMA_SEGMENTS, Cells, Segments, encode_segments
+from priod.config import load_config
+from priod.engines.base import Completion, Direction, LaneInfo, LaneKey, Memory, Path
+from priod.engines.sim import SimEngine, SimSettings
 from priod.errors import Cancelled, CopyTimeout, EngineError, InvalidRequest, LimitExceeded
 from priod.policy import Policy
 from priod.scheduler import Request, Scheduler
+from priod.server import Daemon
 from priod.testing import DaemonProcess, daemon_process
 
 BLOCK = 16 << 10
@@ -615,6 +621,45 @@ def test_an_urgent_batch_goes_by_dma_in_regular_chunks_of_at_most_256_segments()
         for c in chunks:
             big.chunk_done(c, 0.0)
     assert sum(sizes) == large.total and max(sizes) == regular and all(n > short for n in sizes[:-1])
+
+
+class _PeaksSeen(SimEngine):
+    """The sim engine, noting each batch chunk's rows and the peaks that came with them."""
+
+    def __init__(self, cfg: SimSettings) -> None:
+        super().__init__(cfg)
+        self.chunks: list[tuple[int, tuple[int, int, int] | None]] = []
+
+    def submit_segments(self, lane: LaneKey, path: Path, dst: Memory, src: Memory, cells: Cells, **kw: Any) -> Completion:
+        self.chunks.append((len(cells), kw.get("peaks")))
+        return super().submit_segments(lane, path, dst, src, cells, **kw)
+
+
+async def test_a_batch_in_one_chunk_brings_its_peaks_to_the_engine_and_a_piece_does_not() -> None:
+    """A batch handed out whole comes with the largest offsets and size found when its table was
+    read, so the engine's own bound needs no numpy reductions (the cuda engine's took 36 us of an
+    urgent batch's launch on the H200); a piece of a batch is a new table and comes without."""
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    cfg = load_config(None, environ={}).replace(server={"socket": path}, log={"level": "warning"})
+    engine = _PeaksSeen(cfg.sim)
+    daemon = Daemon(cfg, engine)
+    await daemon.start()
+    try:
+        async with priod.connect(path) as c:
+            size = 256 << 20
+            host, dev = await c.alloc_host(size), await c.alloc_device(size)
+            assert host.array is not None and dev.array is not None
+            host.array[: 8 << 20] = np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8)
+            small = scattered(8, BLOCK, 64, seed=8)
+            await c.copy_batch(dev, host, small, priority="urgent")
+            assert engine.chunks == [(8, (int(small[:, 0].max()), int(small[:, 1].max()), BLOCK))]
+            expect(dev.array[: 64 * BLOCK], np.zeros(64 * BLOCK, np.uint8), host.array, small)
+            engine.chunks.clear()
+            large = scattered(64, 1 << 20, 128, seed=9)  # 64 MiB: many chunks at the sim's 2 GB/s
+            await c.copy_batch(dev, host, large, priority="bulk")
+            assert len(engine.chunks) > 1 and all(peaks is None for _, peaks in engine.chunks)
+    finally:
+        await daemon.stop()
 
 
 def test_every_integer_form_of_a_table_encodes_to_the_same_wire_bytes() -> None:

@@ -18,6 +18,7 @@ import pytest
 import priod
 from priod.batch import Segments, encode_segments
 from priod.engines.base import LOCAL_DIRECTIONS, Completion, Direction, LaneKey, Memory, Path
+from priod.errors import InvalidRequest
 from priod.testing import DaemonProcess
 
 pytestmark = pytest.mark.gpu
@@ -67,11 +68,13 @@ def engine() -> Iterator[Any]:
     eng.close()
 
 
+@pytest.mark.parametrize("peaks", ["given", "found"])
 @pytest.mark.parametrize("mode", ["batched", "per-segment", "express"])
 @pytest.mark.parametrize("direction", LOCAL_DIRECTIONS)
-def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str) -> None:
+def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str, peaks: str) -> None:
     """300 scattered odd segments land exactly, nothing else changes, each way and path (the
-    device side read back through plain DMA chunks)."""
+    device side read back through plain DMA chunks); with the table's peaks handed in, as the
+    daemon hands a whole batch's, and found by the engine, as for a piece of one."""
     if mode == "batched" and engine._batched.error:
         pytest.skip(f"no cuMemcpyBatchAsync here: {engine._batched.error}")
     rng = np.random.default_rng(1)
@@ -97,7 +100,7 @@ def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str)
         if direction is not Direction.D2H:
             whole(h2d, dst, dst_h.mem)
         path = Path.EXPRESS if mode == "express" else Path.DMA
-        _wait(engine.submit_segments(LaneKey(0, direction), path, dst, src, table.cells))
+        _wait(engine.submit_segments(LaneKey(0, direction), path, dst, src, table.cells, peaks=table.peaks if peaks == "given" else None))
         if mode == "batched":
             # A batched call that failed on first use falls back to the loop silently (and says
             # so in status): here that must fail the test, or it would pass without the API.
@@ -114,6 +117,22 @@ def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str)
             engine.release_device(mem)
         for h in (src_h, dst_h):
             h.close(engine)
+
+
+@pytest.mark.parametrize("path", [Path.DMA, Path.EXPRESS])
+def test_engine_refuses_a_row_outside_its_region_with_or_without_peaks(engine: Any, path: Path) -> None:
+    """The engine's own bound holds whether the caller hands in the table's peaks or not: the
+    peaks say where to look, not that the rows fit."""
+    src_h = _Host(engine)
+    dev = engine.alloc_device(REGION, 0)
+    try:
+        table = Segments.decode(np.array([[0, 0, 4096], [REGION - 4096, 8192, 8192]], "<u8").tobytes())
+        for peaks in (table.peaks, None):
+            with pytest.raises(InvalidRequest, match="falls outside its region"):
+                engine.submit_segments(LaneKey(0, Direction.H2D), path, dev, src_h.mem, table.cells, strict=True, peaks=peaks)
+    finally:
+        engine.release_device(dev)
+        src_h.close(engine)
 
 
 @pytest.mark.parametrize("priority", ["normal", "urgent"])

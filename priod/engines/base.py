@@ -311,11 +311,15 @@ class Engine(ABC):
         *,
         strict: bool = False,
         gated: bool = False,
+        peaks: tuple[int, int, int] | None = None,
     ) -> Completion:
         """Start one chunk of a batch: for each row ``(dst_offset, src_offset, nbytes)`` of
         ``cells`` (an (N, 3) uint64 table, C order), ``nbytes`` bytes from
         ``src_offset`` to ``dst_offset``, in no set order, as one unit (one completion, FIFO with
         the lane's other chunks). The caller has checked the table (priod/batch.py).
+        ``peaks``: the table's largest destination offset, source offset and size, where the
+        caller has them (a whole batch's, `Segments.peaks`), so that an engine bounding the
+        rows again need not look for them.
 
         This default submits one chunk per segment; engines with a batched call override it.
         """

@@ -229,6 +229,7 @@ class SimEngine(Engine):
         *,
         strict: bool = False,
         gated: bool = False,
+        peaks: tuple[int, int, int] | None = None,
     ) -> Completion:
         """One job for the whole chunk: its segments move one after another on the lane's
         thread, paced by their bytes together, as one entry of the lane's FIFO."""
