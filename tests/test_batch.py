@@ -646,7 +646,7 @@ async def test_a_batch_in_one_chunk_brings_its_peaks_to_the_engine_and_a_piece_d
     await daemon.start()
     try:
         async with priod.connect(path) as c:
-            size = 256 << 20
+            size = 128 << 20  # the large batch's 128 slots of 1 MiB
             host, dev = await c.alloc_host(size), await c.alloc_device(size)
             assert host.array is not None and dev.array is not None
             host.array[: 8 << 20] = np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8)
