@@ -14,7 +14,7 @@ sequence is still running, and checks that the step's output is bitwise the same
 The KV cache is a device region priod allocated, viewed with ``Region.torch()`` (CUDA tensors
 on the cuda engine; CPU tensors on the sim engine, whose "device" memory is host memory), or
 with ``--register`` a tensor from PyTorch's caching allocator given to ``register_device``.
-With ``--direct`` the urgent reload is this process's own copy (``priod.direct``: the copy
+With ``--direct`` the urgent reload is this process's own copy (``priod.client.direct``: the copy
 kernel over the host pool, pinned here with ``pin_host``), which the daemon makes room for by
 holding B's bulk offload back meanwhile; the pool stays the daemon's region for the offloads.
 Exit status 0 when every check passed; the last line says ``ok``.
@@ -38,7 +38,7 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 import priod
-from priod.torch_face import block_segments
+from priod.client.torch_face import block_segments
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 64, 16
 
@@ -82,7 +82,7 @@ def _daemon(args: argparse.Namespace) -> Iterator[str]:
 
     backend = args.backend
     if backend == "auto":
-        from priod.engines.cuda import gpu_available
+        from priod.common.cuda.driver import gpu_available
 
         backend = "cuda" if gpu_available() else "sim"
     print(f"starting a {backend} daemon for this run")
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> None:
 
         direct = None
         if args.direct:
-            from priod.direct import DirectCopies, pin_host
+            from priod.client.direct import DirectCopies, pin_host
 
             stack.enter_context(pin_host(pool))  # unpinned last: after the copies, before the region goes
             copies = DirectCopies(c.hold_page())
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-blocks", type=int, default=128)
     p.add_argument("--host-blocks", type=int, default=96)
     p.add_argument("--register", action="store_true", help="the cache is torch.empty(device='cuda'), given to register_device")
-    p.add_argument("--direct", action="store_true", help="reload A by this process's own copy (priod.direct), the pool pinned here")
+    p.add_argument("--direct", action="store_true", help="reload A by this process's own copy (priod.client.direct), the pool pinned here")
     args = p.parse_args(argv)
     if 3 * args.blocks > args.device_blocks or 2 * args.blocks > args.host_blocks:
         p.error("need --device-blocks >= 3 * --blocks and --host-blocks >= 2 * --blocks")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"  # before the imports: modules below read it
-
-from .client import BatchHandle, BatchResult, Client, CopyHandle, CopyResult, Region, SyncClient, SyncCopyHandle, connect
-from .errors import (
+from priod._version import __version__
+from priod.client import BatchHandle, BatchResult, Client, CopyHandle, CopyResult, Region, SyncClient, SyncCopyHandle, connect
+from priod.errors import (
     Cancelled,
     ConfigError,
     ConnectionClosed,
@@ -21,7 +20,6 @@ from .errors import (
     RequestError,
     ShuttingDown,
 )
-
 
 __all__ = [
     "BatchHandle",

@@ -11,9 +11,10 @@ import signal
 import sys
 from typing import Any
 
-from . import __version__
-from .config import Config, find_socket, load_config
-from .errors import ConfigError, PriodError
+from priod._version import __version__
+from priod.common.socket_path import find_socket
+from priod.daemon.config import Config, load_config
+from priod.errors import ConfigError, PriodError
 
 __all__ = ["main"]
 
@@ -56,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return rc
     import uvloop
 
-    from .log import configure_logging
+    from priod.daemon.log import configure_logging
 
     cfg = _load(args)
     configure_logging(cfg.log.level, cfg.log.format)
@@ -64,12 +65,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(cfg: Config, args: argparse.Namespace) -> int:
-    from . import systemd
-    from .engines import make_engine
-    from .log import get_logger
-    from .server import Daemon
+    from priod.daemon import systemd
+    from priod.daemon.log import get_logger
+    from priod.daemon.server import Daemon, make_engine
 
     log = get_logger("priod")
+    for moved in cfg.moved:
+        log.warning("config_setting_moved", setting=moved, source=cfg.source, hint="rename it in the config file; the old name is read for now")
     loop = asyncio.get_running_loop()
     daemon: Daemon | None = None
     reload_pending = False
@@ -141,7 +143,7 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import SyncClient
+    from priod.client import SyncClient
 
     try:
         # --socket, then [server] socket of --config, then the first socket that exists
@@ -197,13 +199,13 @@ def format_status(st: dict[str, Any]) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     if rc := _need_daemon("demo"):
         return rc
-    from .demo import run_demo
+    from priod.demo import run_demo
 
     return run_demo(seconds=args.seconds, urgent_bytes=args.urgent_kib * 1024, bulk_bytes=args.bulk_mib << 20)
 
 
 def cmd_install_units(args: argparse.Namespace) -> int:
-    from .units import install_units
+    from priod.daemon.units import install_units
 
     try:
         written = install_units(args.dest, args.prefix, force=args.force)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from .client import Client
-from .testing import bulk_load, daemon_process, describe, urgent_probe
+from priod.client.client import Client
+from priod.testing import bulk_load, daemon_process, describe, urgent_probe
 
 __all__ = ["measure_mode", "run_demo"]
 

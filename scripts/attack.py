@@ -93,22 +93,22 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PY
 
 from priod.client import Client, SyncClient
 from priod.errors import ConnectionClosed, PriodError
-from priod.protocol import HEADER, REPLY_LIMITS, FrameDecoder, encode
 from priod.testing import (
-    settings_env,
-    machine,
     BulkProcess,
     CpuMeter,
     DaemonProcess,
     LoadProcess,
     bulk_load,
     daemon_process,
+    machine,
     memory_and_fds,
+    settings_env,
     summarize,
     throughput_between,
     urgent_copies,
 )
-from priod.transport import BlockingFramedSocket
+from priod.wire.frames import HEADER, REPLY_LIMITS, FrameDecoder, encode
+from priod.wire.transport import BlockingFramedSocket
 
 KiB, MiB = 1 << 10, 1 << 20
 ATTACKER_UIDS = (65534, 65533)

@@ -52,21 +52,21 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 from priod.client import Client, SyncClient
-from priod.protocol import HEADER
 from priod.testing import (
-    settings_env,
-    machine,
     BulkProcess,
     CpuMeter,
     DaemonProcess,
     cpu_seconds,
     daemon_process,
+    machine,
+    settings_env,
     summarize,
     throughput_between,
     urgent_copies,
     wait_for_socket,
 )
-from priod.transport import BlockingFramedSocket, FramedSocket
+from priod.wire.frames import HEADER
+from priod.wire.transport import BlockingFramedSocket, FramedSocket
 
 KiB, MiB = 1 << 10, 1 << 20
 

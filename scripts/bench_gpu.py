@@ -13,7 +13,7 @@ Rows, per direction set (h2d, d2h, both at once):
   priod-idle  through priod with its defaults (express lane on), no bulk at all
   dma         through priod, express lane off: chunked bulk, urgent submitted first
   express     through priod, express lane on
-  direct      the urgent copies are the measuring process's own DMA (priod.direct: its own
+  direct      the urgent copies are the measuring process's own DMA (priod.client.direct: its own
               buffers, its own context, each copy announced on its hold page), while priod runs
               bulk and holds it back during each one; direct-idle: the same, no bulk
   ahead       as direct, each copy announced AHEAD_US before it is issued (`DirectPair.held`),
@@ -172,7 +172,7 @@ class CudaCopies:
     def __init__(self) -> None:
         import cupy as cp
 
-        from priod.engines.cuda._driver import bindings, check
+        from priod.common.cuda.driver import bindings, check
 
         self.cp, self.check = cp, check
         self.rt, _ = bindings()
@@ -460,7 +460,7 @@ def urgent_client(
     unmeasured copies per size go first, as in the in-process and anchor rows (the first copy of a
     size after the daemon starts, or after the size changes, is slower than the rest).
 
-    ``direct`` (a `CudaCopies`): the urgent copies are direct ones instead (`priod.direct`), this
+    ``direct`` (a `CudaCopies`): the urgent copies are direct ones instead (`priod.client.direct`), this
     process's own DMA between its own buffers, announced on its hold page; the daemon only holds
     bulk back. ``ahead_us`` (direct only): each copy's hold begins that long before the copy is
     issued, and its latency counts from the issue."""
@@ -472,7 +472,7 @@ def urgent_client(
     with priod.SyncClient(path, name="urgent", spin_us=spin_us) as c:
         one: Callable[[str, int], Any]
         if direct is not None:
-            from priod.direct import DirectCopies
+            from priod.client.direct import DirectCopies
 
             copier = DirectCopies(c.hold_page())
             host, dev = (direct.urgent_host.ptr, max(SIZES)), (direct.urgent_dev.ptr, max(SIZES))
@@ -554,7 +554,7 @@ def cpu_per_copy_us(probe: dict[str, Any], count: int, baseline_cpu_s_per_s: flo
 
 def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str = "cuda", direct: bool = False, ahead_us: float = 0.0) -> dict[str, Any]:
     """priod-idle (urgent copies only), then urgent copies under bulk from one client process per
-    direction. ``direct``: the urgent copies are direct ones (this process's own DMA, `priod.direct`);
+    direction. ``direct``: the urgent copies are direct ones (this process's own DMA, `priod.client.direct`);
     ``ahead_us``: each announced that long before it is issued."""
     urgent = functools.partial(urgent_client, direct=CudaCopies() if direct else None, ahead_us=ahead_us)
     env = {
@@ -661,10 +661,10 @@ def main() -> int:
         "--rows",
         default="dma,express,direct",
         help="the priod rows, comma-separated: dma (express lane off), express (as shipped), direct (the urgent "
-        "copies are the client's own DMA, priod.direct, while the daemon runs bulk), ahead (direct, each copy "
+        "copies are the client's own DMA, priod.client.direct, while the daemon runs bulk), ahead (direct, each copy "
         "announced AHEAD_US before it is issued)",
     )
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="a daemon setting for every priod row, e.g. scheduler__urgent_block_us=300")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="a daemon setting for every priod row, e.g. tuning__urgent_block_us=300")
     ap.add_argument("--gap", choices=["sleep", "busy"], default="sleep", help="the pause between urgent copies: asleep (default) or running Python")
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
     ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
@@ -767,7 +767,7 @@ def table_lines(s: dict[str, Any], key: str) -> list[Line]:
         for r in priod_rows:
             loaded = r["loaded"]
             bulk, urgent = r["bulk_gbps"], r["urgent_gbps"]
-            if key in r.get("bulk_gbps_per_size", {}):  # bulk while this size's copies ran (results since session 10)
+            if key in r.get("bulk_gbps_per_size", {}):  # bulk while this size's copies ran, where the results file has it
                 bulk, wall = r["bulk_gbps_per_size"][key], loaded["_lane_bytes"][key][2]
                 urgent = {d: int(key.split("/")[1]) * len(loaded[key]) / wall / 1e9 if key.startswith(d + "/") else 0.0 for d in bulk}
             lines.append(Line(r["label"], cot, loaded[key], mean_of(bulk), mean_of(urgent), daemon_p50(loaded, key), r["cpu_per_copy_us"]["loaded"][key], anchor))

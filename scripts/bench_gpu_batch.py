@@ -14,7 +14,7 @@ Rows (one direction, --direction, default h2d):
   priod-bulk   the same while another process streams --bulk-mib bulk copies (2 outstanding)
                through the daemon. Target: batch p99 <= contiguous p99 + 100 us.
   direct       with --direct: the same forms as the measuring process's own copies
-               (priod.direct), idle and under priod's bulk: a batch as DirectCopies chooses (the
+               (priod.client.direct), idle and under priod's bulk: a batch as DirectCopies chooses (the
                copy kernel or batched DMA, the faster of late; how often each is shown), and by
                the kernel alone and batched DMA alone (``batch_path``).
   bulk rates   raw (one in-process contiguous copy of --bulk-mib), the in-process batch of
@@ -52,11 +52,11 @@ import numpy.typing as npt
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")) if p)
 
-import priod
-from priod.testing import BulkProcess, daemon_process, percentile, throughput_between
-
 # scripts/ is this script's directory
 from bench_gpu import COTENANTS, GAP_ENV, SPAWN, child, cotenant, csv_choices, dma_bulk_process, get_result, log, pause, wait_ready, window_gbps
+
+import priod
+from priod.testing import BulkProcess, daemon_process, percentile, throughput_between
 
 KiB, MiB = 1 << 10, 1 << 20
 INTERVAL_S = 0.005
@@ -94,8 +94,8 @@ class OwnBatch:
     def __init__(self, direction: str, blocks: int, block: int) -> None:
         import cupy as cp
 
-        from priod.engines.cuda._driver import bindings, check
-        from priod.engines.cuda.batched import BatchedDma
+        from priod.common.cuda.batched import BatchedDma
+        from priod.common.cuda.driver import bindings, check
 
         self.cp, self.check = cp, check
         self.rt, _ = bindings()
@@ -250,13 +250,13 @@ def urgent_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, co
 
 
 def direct_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, count: int) -> dict[str, Any]:
-    """The same alternation with direct copies (priod.direct): this process's own copies between
+    """The same alternation with direct copies (priod.client.direct): this process's own copies between
     its own CuPy buffers, one hold per batch or copy; a batch as `DirectCopies` chooses (the copy
     kernel or batched DMA, whichever was faster of late), by the kernel alone and by batched DMA
     alone; the last batches' bytes checked."""
     import cupy as cp
 
-    from priod.direct import DirectCopies
+    from priod.client.direct import DirectCopies
 
     size = 2 * blocks * block
     pinned = cp.cuda.alloc_pinned_memory(size)
@@ -446,7 +446,7 @@ def main() -> int:
     ap.add_argument("--out", default="out/bench_gpu_batch")
     ap.add_argument("--inprocess-timeout", type=float, default=180.0, help="seconds the in-process rows may take in all")
     ap.add_argument("--gap", choices=["sleep", "busy"], default="sleep", help="the 5 ms after each urgent copy: asleep (default) or running Python")
-    ap.add_argument("--direct", action="store_true", help="also direct rows (priod.direct: this process's own DMA, bulk held back; needs CuPy)")
+    ap.add_argument("--direct", action="store_true", help="also direct rows (priod.client.direct: this process's own DMA, bulk held back; needs CuPy)")
     ap.add_argument("--skip-inprocess", action="store_true", help="no in-process rows (they need CuPy)")
     ap.add_argument("--cotenant", default="none,gemm", help="what else runs on the GPU beside the anchor and priod rows, comma-separated: none, gemm (bf16 GEMMs, own process)")
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")

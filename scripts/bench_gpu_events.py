@@ -37,8 +37,8 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import priod
-from priod.ipc_event import SimEvent
 from priod.testing import daemon_process, percentile
+from priod.wire.ipc_event import SimEvent
 
 KiB, MiB = 1 << 10, 1 << 20
 FORMS = ("plain", "wait", "signal", "wait+signal")
@@ -53,7 +53,7 @@ def summary(us: list[float]) -> dict[str, float]:
 
 
 class Events:
-    """Events of the backend: CUDA interprocess events (priod.cuda_ipc), or sim events in a
+    """Events of the backend: CUDA interprocess events (priod.client.cuda_ipc), or sim events in a
     device region; ``done()`` gives one already completed, ``fresh()`` a new one."""
 
     def __init__(self, c: priod.SyncClient, backend: str) -> None:
@@ -69,7 +69,7 @@ class Events:
             self._next += 1
             sim.complete()
             return sim
-        from priod.cuda_ipc import ipc_event
+        from priod.client.cuda_ipc import ipc_event
 
         ev = ipc_event()
         ev.record(0)  # nothing queued before it: complete at once

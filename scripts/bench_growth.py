@@ -85,7 +85,7 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 import priod
-from priod.testing import DaemonProcess, cpu_seconds, machine, schedstat_seconds, summarize, wait_for_socket, settings_env
+from priod.testing import DaemonProcess, cpu_seconds, machine, schedstat_seconds, settings_env, summarize, wait_for_socket
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SPAWN = mp.get_context("spawn")
@@ -240,11 +240,11 @@ def ready_then_start(cfg: dict[str, Any], index: int, go: Any, start_at: Any, q:
 
 
 def direct_series(cfg: dict[str, Any], index: int, go: Any, start_at: Any, q: Any) -> dict[str, Any]:
-    """`urgent_series` with direct copies (`priod.direct`): this process's own DMA between its
+    """`urgent_series` with direct copies (`priod.client.direct`): this process's own DMA between its
     own CuPy buffers, each copy announced on its hold page; read back and checked the same way."""
     import cupy as cp
 
-    from priod.direct import DirectCopies
+    from priod.client.direct import DirectCopies
 
     size, warm, count, interval_s = cfg["size"], cfg["warm"], cfg["count"], cfg["interval_s"]
     with priod.SyncClient(cfg["socket"], name=f"growth-direct{index}") as c:
@@ -362,7 +362,7 @@ def daemon_env(args: argparse.Namespace, n_procs: int) -> dict[str, str]:
             {
                 "PRIOD_SCHEDULER__URGENT_BUDGET_SHARE": "1.0",
                 "PRIOD_SCHEDULER__URGENT_BUDGET_BYTES_PER_S": str(1 << 50),
-                "PRIOD_SCHEDULER__URGENT_INFLIGHT_BYTES": str(16 * GiB),
+                "PRIOD_TUNING__URGENT_INFLIGHT_BYTES": str(16 * GiB),
             }
         )
     env.update(args.env)
@@ -616,7 +616,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the urgent SyncClient's busy-poll for each reply (default 2000 on cuda, as bench_gpu.py; 0 on sim, whose copies need the small machine's cores)",
     )
     ap.add_argument("--lead-s", type=float, default=None, help="bulk runs this long before urgent copies start (default 3 on cuda, 2 on sim; >= 1.5)")
-    ap.add_argument("--direct", action="store_true", help="the urgent clients make direct copies (priod.direct: their own DMA, announced on a hold page; needs a GPU and CuPy)")
+    ap.add_argument("--direct", action="store_true", help="the urgent clients make direct copies (priod.client.direct: their own DMA, announced on a hold page; needs a GPU and CuPy)")
     ap.add_argument("--shipped-budget", action="store_true", help="keep the shipped per-uid urgent budget (default: raised to the lane's bandwidth, all clients being one uid)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="extra daemon setting, e.g. server__bulk_poll='\"spin\"' (repeatable)")
     ap.add_argument("--start-timeout-s", type=float, default=120.0, help="how long the daemon may take to listen (default 120)")

@@ -13,7 +13,7 @@ copies finished, and CPU seconds of the daemon's event-loop thread (schedstat; t
 threads, which stand in for the hardware, are in "process"), and the seconds that thread waited
 runnable for a CPU ("loop wait": on a shared 2-core box, the loop starved rather than busy).
 
-At the default 0.5 GB/s per link a lane's chunk is 256 KiB ([scheduler] min_chunk_bytes), so a
+At the default 0.5 GB/s per link a lane's chunk is 256 KiB ([tuning] min_chunk_bytes), so a
 busy link ends about 1,900 chunks a second: the same chunk rate per link as an H200's 55 GB/s
 link in 27 MiB chunks. The loop's cost per chunk therefore carries over to the H200; its cost
 per GB does not (chunks there are ~100x larger) and is shown for the sim as run.
@@ -34,7 +34,7 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 import priod
-from priod.client import Client, Region
+from priod.client.client import Client, Region
 from priod.testing import daemon_process, schedstat_seconds
 
 URGENT = 64 << 10

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate priod/engines/cuda/express.ptx (committed) from priod/engines/cuda/express.cu.
+# Regenerate priod/common/cuda/express.ptx (committed) from priod/common/cuda/express.cu.
 #
 # The PTX targets compute_75, the oldest architecture current nvcc accepts, so the driver
 # JIT-compiles it for whatever GPU it runs on. The PTX ISA version follows the nvcc used:
@@ -12,8 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
-src=priod/engines/cuda/express.cu
-out=priod/engines/cuda/express.ptx
+src=priod/common/cuda/express.cu
+out=priod/common/cuda/express.ptx
 "$NVCC" -ptx -O3 -arch=compute_75 -o "$out.tmp" "$src"
 mv "$out.tmp" "$out"
 echo "wrote $out ($("$NVCC" --version | tail -1))"

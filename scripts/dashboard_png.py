@@ -34,7 +34,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from priod.client import connect
+from priod.client.client import connect
 from priod.errors import LimitExceeded
 from priod.testing import daemon_process
 from priod.testing.scrape import Samples, Scraper, free_port

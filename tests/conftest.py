@@ -45,7 +45,7 @@ def gpu_daemon() -> Iterator[DaemonProcess]:
 
 def gpu_present() -> bool:
     try:
-        from priod.engines.cuda import gpu_available
+        from priod.common.cuda.driver import gpu_available
     except ImportError:
         return False
     return gpu_available()

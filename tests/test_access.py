@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import priod
-from priod.client import Client, CopyHandle, Region
-from priod.messages import RegionReply
+from priod.client.client import Client, CopyHandle, Region
 from priod.testing import DaemonProcess, daemon_process
+from priod.wire.messages import RegionReply
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root to run clients as other uids (setuid); CI runs the suite as root"
@@ -198,7 +198,7 @@ def open_daemon() -> Iterator[DaemonProcess]:
         "PRIOD_SERVER__ALLOW_UIDS": f"[{NOBODY}]",
         "PRIOD_SERVER__ALLOW_GIDS": f"[{OTHER}]",
         "PRIOD_SIM__H2D_GBPS": "0.064",
-        "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536",
+        "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536",
     }
     with daemon_process(env, socket_path=os.path.join(shared_socket_dir(), "priod.sock")) as d:
         yield d
@@ -216,7 +216,7 @@ def test_allow_lists_admit_by_uid_or_gid_and_refuse_others(open_daemon: DaemonPr
         match=rf"^uid {STRANGER} \(gid {STRANGER}\) may not use this daemon; an administrator can add it to \[server\] allow_uids or allow_gids$",
     ):
         users[STRANGER]("connect", open_daemon.socket_path)
-    with priod.client.SyncClient(open_daemon.socket_path, timeout=30) as root:
+    with priod.SyncClient(open_daemon.socket_path, timeout=30) as root:
         assert root.server.peer["uid"] == 0
     refused = [json.loads(line) for line in open_daemon.log().splitlines() if '"connection_refused"' in line]
     assert len(refused) == 1 and refused[0]["uid"] == STRANGER
@@ -286,7 +286,7 @@ def test_share_lets_a_uid_copy_to_and_from_but_not_free_or_share(open_daemon: Da
         b("free", ah)
     with pytest.raises(priod.PermissionDenied, match=owner_only.format(ad)):
         b("share", ad, STRANGER)
-    with priod.client.SyncClient(open_daemon.socket_path, timeout=30) as root:  # shared with OTHER only
+    with priod.SyncClient(open_daemon.socket_path, timeout=30) as root:  # shared with OTHER only
         forged = Region(RegionReply(ah, MiB, "host"), [], 1)
         with pytest.raises(priod.PermissionDenied, match=rf"^region {ah} belongs to another client and is not shared with uid 0$"):
             root.copy(forged, forged, MiB)

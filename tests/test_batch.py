@@ -17,15 +17,16 @@ import numpy.typing as npt
 import pytest
 
 import priod
-from priod.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, URGENT_DMA_SEGMENTS, Cells, Segments, encode_segments
-from priod.config import load_config
-from priod.engines.base import Completion, Direction, LaneInfo, LaneKey, Memory, Path
-from priod.engines.sim import SimEngine, SimSettings
+from priod.common.types import Direction, LaneInfo, LaneKey, Path
+from priod.daemon.config import load_config
+from priod.daemon.engines.base import Completion, Memory
+from priod.daemon.engines.sim import SimEngine, SimSettings
+from priod.daemon.sched.policy import Policy
+from priod.daemon.sched.scheduler import Request, Scheduler
+from priod.daemon.server import Daemon
 from priod.errors import Cancelled, CopyTimeout, EngineError, InvalidRequest, LimitExceeded
-from priod.policy import Policy
-from priod.scheduler import Request, Scheduler
-from priod.server import Daemon
 from priod.testing import DaemonProcess, daemon_process
+from priod.wire.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, URGENT_DMA_SEGMENTS, Cells, Segments, encode_segments
 
 BLOCK = 16 << 10
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import priod
-import priod.config
-from priod.config import SYSTEM_SOCKET, default_socket_path, find_socket, socket_candidates
+import priod.common.socket_path
+from priod.common.socket_path import SYSTEM_SOCKET, default_socket_path, find_socket, socket_candidates
 from priod.testing import daemon_process
 
 
@@ -51,7 +51,7 @@ def test_find_socket_takes_the_first_that_exists(tmp_path: Path, monkeypatch: py
     """A set variable whose path does not exist is passed over for the next candidate, down to
     the system socket; with none there, the error lists every path tried and what to do."""
     system = tmp_path / "run" / "priod.sock"
-    monkeypatch.setattr(priod.config, "SYSTEM_SOCKET", str(system))
+    monkeypatch.setattr(priod.common.socket_path, "SYSTEM_SOCKET", str(system))
     xdg = tmp_path / "xdg"
     xdg.mkdir()
     env = {"PRIOD_SOCKET": str(tmp_path / "gone.sock"), "XDG_RUNTIME_DIR": str(xdg)}
@@ -93,7 +93,7 @@ async def test_connect_without_a_path_waits_for_the_socket_to_appear(tmp_path: P
     starting), then connects to the one that appears."""
     xdg = tmp_path / "xdg"
     xdg.mkdir()
-    monkeypatch.setattr(priod.config, "SYSTEM_SOCKET", str(tmp_path / "no-system.sock"))
+    monkeypatch.setattr(priod.common.socket_path, "SYSTEM_SOCKET", str(tmp_path / "no-system.sock"))
     monkeypatch.delenv("PRIOD_SOCKET", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     with pytest.raises(priod.ConnectionClosed, match=r"^no priod daemon socket found; tried "):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from priod.config import default_socket_path, load_config
+from priod.common.socket_path import default_socket_path
+from priod.daemon.config import load_config
+from priod.daemon.sched.policy import Tuning
 from priod.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,7 +23,35 @@ def test_shipped_config_loads_and_matches_defaults() -> None:
     assert shipped.scheduler == defaults.scheduler
     assert shipped.classes == defaults.classes
     assert shipped.limits == defaults.limits
-    assert shipped.sim == defaults.sim
+    assert shipped.sim == defaults.sim and shipped.tuning == defaults.tuning
+
+
+def test_shipped_config_lists_only_operator_settings() -> None:
+    """The shipped file has no [tuning] or [sim] table and none of the tuning keys: an operator
+    sees what is theirs to decide."""
+    raw = tomllib.loads((REPO / "config" / "priod.toml").read_text())
+    assert "tuning" not in raw and "sim" not in raw
+    tuning_keys = {f.name for f in dataclasses.fields(Tuning)}
+    assert not tuning_keys & set(raw["scheduler"]), sorted(tuning_keys & set(raw["scheduler"]))
+
+
+def test_tuning_keys_under_scheduler_are_read_and_named_as_moved(tmp_path: Path) -> None:
+    """An old config with a tuning key under [scheduler] still loads, the value lands in
+    [tuning], and `moved` names the move (the daemon logs it); setting both places is an error
+    that says which to remove."""
+    old = tmp_path / "old.toml"
+    old.write_text("[scheduler]\nmax_block_us = 500.0\ndepth = 3\nexplore_every = 50\n")
+    cfg = load_config(old, environ={})
+    assert cfg.tuning.depth == 3 and cfg.tuning.explore_every == 50 and cfg.scheduler.max_block_us == 500.0
+    assert cfg.policy().depth == 3
+    assert cfg.moved == ("[scheduler] depth -> [tuning] depth", "[scheduler] explore_every -> [tuning] explore_every")
+    env = load_config(None, environ={"PRIOD_TUNING__DEPTH": "5"})
+    assert env.tuning.depth == 5 and env.moved == ("[scheduler] depth -> [tuning] depth",)
+    both = tmp_path / "both.toml"
+    both.write_text("[scheduler]\ndepth = 3\n[tuning]\ndepth = 4\n")
+    with pytest.raises(ConfigError, match=r"remove it from \[scheduler\]"):
+        load_config(both, environ={})
+    assert load_config(None, environ={}).moved == ()
 
 
 def test_policy_is_scheduler_section_plus_classes() -> None:
@@ -28,7 +60,7 @@ def test_policy_is_scheduler_section_plus_classes() -> None:
     policy = cfg.policy()
     assert (policy.mode, policy.max_block_us, policy.depth, policy.express) == ("priod", 250.0, 4, True)
     assert policy.classes == cfg.classes
-    with pytest.raises(ConfigError, match=r"^\[scheduler\] depth = 65 is invalid"):
+    with pytest.raises(ConfigError, match=r"^\[tuning\] depth = 65 is invalid"):
         cfg.replace(scheduler={"depth": 65})
 
 
@@ -54,14 +86,14 @@ def test_classes_from_file(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ('[scheduler]\nmode = "lifo"\n', r"^\[scheduler\] mode = 'lifo' is invalid; set it to one of 'priod', 'fifo'$"),
-        ("[scheduler]\ndepth = 0\n", r"^\[scheduler\] depth = 0 is invalid; set 1 <= depth <= 64$"),
+        ("[tuning]\ndepth = 0\n", r"^\[tuning\] depth = 0 is invalid; set 1 <= depth <= 64$"),
         ("[scheduler]\nmax_block_us = -1\n", r"^\[scheduler\] max_block_us = -1.0 is invalid; set it > 0 \(microseconds\)$"),
         ("[scheduler]\nchunk = 5\n", r"^unknown setting\(s\) \['chunk'\] in \[scheduler\]; known: "),
         ("[sched]\nmode = 1\n", r"^unknown config section\(s\) \['sched'\]"),
         ('[limits]\nmax_queued_requests = "many"\n', r"^\[limits\] max_queued_requests = 'many' must be a whole number$"),
         ("[classes.a]\nstrict = true\n", r"^\[classes\] needs at least one class without strict = true"),
         ("[classes.a]\nweight = 0\n", r"^\[classes.a\] weight = 0 is invalid; set weight >= 1$"),
-        ("[scheduler]\nmin_chunk_bytes = 1024\n", r"^\[scheduler\] min_chunk_bytes = 1024 is invalid; set min_chunk_bytes >= 4096$"),
+        ("[tuning]\nmin_chunk_bytes = 1024\n", r"^\[tuning\] min_chunk_bytes = 1024 is invalid; set min_chunk_bytes >= 4096$"),
         ("[scheduler]\naging_ms = 0\n", r"^\[scheduler\] aging_ms = 0.0 is invalid; set it > 0$"),
     ],
 )

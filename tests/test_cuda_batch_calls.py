@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from priod.engines.cuda import _driver
-from priod.engines.cuda.batched import CALL_SEGMENTS, BatchedDma
-from priod.engines.cuda.express import TABLE_MAX, ExpressKernel
+from priod.common.cuda import driver as _driver
+from priod.common.cuda.batched import CALL_SEGMENTS, BatchedDma
+from priod.common.cuda.express import TABLE_MAX, ExpressKernel
 from priod.errors import CudaError
 
 OK = object()
@@ -242,8 +242,8 @@ def test_a_direct_table_the_kernel_checks_rides_whole_in_its_parameters(fake: Bi
     they came (a negative int64 offset reads as 2**63 or more, which the kernel refuses), the
     two buffers' sizes and a fault word of its own, the grid sized by the first row; the word comes back with `fault`, also when
     the launch fails, and with every word in use the batch is left to the host's checks."""
-    from priod.direct import FAULT_WORDS, _BatchKernel, direct_rows
-    from priod.engines.cuda.express import CHECKED_TABLE_HEADER
+    from priod.client.direct import FAULT_WORDS, _BatchKernel, direct_rows
+    from priod.common.cuda.express import CHECKED_TABLE_HEADER
 
     fake.drv.CUstream = lambda handle: ("cu", handle)
     kernel = _BatchKernel(0, 132)

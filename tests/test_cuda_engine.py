@@ -20,9 +20,12 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from priod.cuda_ipc import export_cuda_array, open_device_export
-from priod.engines.base import Completion, DeviceMemory, LOCAL_DIRECTIONS, Direction, HostMemory, LaneKey, Path
-from priod.engines.cuda import EXPRESS_MAX, EXPRESS_MIN_H2D, CudaEngine, gpu_available
+from priod.client.cuda_ipc import export_cuda_array, open_device_export
+from priod.common.cuda.driver import gpu_available
+from priod.common.cuda.express import EXPRESS_MAX, EXPRESS_MIN_H2D
+from priod.common.types import LOCAL_DIRECTIONS, Direction, LaneKey, Path
+from priod.daemon.engines.base import Completion, DeviceMemory, HostMemory
+from priod.daemon.engines.cuda.engine import CudaEngine
 from priod.errors import CudaError, EngineError, InvalidRequest
 
 HAVE_GPU = gpu_available()
@@ -75,7 +78,7 @@ def device_view(mem: DeviceMemory) -> Any:
 def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without cuda-bindings, constructing the engine says which extra to install for which
     driver, and names --backend sim."""
-    from priod.engines.cuda import _driver
+    from priod.common.cuda import driver as _driver
 
     monkeypatch.setattr(_driver, "_rt", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
@@ -85,12 +88,12 @@ def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_client_helpers_do_not_import_the_engine() -> None:
-    """priod.cuda_ipc, the client library's CUDA side, loads the driver module only: neither the
+    """priod.client.cuda_ipc, the client library's CUDA side, loads the driver module only: neither the
     engine nor cuda-bindings (until a helper is called)."""
-    code = "import sys, priod.cuda_ipc; print(' '.join(sorted(m for m in sys.modules if m.startswith(('priod', 'cuda')))))"
+    code = "import sys, priod.client.cuda_ipc; print(' '.join(sorted(m for m in sys.modules if m.startswith(('priod', 'cuda')))))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert "priod.engines.cuda._driver" in loaded
-    assert not [m for m in loaded if m.startswith(("cuda", "priod.engines.cuda.")) and m != "priod.engines.cuda._driver"], loaded
+    assert "priod.common.cuda.driver" in loaded
+    assert not [m for m in loaded if m.startswith(("cuda", "priod.daemon.engines.cuda.")) and m != "priod.common.cuda.driver"], loaded
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="a GPU is present: this tests the machine without one")
@@ -103,7 +106,7 @@ def test_no_gpu_raises_engine_error() -> None:
 
 def test_check_turns_results_into_values_or_cuda_errors() -> None:
     """check() unwraps (err, value...) tuples and raises CudaError named after the CUDA error."""
-    from priod.engines.cuda._driver import bindings, check
+    from priod.common.cuda.driver import bindings, check
 
     try:
         runtime, _ = bindings()
@@ -124,7 +127,7 @@ def test_lane_busy_time_is_time_with_a_chunk_outstanding() -> None:
     """A lane's busy time (the busy-seconds metric on the cuda engine) runs from a chunk's
     submission to the poll that finds it done, overlapping chunks counting once, and stops
     while nothing is outstanding. Runs on a stand-in event pool: no GPU needed."""
-    from priod.engines.cuda.events import Busy, EventCompletion, EventPool
+    from priod.daemon.engines.cuda.events import Busy, EventCompletion, EventPool
 
     ok, not_ready = object(), object()
     state: dict[str, object] = {}
@@ -213,7 +216,7 @@ def _ipc_child(conn: Connection) -> None:
 
 
 def _gpu_count() -> int:
-    from priod.engines.cuda._driver import device_count
+    from priod.common.cuda.driver import device_count
 
     return device_count()
 
@@ -351,7 +354,7 @@ class TestOnGpu:
         """The engine reports each GPU's UUID as nvidia-smi prints it (``GPU-`` and 8-4-4-4-12
         hex, the same as the client-side `gpu_uuid` of that ordinal in this process), maps it
         back to the ordinal in any spelling, and lists it in statistics()."""
-        from priod.engines.cuda._driver import gpu_uuid, local_ordinal
+        from priod.common.cuda.driver import gpu_uuid, local_ordinal
 
         uuids = engine.device_uuids()
         assert 0 in uuids

@@ -1,9 +1,9 @@
-"""The client's CUDA IPC export (priod.cuda_ipc) against a fake driver, so it runs without a GPU:
+"""The client's CUDA IPC export (priod.client.cuda_ipc) against a fake driver, so it runs without a GPU:
 a caching allocator's piece of a segment is named by the segment's handle and its offset,
 cuMemCreate memory (PyTorch's expandable segments) by a POSIX fd of its allocation, a shareable
 stream-ordered pool's memory by the pool's POSIX fd and the allocation's export data, and memory
 none can share is refused with the allocator setting to change. Also the daemon's side of
-cuMemCreate and pool memory (priod.engines.cuda.memory): import, map, access, the counted pool
+cuMemCreate and pool memory (priod.daemon.engines.cuda.memory): import, map, access, the counted pool
 imports, and the undo on each error."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-import priod.cuda_ipc as cuda_ipc
-from priod.cuda_ipc import POOL_HINT, VMM_HINT, _unshareable, export_device_buffer
-from priod.engines.cuda import memory
+import priod.client.cuda_ipc as cuda_ipc
+from priod.client.cuda_ipc import POOL_HINT, VMM_HINT, _unshareable, export_device_buffer
+from priod.daemon.engines.cuda import memory
 from priod.errors import CudaError, EngineError, InvalidRequest
 
 
@@ -29,7 +29,7 @@ class _FakeDriver:
         self.capable, self.pool = capable, pool
 
     def cuPointerGetAttribute(self, attr: str, pointer: int) -> tuple[Any, Any]:
-        from priod.engines.cuda import _driver
+        from priod.common.cuda import driver as _driver
 
         ok = _driver._DRV_OK
         if attr == "ipc":
@@ -47,7 +47,7 @@ class _FakeDriver:
 def test_unshareable_memory_names_the_setting_to_change(monkeypatch: pytest.MonkeyPatch, capable: bool, pool: int | None, hint: str | None) -> None:
     """Memory CUDA IPC cannot share is told apart before the handle call: pools point at
     PyTorch's allocator backend, cuMemCreate memory at expandable_segments:False."""
-    from priod.engines.cuda import _driver
+    from priod.common.cuda import driver as _driver
 
     monkeypatch.setattr(_driver, "_DRV_OK", object())
     monkeypatch.setattr(_driver, "_RT_OK", object())
@@ -168,7 +168,7 @@ class _Cai:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
     """cuda_ipc's driver calls answered by a `_FakeCuda` (set its fields in the test)."""
-    from priod.engines.cuda import _driver
+    from priod.common.cuda import driver as _driver
 
     fake = _FakeCuda(0x7F0000000000, 2 << 20, True)
     monkeypatch.setattr(_driver, "_RT_OK", fake.OK)
@@ -239,7 +239,7 @@ def test_register_request_of_fd_memory_carries_the_fd(fake_cuda: Any, monkeypatc
     send beside the frame; of a pool's memory: kind pool_fd, the allocation's export data as its
     handle and size, and the pool's fd. export_cuda_array (IPC handles only) refuses either and
     closes the fd."""
-    from priod.client_base import cuda_register_request
+    from priod.client.base import cuda_register_request
 
     monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-00000000-0000-0000-0000-000000000000")
     if kind == "vmm_fd":
@@ -275,7 +275,7 @@ def test_pool_export_data_travels_as_its_64_bytes() -> None:
     """The export data goes as the 64 bytes of cuda-python's CUmemPoolPtrExportData, read and
     written through its address (its fields differ between releases); no GPU needed."""
     pytest.importorskip("cuda.bindings")
-    from priod.engines.cuda._driver import handle_to_bytes, pool_export_from_bytes
+    from priod.common.cuda.driver import handle_to_bytes, pool_export_from_bytes
 
     data = bytes(range(64))
     assert handle_to_bytes(pool_export_from_bytes(data)) == data
@@ -310,7 +310,7 @@ def test_pool_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -> None:
             os.fstat(fd)
 
 
-# -- the daemon's side: priod.engines.cuda.memory ---------------------------------------------
+# -- the daemon's side: priod.daemon.engines.cuda.memory ---------------------------------------------
 
 
 class _FakeVmmDriver:
@@ -369,7 +369,7 @@ class _FakeVmmDriver:
 @pytest.fixture
 def daemon_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
     """memory.py's driver calls answered by a `_FakeVmmDriver` (replace it with ``.use(...)``)."""
-    from priod.engines.cuda import _driver
+    from priod.common.cuda import driver as _driver
 
     holder = SimpleNamespace(drv=_FakeVmmDriver())
     monkeypatch.setattr(_driver, "_DRV_OK", _FakeVmmDriver.OK)

@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from priod.engines.base import Direction, LaneKey, Path
-from priod.engines.cuda import _driver, device
-from priod.engines.cuda.engine import CudaEngine
-from priod.engines.cuda.memory import CudaDeviceMemory
-from priod.engines.cuda.calibrate import NOMINAL
-from priod.engines.cuda.device import Device
-from priod.engines.cuda.peer import open_peer_lanes
+from priod.common.cuda import driver as _driver
+from priod.common.types import Direction, LaneKey, Path
+from priod.daemon.engines.cuda import device
+from priod.daemon.engines.cuda.calibrate import NOMINAL
+from priod.daemon.engines.cuda.device import Device
+from priod.daemon.engines.cuda.engine import CudaEngine
+from priod.daemon.engines.cuda.memory import CudaDeviceMemory
+from priod.daemon.engines.cuda.peer import open_peer_lanes
 from priod.errors import EngineError, InvalidRequest
 
 OK, NOT_READY, ALREADY, REFUSED = "ok", "not-ready", "already-enabled", "peer-refused"

@@ -1,4 +1,4 @@
-"""Bulk batch chunks enqueued off the event loop (priod/engines/cuda/pusher.py), on any machine:
+"""Bulk batch chunks enqueued off the event loop (priod/daemon/engines/cuda/pusher.py), on any machine:
 the pusher runs jobs in order on its own thread and keeps their errors; the CUDA engine sends a
 bulk batch's chunk there (an urgent one it enqueues at once), does not call the chunk done before
 it is on its stream, and queues a signal_event behind a chunk still waiting. Whether the bytes
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from test_cuda_peer_calls import Runtime, _dev, _engine
 
-from priod.engines.base import Direction, LaneKey, Path
-from priod.engines.cuda.batched import GATED_CALL_SEGMENTS
-from priod.engines.cuda.events import CudaIpcEvent, EventCompletion
-from priod.engines.cuda.pusher import Pusher
+from priod.common.cuda.batched import GATED_CALL_SEGMENTS
+from priod.common.types import Direction, LaneKey, Path
+from priod.daemon.engines.cuda.events import CudaIpcEvent, EventCompletion
+from priod.daemon.engines.cuda.pusher import Pusher
 from priod.errors import CudaError, EngineError
 
 

@@ -30,7 +30,7 @@ import yaml
 from jsonschema import Draft7Validator
 
 import priod
-from priod.config import load_config
+from priod.daemon.config import load_config
 from priod.testing import daemon_process
 from priod.testing.scrape import Samples, Scraper, free_port
 from priod.testing.scripts import import_script
@@ -488,7 +488,7 @@ def live_scrape() -> Iterator[Samples]:
     with daemon_process(env) as d:
 
         async def work() -> None:
-            async with priod.client.connect(d.socket_path) as c:
+            async with priod.connect(d.socket_path) as c:
                 host, dev = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
                 for _ in range(3):
                     await c.copy(dev, host, 65536, priority="urgent")

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from priod.engines.cuda import _driver
-from priod.engines.cuda._driver import DeviceScope, one_gpu
+from priod.common.cuda import driver as _driver
+from priod.common.cuda.driver import DeviceScope, one_gpu
 
 OK = "ok"
 

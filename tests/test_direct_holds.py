@@ -1,7 +1,7 @@
 """Direct urgent copies: a client's own DMA, announced on its hold page, holds bulk back.
 
 The daemon side (holds.py, the scheduler's held lanes, the pump) runs here on the sim engine;
-the client's CUDA copies themselves (`priod.direct.DirectCopies`) are tested on the GPU
+the client's CUDA copies themselves (`priod.client.direct.DirectCopies`) are tested on the GPU
 (tests/test_gpu_direct.py). What a hold page must guarantee, whoever writes it:
 - while a copy is announced and not over on a lane, no bulk chunk is handed out there, and the
   lane runs its short bound; bulk goes on once the copy ends, and its bytes are all right;
@@ -28,15 +28,15 @@ import pytest
 
 import priod
 from priod.cli import format_status
-from priod.direct import DirectCopies, DirectPair, HoldPage, direct_pointers, direct_rows, direct_table
-from priod.engines.base import Direction, LaneInfo, LaneKey, Path
+from priod.client.direct import DirectCopies, DirectPair, HoldPage, direct_pointers, direct_rows, direct_table
+from priod.common.types import Direction, LaneInfo, LaneKey, Path
+from priod.daemon.holds import Holds
+from priod.daemon.pump import Pump
+from priod.daemon.sched.policy import Policy
+from priod.daemon.sched.scheduler import Request, Scheduler
 from priod.errors import InvalidRequest
-from priod.holds import PAGE_BYTES, Holds
-from priod.policy import Policy
-from priod.pump import Pump
-from priod.scheduler import Request, Scheduler
-from priod.testing import ManualEngine
-from priod.testing import daemon_process, wait_until
+from priod.testing import ManualEngine, daemon_process, wait_until
+from priod.wire.hold_page import PAGE_BYTES
 
 H2D = LaneKey(0, Direction.H2D)
 D2H = LaneKey(0, Direction.D2H)
@@ -216,7 +216,7 @@ def test_counters_written_while_the_daemon_scans_never_read_as_copies_not_announ
 
 WRITER = """
 import sys
-from priod.direct import HoldPage
+from priod.client.direct import HoldPage
 lanes = [{"device": 0, "device_uuid": None, "direction": d} for d in ("h2d", "d2h")]
 page = HoldPage(int(sys.argv[1]), lanes)
 for _ in range(int(sys.argv[2])):
@@ -335,12 +335,12 @@ def test_a_direct_batch_by_dma_hands_the_driver_absolute_addresses(monkeypatch: 
     """Batched DMA gets each block's absolute destination and source address and its size (the
     pair's buffers plus the table's offsets), and the batch returns its bytes; a bad table
     reaches no driver call. The driver here is a stand-in that records what it was given."""
-    from priod.engines.cuda import _driver
+    from priod.common.cuda import driver as _driver
 
     rt = types.SimpleNamespace(cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDefault="default"))
     for name, value in (("_rt", rt), ("_drv", types.SimpleNamespace()), ("_RT_OK", "ok"), ("_NOT_READY", "not ready")):
         monkeypatch.setattr(_driver, name, value)
-    monkeypatch.setattr("priod.direct.one_gpu", lambda: True)
+    monkeypatch.setattr("priod.client.direct.one_gpu", lambda: True)
     given: list[list[list[int]]] = []
     c = DirectCopies(cast(HoldPage, None), batch_path="dma")
     c._streams[0] = "stream"
@@ -364,14 +364,14 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
     The paths here are stand-ins that take a set time on a clock of the test's own (a loaded
     host's sleeps overshoot by more than the paths' difference); the real ones run in
     tests/test_gpu_direct.py."""
-    from priod.engines.cuda import _driver
+    from priod.common.cuda import driver as _driver
 
     rt = types.SimpleNamespace(cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDefault="default"))
     for name, value in (("_rt", rt), ("_drv", types.SimpleNamespace()), ("_RT_OK", "ok"), ("_NOT_READY", "not ready")):
         monkeypatch.setattr(_driver, name, value)
-    monkeypatch.setattr("priod.direct.one_gpu", lambda: True)
+    monkeypatch.setattr("priod.client.direct.one_gpu", lambda: True)
     clock = [1000.0]
-    monkeypatch.setattr("priod.direct.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr("priod.client.direct.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     taken: list[str] = []
     took_s = {"kernel": 0.004, "dma": 0.0005}  # the kernel behind another process's GEMMs
 
@@ -573,8 +573,8 @@ def test_a_pair_held_ahead_holds_its_lane_from_the_announcement_through_its_copi
 # -- end to end, sim daemon -------------------------------------------------------------------
 LONG_HOLDS = {
     "PRIOD_LOG__LEVEL": '"warning"',
-    "PRIOD_SCHEDULER__DIRECT_HOLD_MAX_MS": "3000",
-    "PRIOD_SCHEDULER__DIRECT_HOLD_BURST_MS": "10000",
+    "PRIOD_TUNING__DIRECT_HOLD_MAX_MS": "3000",
+    "PRIOD_TUNING__DIRECT_HOLD_BURST_MS": "10000",
     "PRIOD_SCHEDULER__URGENT_BUDGET_SHARE": "1.0",
     "PRIOD_SCHEDULER__AGING_MS": "60000",
 }
@@ -656,7 +656,7 @@ print("done")
 
 
 async def test_a_copy_announced_and_never_ended_delays_bulk_by_hold_max_only() -> None:
-    env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SCHEDULER__DIRECT_HOLD_MAX_MS": "50"}
+    env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_TUNING__DIRECT_HOLD_MAX_MS": "50"}
     with daemon_process(env) as d, priod.SyncClient(d.socket_path) as urgent:
         page = urgent.hold_page()
         page.begin(page.slot(page.lanes[0]["device_uuid"], "h2d"))  # and never ended

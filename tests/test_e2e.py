@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import priod
-from priod.messages import Copy
-from priod.protocol import encode
 from priod.testing import DaemonProcess
+from priod.wire.frames import encode
+from priod.wire.messages import Copy
 
 CLIENT = str(Path(__file__).with_name("clientproc.py"))
 
@@ -151,7 +151,7 @@ def test_register_device_by_fd_on_sim_is_refused_and_its_fd_closed(daemon: Daemo
     """cuMemCreate memory by fd (kind vmm_fd) and pool memory by the pool's fd (kind pool_fd)
     need the cuda engine: the sim refuses them with bad_request naming the alternative, and the
     fd that came with the request is closed in the daemon."""
-    from priod.messages import RegisterDevice
+    from priod.wire.messages import RegisterDevice
 
     name = f"priod-{kind}-test"
     fd = os.memfd_create(name)

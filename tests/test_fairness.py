@@ -23,12 +23,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from priod.config import load_config
-from priod.engines.base import Direction, LaneInfo, LaneKey, Path
+from priod.common.types import Direction, LaneInfo, LaneKey, Path
+from priod.daemon.config import load_config
+from priod.daemon.sched.policy import ClassSpec, Policy
+from priod.daemon.sched.scheduler import Chunk, Finished, Request, RequestState, Scheduler
 from priod.errors import ConfigError, EngineError, InvalidRequest, PermissionDenied
-from priod.messages import decode_request
-from priod.policy import ClassSpec, Policy
-from priod.scheduler import Chunk, Finished, Request, RequestState, Scheduler
+from priod.wire.messages import decode_request
 
 LANE = LaneKey(0, Direction.H2D)
 MiB = 1 << 20

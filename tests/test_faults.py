@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 import priod
-from priod.client import Client, CopyHandle, Region
-from priod.protocol import encode
+from priod.client.client import Client, CopyHandle, Region
 from priod.testing import DaemonProcess, daemon_process
-from priod.transport import BlockingFramedSocket
+from priod.wire.frames import encode
+from priod.wire.transport import BlockingFramedSocket
 
 MiB = 1 << 20
 FAULT_NBYTES = 12345
@@ -431,7 +431,7 @@ async def test_engine_error_fails_only_that_request(faulty: DaemonProcess) -> No
             raise by_name["fault-last-chunk"]  # type: ignore[misc]
         for name, dst, _src, k, off, _ in jobs:
             r = by_name[name]
-            assert isinstance(r, priod.client.CopyResult), (name, r)
+            assert isinstance(r, priod.CopyResult), (name, r)
             assert dst.array is not None and np.array_equal(dst.array[off : off + k], expected[name]), name
         # The connection and the lanes are fine afterwards.
         h.array[:4096] = 42

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import itertools
 import os
 import socket
 import time
@@ -25,11 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import priod
+import priod.wire.transport
 from priod.errors import ProtocolError
-from priod.protocol import HEADER, OPS, FrameDecoder, encode
 from priod.testing import DaemonProcess, daemon_process
-from priod.transport import MAX_FDS_PER_FRAME
-import itertools
+from priod.wire.frames import HEADER, OPS, FrameDecoder, encode
+from priod.wire.transport import MAX_FDS_PER_FRAME
 
 SCALE = max(1, int(os.environ.get("PRIOD_FUZZ_SCALE", "1")))
 FAST = settings(max_examples=150 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -499,7 +500,7 @@ def test_fds_where_none_belong_are_refused_and_closed(target: DaemonProcess, op:
     sock.settimeout(20)
     sock.connect(target.socket_path)
     try:
-        framed = priod.transport.BlockingFramedSocket(sock)
+        framed = priod.wire.transport.BlockingFramedSocket(sock)
         framed.send({"id": 1, "op": "hello", "v": 1})
         assert framed.receive()[0]["ok"]
         # The baseline once this is the only connection (the last example's may still be closing).

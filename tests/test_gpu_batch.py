@@ -16,10 +16,11 @@ import numpy.typing as npt
 import pytest
 
 import priod
-from priod.batch import Segments, encode_segments
-from priod.engines.base import LOCAL_DIRECTIONS, Completion, Direction, LaneKey, Memory, Path
+from priod.common.types import LOCAL_DIRECTIONS, Direction, LaneKey, Path
+from priod.daemon.engines.base import Completion, Memory
 from priod.errors import InvalidRequest
 from priod.testing import DaemonProcess
+from priod.wire.batch import Segments, encode_segments
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +62,7 @@ class _Host:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
-    from priod.engines.cuda import CudaEngine
+    from priod.daemon.engines.cuda.engine import CudaEngine
 
     eng = CudaEngine(devices=[0], calibrate_bytes=64 << 20)
     yield eng

@@ -1,5 +1,5 @@
 """Direct urgent copies on a real GPU (marker ``gpu``): the client's own DMA, bytes checked,
-while the daemon runs bulk and holds it back for each one (priod.direct, holds.py)."""
+while the daemon runs bulk and holds it back for each one (priod.client.direct, holds.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import priod
-from priod.direct import DirectCopies
+from priod.client.direct import DirectCopies
 from priod.errors import InvalidRequest
 from priod.testing import DaemonProcess
 
@@ -208,7 +208,7 @@ def test_pin_host_lets_a_direct_copy_use_a_host_region_the_daemon_holds(gpu_daem
     or pinning GPU memory is refused with the reason, and once unpinned a direct copy refuses it."""
     import cupy as cp
 
-    from priod.direct import pin_host
+    from priod.client.direct import pin_host
 
     rng = np.random.default_rng(23)
     blocks, block = 64, 16 << 10

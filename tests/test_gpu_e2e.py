@@ -149,7 +149,7 @@ def _pod_client(path: str, expect_uuid: str, q: mp.Queue[str]) -> None:
     (its own CuPy buffer, a daemon allocation) and opens the daemon's region on its own ordinal."""
     import cupy as cp
 
-    from priod.cuda_ipc import gpu_uuid
+    from priod.client.cuda_ipc import gpu_uuid
 
     try:
         mine = gpu_uuid(0)

@@ -39,7 +39,7 @@ def _event(kind: str) -> Any:
 
     if kind == "torch":
         return torch.cuda.Event(interprocess=True)  # blocking=False, enable_timing=False: what IPC needs
-    from priod.cuda_ipc import ipc_event
+    from priod.client.cuda_ipc import ipc_event
 
     return ipc_event(torch.cuda.current_device())
 
@@ -144,7 +144,7 @@ def test_handles_that_are_not_events_are_refused(gpu_daemon: DaemonProcess) -> N
     with priod.SyncClient(gpu_daemon.socket_path) as c:
         h, d = c.alloc_host(MiB), c.alloc_device(MiB)
         buf = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
-        from priod.cuda_ipc import export_cuda_array
+        from priod.client.cuda_ipc import export_cuda_array
 
         mem_handle = export_cuda_array(buf)[0]
         for handle in (np.random.default_rng(5).integers(0, 256, 64, dtype=np.uint8).tobytes(), mem_handle, bytes(64)):
@@ -164,7 +164,7 @@ def test_an_event_destroyed_early_breaks_only_its_own_copy(gpu_daemon: DaemonPro
     with priod.SyncClient(gpu_daemon.socket_path) as c, priod.SyncClient(gpu_daemon.socket_path) as other:
         h, d = c.alloc_host(MiB), c.alloc_device(MiB)
         oh, od = other.alloc_host(MiB), other.alloc_device(MiB)
-        from priod.cuda_ipc import ipc_event
+        from priod.client.cuda_ipc import ipc_event
 
         ev = ipc_event(torch.cuda.current_device())
         torch.cuda._sleep(SLEEP_CYCLES)

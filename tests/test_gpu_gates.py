@@ -1,7 +1,7 @@
 """The CUDA engine's bulk gates on a real GPU (marker ``gpu``; skipped where there is none).
 
 A gated chunk is preceded on its lane's DMA stream by a wait on the lane's gate word
-(`priod.engines.cuda.device.Gates`): while the gate is closed it does not begin, whatever the
+(`priod.daemon.engines.cuda.device.Gates`): while the gate is closed it does not begin, whatever the
 stream has ahead of it, and it runs once the gate opens, bytes intact. Another lane's gate is
 its own. Single chunks and a batch's chunk (enqueued by the pusher's thread) alike. An urgent
 (strict) chunk on the same lane is not held by the gate.
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from priod.engines.base import Completion, Direction, LaneKey, Path
+from priod.common.types import Direction, LaneKey, Path
+from priod.daemon.engines.base import Completion
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +37,7 @@ def _wait(c: Completion) -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
-    from priod.engines.cuda import CudaEngine
+    from priod.daemon.engines.cuda.engine import CudaEngine
 
     eng = CudaEngine(devices=[0], calibrate_bytes=64 << 20)
     yield eng

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 
 import priod
-from priod.config import load_config
-from priod.engines.sim import SimEngine, SimSettings
+from priod.common.gpus import format_uuid, sim_uuid, uuid_key
+from priod.daemon.config import load_config
+from priod.daemon.engines.sim import SimEngine, SimSettings
 from priod.errors import ConfigError, InvalidRequest
-from priod.gpus import format_uuid, sim_uuid, uuid_key
-from priod.messages import AllocDevice, RegionReply, RegisterDevice, decode_request
 from priod.testing import DaemonProcess, daemon_process
 from priod.testing.fakes import ManualEngine
+from priod.wire.messages import AllocDevice, RegionReply, RegisterDevice, decode_request
 
 U0 = "GPU-0b5e5f4a-1c2d-4e3f-8a9b-0c1d2e3f4a5b"
 U1 = "GPU-9f8e7d6c-5b4a-4392-8170-6f5e4d3c2b1a"
@@ -193,7 +193,7 @@ def test_sim_uuids_config_is_validated(env: dict[str, str], message: str) -> Non
 
 def test_alloc_device_by_uuid_sends_only_the_uuid_field() -> None:
     """The client library turns a string ``device`` into ``device_uuid`` (an int stays the ordinal)."""
-    from priod.client_base import alloc_device_request as _alloc_device_request
+    from priod.client.base import alloc_device_request as _alloc_device_request
 
     assert _alloc_device_request(8, U1).encode(1) == {"id": 1, "op": "alloc_device", "nbytes": 8, "device": 0, "device_uuid": U1}
     assert _alloc_device_request(8, 1).encode(2) == {"id": 2, "op": "alloc_device", "nbytes": 8, "device": 1}

@@ -35,7 +35,7 @@ class _Pool:
     complete (their stream synchronised) when `alloc` returns."""
 
     def __init__(self, shareable: bool = True) -> None:
-        from priod.engines.cuda._driver import bindings, check
+        from priod.common.cuda.driver import bindings, check
 
         self.rt, self.drv = bindings()
         self.check = check
@@ -87,7 +87,7 @@ def test_pool_allocation_registers_by_the_pool_fd(gpu_daemon: DaemonProcess) -> 
     between two of them lands, and once the regions are freed the daemon lets go of every
     import (the driver counts a process's imports of a pool: each region's is destroyed with
     it), after which the buffer registers anew."""
-    from priod.cuda_ipc import export_device_buffer
+    from priod.client.cuda_ipc import export_device_buffer
 
     pool = _Pool()
     size = 3 * MiB + 8192

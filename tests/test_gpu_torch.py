@@ -33,7 +33,7 @@ def test_caching_allocator_tensor_inside_a_segment(gpu_daemon: DaemonProcess, to
     """A tensor PyTorch's caching allocator carved out of a segment after another one registers by
     the segment's handle and its offset; copies land at exactly its bytes (the neighbours in the
     segment keep theirs), bf16 and fp8 included, also into a slice named by copy_tensor."""
-    from priod.cuda_ipc import export_device_buffer
+    from priod.client.cuda_ipc import export_device_buffer
 
     dt = getattr(torch, dtype)
     # both under 1 MiB: PyTorch's small pool puts them in one 2 MiB cudaMalloc segment, t after pad
@@ -146,7 +146,7 @@ def test_unshareable_allocator_memory_names_the_setting(gpu_daemon: DaemonProces
 _EXPANDABLE = """
 import os, sys
 import numpy as np, torch, priod
-from priod.cuda_ipc import export_device_buffer
+from priod.client.cuda_ipc import export_device_buffer
 
 def described(t):
     buf = export_device_buffer(t)

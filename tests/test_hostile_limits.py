@@ -40,11 +40,11 @@ import numpy as np
 import pytest
 
 import priod
-from priod.direct import HoldPage
-from priod.protocol import encode
+from priod.client.direct import HoldPage
 from priod.testing import DaemonProcess, daemon_process, wait_until
 from priod.testing.procfs import memory_and_fds, open_fds
-from priod.transport import BlockingFramedSocket
+from priod.wire.frames import encode
+from priod.wire.transport import BlockingFramedSocket
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other uids (setuid); CI runs the suite as root")
 
@@ -260,7 +260,7 @@ async def test_limits_per_uid_hold_over_all_its_connections() -> None:
         "PRIOD_LIMITS__MAX_QUEUED_BYTES_PER_UID": str(3 * MiB),
         "PRIOD_LIMITS__MAX_SHARES_PER_REGION": "2",
         "PRIOD_SIM__H2D_GBPS": "0.004",  # 1 MiB copies take 260 ms: they stay pending
-        "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536",
+        "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536",
     }
     with daemon_process(env, socket_path=socket_path()) as d:
         path = d.socket_path
@@ -630,7 +630,7 @@ def test_another_uids_batches_cannot_touch_or_slow_an_honest_client() -> None:
     out-of-bounds, overflowing, overlapping and over-cap segment tables are refused with
     ``bad_request`` and the connection goes on; a pipelined flood of large valid batches on its
     own regions, never read, leaves root's batch and urgent copy correct and prompt."""
-    from priod.batch import MAX_SEGMENTS
+    from priod.wire.batch import MAX_SEGMENTS
 
     rng = np.random.default_rng(11)
     with daemon_process(OPEN, socket_path=socket_path()) as d, priod.SyncClient(d.socket_path, timeout=30) as honest:
@@ -676,7 +676,7 @@ def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> Non
     """wait_event from a hostile uid: an event naming another uid's region is refused; copies
     held on its own events that never complete (a pipeline of them) delay no one else's copy,
     and they go away with the connection."""
-    from priod.ipc_event import sim_handle
+    from priod.wire.ipc_event import sim_handle
 
     with daemon_process(OPEN, socket_path=socket_path()) as d, priod.SyncClient(d.socket_path, timeout=30) as honest:
         h, dv = honest.alloc_host(MiB), honest.alloc_device(MiB)
@@ -708,7 +708,7 @@ def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:
     hold budget and no more; without the budget, with aging off, root's copies would never
     start), the holds past it are cut, and root's own page still holds at once, since budgets
     are per uid. A hold_page request with an fd beside it is refused, the fd closed."""
-    env = {**OPEN, "PRIOD_SCHEDULER__AGING_MS": "60000", "PRIOD_SCHEDULER__DIRECT_HOLD_BURST_MS": "20"}
+    env = {**OPEN, "PRIOD_SCHEDULER__AGING_MS": "60000", "PRIOD_TUNING__DIRECT_HOLD_BURST_MS": "20"}
     path = socket_path()
     with daemon_process(env, socket_path=path) as d:
         raw = Raw(connect_as(NOBODY, path)[0])

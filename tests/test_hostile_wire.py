@@ -31,11 +31,11 @@ import pytest
 
 import priod
 from priod.client import Client, SyncClient
+from priod.daemon.server import bind_unix_socket
 from priod.errors import ConnectionClosed, PermissionDenied, PriodError, ProtocolError
-from priod.protocol import HEADER, REQUEST_LIMITS, FrameDecoder, encode
-from priod.server import bind_unix_socket
 from priod.testing import DaemonProcess, daemon_process, framed_pair, memory_and_fds, wait_for_socket, wait_until
-from priod.transport import BlockingFramedSocket
+from priod.wire.frames import HEADER, REQUEST_LIMITS, FrameDecoder, encode
+from priod.wire.transport import BlockingFramedSocket
 
 T = TypeVar("T")
 LINGER_S = 5
@@ -665,10 +665,10 @@ def test_an_exception_in_stop_still_ends_the_process_with_an_error() -> None:
     tmp = tempfile.mkdtemp(prefix="priod-")
     path = os.path.join(tmp, "priod.sock")
     code = (
-        "import sys, priod.server\n"
+        "import sys, priod.daemon.server\n"
         "async def broken(self):\n"
         "    raise RuntimeError('injected failure in stop')\n"
-        "priod.server.Daemon.stop = broken\n"
+        "priod.daemon.server.Daemon.stop = broken\n"
         "from priod.cli import main\n"
         f"sys.exit(main(['serve', '--socket', {path!r}, '--backend', 'sim']))\n"
     )

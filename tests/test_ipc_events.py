@@ -1,6 +1,6 @@
 """GPU-side ordering on the sim engine: ``wait_event`` and ``signal_event`` (docs/protocol.md).
 
-The sim engine's event is a byte of a device region (priod.ipc_event.SimEvent): the daemon polls
+The sim engine's event is a byte of a device region (priod.wire.ipc_event.SimEvent): the daemon polls
 a wait event and must not start the copy before it is set; it clears a signal event when it
 records it behind the copy's last chunk and sets it on the copy engine's thread right after the
 last byte landed. A copy held for its event holds up no one else's, nor its own client's other
@@ -22,17 +22,17 @@ import numpy as np
 import pytest
 
 import priod
-from priod.config import load_config
-from priod.engines.base import Completion, IpcEvent
-from priod.engines.sim import SimEngine, SimSettings
+from priod.common.types import Direction, LaneKey
+from priod.daemon.config import load_config
+from priod.daemon.engines.base import Completion, IpcEvent
+from priod.daemon.engines.sim import SimEngine, SimSettings
+from priod.daemon.gates import GATE_MAX_INTERVAL_S, GATE_POLLS_PER_S, GATE_POLLS_PER_TURN, GATE_SPIN_S, Gates
+from priod.daemon.sched.scheduler import Request
+from priod.daemon.server import Daemon
 from priod.errors import Cancelled, ConnectionClosed, CopyTimeout, EngineError, InvalidRequest, LimitExceeded, NotFound
-from priod.gates import GATE_MAX_INTERVAL_S, GATE_POLLS_PER_S, GATE_POLLS_PER_TURN, GATE_SPIN_S, Gates
-from priod.ipc_event import SimEvent, event_handle, parse_sim_handle, sim_handle
-from priod.messages import Copy, CopyBatch, decode_request
-from priod.scheduler import Request
-from priod.engines.base import Direction, LaneKey
-from priod.server import Daemon
 from priod.testing import DaemonProcess, daemon_process
+from priod.wire.ipc_event import SimEvent, event_handle, parse_sim_handle, sim_handle
+from priod.wire.messages import Copy, CopyBatch, decode_request
 
 MiB = 1 << 20
 
@@ -276,7 +276,7 @@ async def test_event_and_request_limits_bound_a_flood_of_held_copies() -> None:
     """A connection may open at most MAX_EVENTS_PER_CONNECTION distinct events (reusing one is
     free), and held copies count against [limits] max_queued_requests like any pending copy;
     when the client leaves, its held copies go and nothing is left held."""
-    from priod.gates import MAX_EVENTS_PER_CONNECTION
+    from priod.daemon.gates import MAX_EVENTS_PER_CONNECTION
 
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_LIMITS__MAX_QUEUED_REQUESTS": "32"}
     with daemon_process(env) as d:

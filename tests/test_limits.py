@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 import priod
-from priod.client import CopyHandle
-from priod.engines.sim import sealed_memfd
+from priod.client.client import CopyHandle
+from priod.daemon.engines.sim import sealed_memfd
 from priod.testing import DaemonProcess, daemon_process
 
 MiB = 1 << 20
@@ -28,7 +28,7 @@ LIMITS = {
     # 4 MB/s: a 1 MiB copy takes 260 ms, so a refusal sent with it cannot lose the race to a
     # completion; nobody waits for such copies here (they are cancelled).
     "PRIOD_SIM__H2D_GBPS": "0.004",
-    "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536",
+    "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536",
     "PRIOD_LOG__LEVEL": '"warning"',
 }
 
@@ -64,7 +64,7 @@ async def cancel_all(handles: list[CopyHandle]) -> None:
 async def test_pinned_bytes_limit(limited: DaemonProcess) -> None:
     """Host regions, allocated or registered, count against max_pinned_bytes per connection;
     freeing gives the room back, and another connection has its own budget."""
-    async with priod.client.connect(limited.socket_path) as c, priod.client.connect(limited.socket_path) as other:
+    async with priod.connect(limited.socket_path) as c, priod.connect(limited.socket_path) as other:
         big = await c.alloc_host(6 * MiB)
         msg = r"^{} more pinned bytes would exceed \[limits\] max_pinned_bytes = 8388608 \(this connection holds 6291456\); free a host region or ask for less$"
         with pytest.raises(priod.LimitExceeded, match=msg.format(4 * MiB)):
@@ -85,7 +85,7 @@ async def test_pinned_bytes_limit(limited: DaemonProcess) -> None:
 
 async def test_device_bytes_limit(limited: DaemonProcess) -> None:
     """Device regions count against max_device_bytes, separately from pinned host bytes."""
-    async with priod.client.connect(limited.socket_path) as c:
+    async with priod.connect(limited.socket_path) as c:
         await c.alloc_device(8 * MiB)
         await c.alloc_host(8 * MiB)
         with pytest.raises(
@@ -97,7 +97,7 @@ async def test_device_bytes_limit(limited: DaemonProcess) -> None:
 
 async def test_region_count_limit(limited: DaemonProcess) -> None:
     """At most max_regions regions per connection, host and device together."""
-    async with priod.client.connect(limited.socket_path) as c:
+    async with priod.connect(limited.socket_path) as c:
         regions = [await (c.alloc_host if i % 2 else c.alloc_device)(4096) for i in range(6)]
         for alloc in (c.alloc_host, c.alloc_device):
             with pytest.raises(priod.LimitExceeded, match=r"^this connection holds 6 regions \(\[limits\] max_regions = 6\); free some first$"):
@@ -109,7 +109,7 @@ async def test_region_count_limit(limited: DaemonProcess) -> None:
 async def test_queued_requests_limit_refuses_at_once(limited: DaemonProcess) -> None:
     """Copies beyond max_queued_requests pending on one connection are refused at once (their
     replies come before any queued copy finishes), and never queued: the daemon holds 8."""
-    async with priod.client.connect(limited.socket_path) as c:
+    async with priod.connect(limited.socket_path) as c:
         host, dev = await c.alloc_host(MiB), await c.alloc_device(MiB)
         handles = [c.start_copy(dev, host, priority="bulk") for _ in range(12)]  # 260 ms each
         st = await c.status()
@@ -125,7 +125,7 @@ async def test_queued_requests_limit_refuses_at_once(limited: DaemonProcess) -> 
 async def test_queued_bytes_limit_refuses_at_once(limited: DaemonProcess) -> None:
     """Copies whose bytes would take the connection past max_queued_bytes are refused at once,
     while smaller ones that fit are still taken."""
-    async with priod.client.connect(limited.socket_path) as c:
+    async with priod.connect(limited.socket_path) as c:
         host, dev = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
         queued = [c.start_copy(dev, host, priority="bulk") for _ in range(2)]  # 1 s each
         over = c.start_copy(dev, host, priority="bulk")
@@ -153,7 +153,7 @@ async def test_pipelining_far_past_the_limit_keeps_daemon_memory_bounded(limited
     """
     burst = 20_000
     proc = psutil.Process(limited.proc.pid)
-    async with priod.client.connect(limited.socket_path) as c:
+    async with priod.connect(limited.socket_path) as c:
         # 256 KiB copies take 65 ms each: in any run of this test only a few dozen complete.
         host, dev = await c.alloc_host(256 * 1024), await c.alloc_device(256 * 1024)
         await c.copy(dev, host, priority="bulk")  # warm the paths once before measuring
@@ -174,9 +174,9 @@ async def test_pipelining_far_past_the_limit_keeps_daemon_memory_bounded(limited
 
 
 def test_request_rate_grants_the_burst_then_the_rate_and_refunds() -> None:
-    """The per-uid request bucket (priod/rate.py): a full burst at first, then ``rate`` per
+    """The per-uid request bucket (priod/daemon/rate.py): a full burst at first, then ``rate`` per
     second, never more than the burst; unused grants come back; rate 0 means no cap."""
-    from priod.rate import RequestRate
+    from priod.daemon.rate import RequestRate
 
     r = RequestRate()
     assert r.grant(64, 100.0, 10, now=5.0) == 10  # a new uid: the whole burst, no more

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from priod.looptimer import LoopTimer
+from priod.daemon.looptimer import LoopTimer
 
 
 async def _woken_after(plan: list[float]) -> list[float]:

@@ -11,17 +11,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from priod.copies import _reply_us
+from priod.daemon.copies import _reply_us
 from priod.errors import Cancelled, EngineError, InvalidRequest, LimitExceeded
-from priod.messages import (
-    CopyBatch,
-    CopyBatchReply,
+from priod.wire.messages import (
     REQUEST_TYPES,
     AllocDevice,
     AllocHost,
     Cancel,
     CancelReply,
     Copy,
+    CopyBatch,
+    CopyBatchReply,
     CopyReply,
     Empty,
     ErrorReply,

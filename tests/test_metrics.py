@@ -18,9 +18,9 @@ from typing import TypeVar
 import pytest
 
 import priod
-from priod.client import Client
-from priod.engines.base import Direction, LaneKey
-from priod.metrics import gpu_label, lane_labels, nvidia_device_nodes
+from priod.client.client import Client
+from priod.common.types import Direction, LaneKey
+from priod.daemon.metrics import gpu_label, lane_labels, nvidia_device_nodes
 from priod.testing import DaemonProcess, daemon_process
 from priod.testing.scrape import Samples, Scraper, free_port, get, total
 
@@ -41,7 +41,7 @@ async def poll(check: Callable[[], T | None], timeout: float = 30.0, what: str =
         await asyncio.sleep(0.1)
 
 
-SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536"}
+SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536"}
 
 
 def gpu0(d: DaemonProcess) -> str:
@@ -65,7 +65,7 @@ async def test_counters_and_histograms_move_with_copies(metered: tuple[DaemonPro
     misses and refusals by code; latency and queue-wait histograms observe each done copy."""
     d, scrape = metered
     before = await asyncio.to_thread(scrape)
-    async with priod.client.connect(d.socket_path) as c:
+    async with priod.connect(d.socket_path) as c:
         host, dev = await c.alloc_host(MiB), await c.alloc_device(MiB)
         urgent_path = (await c.copy(dev, host, priority="urgent")).path  # the faster path as measured so far
         for _ in range(3):
@@ -156,7 +156,7 @@ async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[Daem
     h2d = {"gpu": gpu0(d), "direction": "h2d"}
     busy_before = get(await asyncio.to_thread(scrape), "priod_engine_busy_seconds_total", **h2d)
     started = time.monotonic()
-    async with priod.client.connect(d.socket_path) as c:
+    async with priod.connect(d.socket_path) as c:
         host, dev = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
         # 65 ms each, 13 s in all: far longer than a gauge refresh; cancelled once seen.
         queued = [c.start_copy(dev, host, priority="bulk") for _ in range(200)]
@@ -224,8 +224,8 @@ def test_the_per_copy_series_expose_what_prometheus_clients_own_types_would() ->
     copies would give, bucket boundaries (le: value <= bound) included."""
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-    from priod.engines.base import Path as CopyPath
-    from priod.metrics import _LATENCY_BUCKETS, Metrics
+    from priod.common.types import Path as CopyPath
+    from priod.daemon.metrics import _LATENCY_BUCKETS, Metrics
 
     ours = Metrics({0: "GPU-0"})
     ref = CollectorRegistry()

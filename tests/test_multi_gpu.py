@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 
 import priod
-from priod.client import Client, Region
-from priod.engines.base import Direction, LaneInfo, LaneKey
-from priod.engines.sim import SimEngine, SimSettings
-from priod.metrics import lane_labels
-from priod.policy import Policy
-from priod.scheduler import Request, Scheduler
+from priod.client.client import Client, Region
+from priod.common.types import Direction, LaneInfo, LaneKey
+from priod.daemon.engines.sim import SimEngine, SimSettings
+from priod.daemon.metrics import lane_labels
+from priod.daemon.sched.policy import Policy
+from priod.daemon.sched.scheduler import Request, Scheduler
 from priod.testing import DaemonProcess, daemon_process
 
 MiB = 1 << 20

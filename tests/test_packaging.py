@@ -73,7 +73,7 @@ def test_wheel_ships_units_config_and_every_module(wheel: Path) -> None:
             assert z.read(inside) == (ROOT / original).read_bytes(), inside
     modules = subprocess.run(["git", "ls-files", "priod/*.py", "priod/**/*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert len(modules) > 30 and set(modules) <= names
-    assert "priod/engines/cuda/express.ptx" in names and "priod/py.typed" in names
+    assert "priod/common/cuda/express.ptx" in names and "priod/py.typed" in names
 
 
 def test_wheel_metadata_splits_client_daemon_and_cuda_majors(wheel: Path) -> None:
@@ -129,7 +129,7 @@ def test_client_only_install_works_without_the_daemon_dependencies(client_only: 
         client_only,
         f"""
         import importlib.util, json
-        import priod, priod.cuda_ipc
+        import priod, priod.client.cuda_ipc
         from priod.cli import main
         assert priod.__file__.startswith({client_only[0]!r}), priod.__file__
         with priod.SyncClient({daemon.socket_path!r}, name="client-only") as c:
@@ -203,10 +203,10 @@ def test_install_units_into_an_unwritable_root_says_what_to_do(tmp_path: Path, c
 def test_install_units_from_a_broken_install_says_to_reinstall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A shipped file missing from the installation is reported as such (not as a permission
     problem with the destination), and nothing is written."""
-    import priod.units
+    import priod.daemon.units
     from priod.cli import main
 
-    monkeypatch.setattr(priod.units, "shipped", lambda name: tmp_path / "gone" / name)
+    monkeypatch.setattr(priod.daemon.units, "shipped", lambda name: tmp_path / "gone" / name)
     assert main(["install-units", "--dest", str(tmp_path / "root")]) == 1
     assert capsys.readouterr().err == (
         f"priod: systemd/priod.service is missing from this priod installation ({tmp_path}/gone/systemd/priod.service); reinstall priod from its wheel\n"

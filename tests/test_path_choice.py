@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import tempfile
 import random
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 
 import priod
-from priod.choice import PathChooser
 from priod.cli import format_status
-from priod.config import load_config
-from priod.engines.base import Direction, LaneInfo, LaneKey, Path
-from priod.engines.sim import SimEngine
+from priod.common.choice import PathChooser
+from priod.common.types import Direction, LaneInfo, LaneKey, Path
+from priod.daemon.config import load_config
+from priod.daemon.engines.sim import SimEngine
+from priod.daemon.metrics import lane_labels
+from priod.daemon.report import refresh_metrics
+from priod.daemon.sched.policy import Policy
+from priod.daemon.sched.scheduler import Chunk, Request, Scheduler
+from priod.daemon.server import Daemon
 from priod.errors import ConfigError
-from priod.metrics import lane_labels
-from priod.policy import Policy
-from priod.scheduler import Chunk, Request, Scheduler
-from priod.report import refresh_metrics
-from priod.server import Daemon
 
 LANE = LaneKey(0, Direction.H2D)
 
@@ -296,7 +296,7 @@ async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> Non
     is fresh. Every byte is checked."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(
-        server={"socket": path}, scheduler={"explore_ms": 1000.0, "explore_every": 4}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
+        server={"socket": path}, tuning={"explore_ms": 1000.0, "explore_every": 4}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
     )
     engine = SimEngine(cfg.sim)
     daemon = Daemon(cfg, engine)
@@ -337,13 +337,13 @@ async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> Non
 
 
 def test_short_bound_settings_are_validated() -> None:
-    with pytest.raises(ConfigError, match=r"^\[scheduler\] urgent_block_us = -1.0 is invalid"):
-        load_config(None, environ={"PRIOD_SCHEDULER__URGENT_BLOCK_US": "-1.0"})
-    with pytest.raises(ConfigError, match=r"^\[scheduler\] explore_ms = 0.0 is invalid"):
-        load_config(None, environ={"PRIOD_SCHEDULER__EXPLORE_MS": "0.0"})
-    with pytest.raises(ConfigError, match=r"^\[scheduler\] explore_every = 0 is invalid; set a whole number >= 1"):
-        load_config(None, environ={"PRIOD_SCHEDULER__EXPLORE_EVERY": "0"})
-    assert np.isfinite(load_config(None, environ={}).scheduler.urgent_block_us)
+    with pytest.raises(ConfigError, match=r"^\[tuning\] urgent_block_us = -1.0 is invalid"):
+        load_config(None, environ={"PRIOD_TUNING__URGENT_BLOCK_US": "-1.0"})
+    with pytest.raises(ConfigError, match=r"^\[tuning\] explore_ms = 0.0 is invalid"):
+        load_config(None, environ={"PRIOD_TUNING__EXPLORE_MS": "0.0"})
+    with pytest.raises(ConfigError, match=r"^\[tuning\] explore_every = 0 is invalid; set a whole number >= 1"):
+        load_config(None, environ={"PRIOD_TUNING__EXPLORE_EVERY": "0"})
+    assert np.isfinite(load_config(None, environ={}).tuning.urgent_block_us)
 
 
 async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() -> None:
@@ -353,7 +353,7 @@ async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() 
     (the long chunks between bursts are chunks like any other)."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(
-        server={"socket": path}, scheduler={"beat_block_us": 2000.0, "urgent_block_us": 500.0}, log={"level": "warning"}
+        server={"socket": path}, tuning={"beat_block_us": 2000.0, "urgent_block_us": 500.0}, log={"level": "warning"}
     )
     daemon = Daemon(cfg, SimEngine(cfg.sim))
     await daemon.start()

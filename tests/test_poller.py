@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 import priod
-from priod.config import load_config
-from priod.engines.base import Completion, Direction, LaneKey, Path
-from priod.engines.sim import SimEngine
+from priod.common.types import Direction, LaneKey, Path
+from priod.daemon.config import load_config
+from priod.daemon.engines.base import Completion
+from priod.daemon.engines.sim import SimEngine
+from priod.daemon.pump import BULK_POLL_MARGIN_S, InFlight, next_poll_at, reanchor_dues
+from priod.daemon.sched.scheduler import Chunk, Request
+from priod.daemon.server import Daemon
 from priod.testing.fakes import ManualEngine
-from priod.pump import BULK_POLL_MARGIN_S, InFlight, next_poll_at, reanchor_dues
-from priod.scheduler import Chunk, Request
-from priod.server import Daemon
 
 NBYTES = 64 << 20  # 32 chunks of ~1 MB at the sim's 2 GB/s: 32 ms of bulk
 

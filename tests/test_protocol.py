@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from priod.errors import InvalidRequest, ProtocolError
-from priod.protocol import HEADER, FrameDecoder, FrameEncoder, encode, require
+from priod.wire.frames import HEADER, FrameDecoder, FrameEncoder, encode, require
 
 
 def test_round_trip_one_frame() -> None:

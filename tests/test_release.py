@@ -19,10 +19,10 @@ import pytest
 import structlog
 
 import priod
-from priod.config import load_config
-from priod.engines.base import HostMemory
-from priod.engines.sim import SimEngine, SimSettings
-from priod.server import Daemon
+from priod.daemon.config import load_config
+from priod.daemon.engines.base import HostMemory
+from priod.daemon.engines.sim import SimEngine, SimSettings
+from priod.daemon.server import Daemon
 
 SLOW_RELEASE_S = 1.0
 

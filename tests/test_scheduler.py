@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from priod.engines.base import Direction, LaneInfo, LaneKey, Path
-from priod.errors import ConfigError, EngineError, InvalidRequest, NotFound
-from priod.policy import ClassSpec, LaneParams, Policy, lane_params
-from priod.scheduler import (
+from priod.common.types import Direction, LaneInfo, LaneKey, Path
+from priod.daemon.sched.policy import ClassSpec, LaneParams, Policy, lane_params
+from priod.daemon.sched.scheduler import (
     Chunk,
     Finished,
     LaneStats,
@@ -21,6 +20,7 @@ from priod.scheduler import (
     RequestState,
     Scheduler,
 )
+from priod.errors import ConfigError, EngineError, InvalidRequest, NotFound
 
 L0 = LaneKey(0, Direction.H2D)
 L1 = LaneKey(0, Direction.D2H)

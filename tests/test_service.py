@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 import priod
-from priod import systemd
 from priod.client import Client, SyncClient
-from priod.gpus import sim_uuid
+from priod.common.gpus import sim_uuid
+from priod.daemon import systemd
 from priod.testing import DaemonProcess, daemon_process, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ MiB = 1 << 20
 
 # A slow link keeps queued work queued for as long as a test needs it: 64 MB/s moves a 4 MiB
 # copy in about 65 ms, so a few dozen queued ones outlast any round trip to the daemon.
-SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SIM__D2H_GBPS": "0.064", "PRIOD_SCHEDULER__MIN_CHUNK_BYTES": "65536"}
+SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SIM__D2H_GBPS": "0.064", "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536"}
 
 
 
@@ -517,7 +517,7 @@ async def test_log_is_json_lines_with_one_line_per_copy_and_connection_context()
     level); lines caused by a connection carry its conn, client_pid and uid; errors name their
     cause chain."""
     with daemon_process({"PRIOD_SIM__FAULT_ON_NBYTES": "12345", "PRIOD_LOG__LEVEL": '"debug"'}) as d:
-        async with priod.client.connect(d.socket_path, name="log-test") as c:
+        async with priod.connect(d.socket_path, name="log-test") as c:
             host, dev = await c.alloc_host(MiB), await c.alloc_device(MiB)
             await c.copy(dev, host, priority="urgent")
             await c.copy(host, dev, 65536, priority="bulk", deadline_ms=60_000)

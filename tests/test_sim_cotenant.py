@@ -20,9 +20,10 @@ from pathlib import Path as FsPath
 import numpy as np
 import pytest
 
-from priod.config import load_config
-from priod.engines.base import Completion, Direction, HostMemory, LaneKey, Path
-from priod.engines.sim import SimDeviceMemory, SimEngine, SimSettings, sealed_memfd
+from priod.common.types import Direction, LaneKey, Path
+from priod.daemon.config import load_config
+from priod.daemon.engines.base import Completion, HostMemory
+from priod.daemon.engines.sim import SimDeviceMemory, SimEngine, SimSettings, sealed_memfd
 from priod.errors import ConfigError
 
 H2D = LaneKey(0, Direction.H2D)

@@ -18,7 +18,8 @@ import numpy.typing as npt
 import pytest
 
 import priod
-from priod.engines.base import DeviceMemory, Direction, HostMemory, LaneKey, Path
+from priod.common.types import Direction, LaneKey, Path
+from priod.daemon.engines.base import DeviceMemory, HostMemory
 from priod.errors import EngineError
 from priod.testing import (
     CpuMeter,
@@ -199,8 +200,8 @@ async def test_a_daemon_runs_on_the_manual_engine(wakes: bool) -> None:
     """A real daemon on a ManualEngine: a client's copy waits, in flight, until the test
     completes its chunks, then lands byte for byte; a failed chunk reaches the client as
     EngineError. Polled or woken, the daemon finds the completions."""
-    from priod.config import load_config
-    from priod.server import Daemon
+    from priod.daemon.config import load_config
+    from priod.daemon.server import Daemon
 
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(server={"socket": path, "bulk_poll": "spin"}, log={"level": "warning"})

@@ -1,4 +1,4 @@
-"""priod.torch_face on the CPU (torch's CPU build; skipped without torch), through a sim daemon:
+"""priod.client.torch_face on the CPU (torch's CPU build; skipped without torch), through a sim daemon:
 tensors that view regions, their byte offsets, every dtype through byte views, tensor copies
 and paged-block batches landing at the right bytes, and the errors for what cannot be named."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import priod
-from priod.cuda_ipc import device_span
+from priod.client.cuda_ipc import device_span
+from priod.client.torch_face import block_segments, block_table, where
 from priod.errors import InvalidRequest
 from priod.testing import DaemonProcess
-from priod.torch_face import block_segments, block_table, where
 
 torch: Any = pytest.importorskip("torch")
 
@@ -35,7 +35,7 @@ def _bytes(t: Any) -> bytes:
 
 def test_importing_priod_does_not_import_torch() -> None:
     """priod and its torch face import without pulling torch in (a client without torch works)."""
-    code = "import sys, priod, priod.torch_face, priod.sync_client; print('torch' in sys.modules)"
+    code = "import sys, priod, priod.client.torch_face, priod.client.sync_client; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "False"
 

@@ -17,9 +17,9 @@ import time
 import numpy as np
 
 import priod
-from priod.config import load_config
-from priod.engines.sim import SimEngine
-from priod.server import Daemon
+from priod.daemon.config import load_config
+from priod.daemon.engines.sim import SimEngine
+from priod.daemon.server import Daemon
 
 WINDOW_MS = 1000.0  # long, so that a slow machine still does all of the in-window part inside it
 BULK_BYTES = 32 << 20  # 16 ms at the sim's 2 GB/s: chunks stay in flight on the engine's thread
@@ -27,7 +27,7 @@ BULK_BYTES = 32 << 20  # 16 ms at the sim's 2 GB/s: chunks stay in flight on the
 
 async def test_loop_stays_awake_in_the_urgent_window_only_and_sleeps_after() -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
-    cfg = load_config(None, environ={}).replace(server={"socket": path}, scheduler={"urgent_window_ms": WINDOW_MS}, log={"level": "warning"})
+    cfg = load_config(None, environ={}).replace(server={"socket": path}, tuning={"urgent_window_ms": WINDOW_MS}, log={"level": "warning"})
     engine = SimEngine(cfg.sim)
     assert engine.wakes_on_completion  # the case this file is about
     daemon = Daemon(cfg, engine)
@@ -81,7 +81,7 @@ async def test_direct_copies_with_no_bulk_about_leave_the_loop_asleep() -> None:
     Bulk that comes while one is announced still waits for it, and lands whole after."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     long_holds = {"urgent_window_ms": WINDOW_MS, "direct_hold_max_ms": 3000.0, "direct_hold_burst_ms": 10000.0}
-    cfg = load_config(None, environ={}).replace(server={"socket": path}, scheduler=long_holds, log={"level": "warning"})
+    cfg = load_config(None, environ={}).replace(server={"socket": path}, tuning=long_holds, log={"level": "warning"})
     daemon = Daemon(cfg, SimEngine(cfg.sim))
     await daemon.start()
     pump = daemon.pump

@@ -16,8 +16,8 @@ Every public name is importable from ``priod.testing`` itself.
 
 from __future__ import annotations
 
-from .daemon import DaemonProcess, daemon_pid, daemon_process, settings_env, wait_for_socket, wait_until
-from .fakes import (
+from priod.testing.daemon import DaemonProcess, daemon_pid, daemon_process, settings_env, wait_for_socket, wait_until
+from priod.testing.fakes import (
     ManualChunk,
     ManualDeviceMemory,
     ManualEngine,
@@ -25,7 +25,7 @@ from .fakes import (
     framed_pair,
     memfd,
 )
-from .load import (
+from priod.testing.load import (
     BulkLoad,
     BulkProcess,
     LoadProcess,
@@ -36,7 +36,7 @@ from .load import (
     urgent_copies,
     urgent_probe,
 )
-from .procfs import (
+from priod.testing.procfs import (
     CpuMeter,
     cpu_model,
     cpu_seconds,
@@ -46,7 +46,7 @@ from .procfs import (
     schedstat_seconds,
     thread_cpu_seconds,
 )
-from .stats import describe, percentile, summarize
+from priod.testing.stats import describe, percentile, summarize
 
 __all__ = [
     "BulkLoad",

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..transport import peer_credentials
+from priod.wire.transport import peer_credentials
 
 __all__ = ["DaemonProcess", "daemon_pid", "daemon_process", "settings_env", "wait_for_socket", "wait_until"]
 

@@ -1,7 +1,7 @@
 """Fakes for tests of the daemon's parts: an engine whose copies finish only when the test says
 so, and connected framed sockets without a daemon.
 
-`ManualEngine` is a real `priod.engines.base.Engine`: it maps host memfds, allocates device
+`ManualEngine` is a real `priod.daemon.engines.base.Engine`: it maps host memfds, allocates device
 memory (a memfd, as the sim engine does, so a test or a client can read what landed) and
 really copies the bytes of a chunk, but only when the test calls `ManualEngine.complete`
 (or `fail`). Nothing runs by itself, so a scheduler or poller test decides exactly what is in
@@ -9,7 +9,7 @@ flight at each step, and can count how often the daemon polled. Its lanes (devic
 bandwidth, express range) and whether it wakes the poller on completion (the sim engine does,
 the CUDA engine is polled) are set at construction.
 
-`framed_pair` gives two `priod.transport.FramedSocket` ends over a real Unix socket pair, so
+`framed_pair` gives two `priod.wire.transport.FramedSocket` ends over a real Unix socket pair, so
 frames and file descriptors (SCM_RIGHTS) pass between them as they would between a client and
 the daemon; `blocking_framed_pair` the same for blocking code.
 """
@@ -26,25 +26,12 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ..engines.base import (
-    Completion,
-    DeviceExport,
-    DeviceMemory,
-    LOCAL_DIRECTIONS,
-    Direction,
-    Engine,
-    HostMemory,
-    LaneInfo,
-    LaneKey,
-    Memory,
-    Path,
-    map_fd,
-    release_mapping,
-)
-from ..engines.sim import sealed_memfd
-from ..errors import EngineError, InvalidRequest, PriodError
-from ..protocol import DEFAULT_MAX_FRAME
-from ..transport import BlockingFramedSocket, FramedSocket
+from priod.common.types import LOCAL_DIRECTIONS, Direction, LaneInfo, LaneKey, Path
+from priod.daemon.engines.base import Completion, DeviceExport, DeviceMemory, Engine, HostMemory, Memory, map_fd, release_mapping
+from priod.daemon.engines.sim import sealed_memfd
+from priod.errors import EngineError, InvalidRequest, PriodError
+from priod.wire.frames import DEFAULT_MAX_FRAME
+from priod.wire.transport import BlockingFramedSocket, FramedSocket
 
 __all__ = [
     "ManualChunk",

@@ -27,7 +27,7 @@ from typing import Any, TypedDict, Unpack
 import numpy as np
 import numpy.typing as npt
 
-from ..client import Client, CopyHandle, Region
+from priod.client.client import Client, CopyHandle, Region
 
 __all__ = [
     "BulkLoad",

@@ -113,7 +113,7 @@ def machine(**extra: object) -> dict[str, object]:
 
     import numpy as np
 
-    from priod import __version__
+    from priod._version import __version__
 
     return {
         "nproc": os.cpu_count(),

@@ -1,0 +1,378 @@
+"""What both clients share: regions, copy options, the request builders and reply checks.
+
+`client.py` (asyncio) and `sync_client.py` (blocking) speak the same protocol with the same
+requests; this module builds those requests and reads what comes back, with no I/O of its own
+beyond mapping a region's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import mmap
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TypedDict, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from priod.client.direct import HoldPage
+from priod.common.socket_path import find_socket
+from priod.errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied
+from priod.wire.batch import encode_segments
+from priod.wire.ipc_event import event_handle
+from priod.wire.messages import (
+    AllocDevice,
+    Copy,
+    CopyBatch,
+    CopyBatchReply,
+    CopyReply,
+    HoldPageReply,
+    Message,
+    RegionReply,
+    RegisterDevice,
+    error_of,
+)
+from priod.wire.transport import peer_credentials
+
+__all__ = [
+    "BATCH_FRAME_SLACK",
+    "BUSY_WAIT_S",
+    "BatchOptions",
+    "BatchResult",
+    "CopyOptions",
+    "CopyResult",
+    "Region",
+    "Reply",
+    "alloc_device_request",
+    "batch_request",
+    "check_owner",
+    "close_fds",
+    "copy_request",
+    "cuda_register_request",
+    "discover",
+    "hold_page",
+    "no_daemon",
+    "no_permission",
+    "progress",
+    "raise_if_cancelled",
+]
+
+
+BUSY_WAIT_S = 0.5
+"""How long a connect retries while the daemon's listen backlog is full (EAGAIN), at least:
+a burst of connections fills it for a moment, and a client should not fail for that."""
+
+
+CopyResult = CopyReply
+"""What the daemon measured for one finished copy (microseconds, daemon clock)."""
+BatchResult = CopyBatchReply
+"""What the daemon measured for one finished batch: total bytes, segments, timings."""
+R = TypeVar("R", CopyReply, CopyBatchReply)
+
+BATCH_FRAME_SLACK = 256
+"""Bytes of a copy_batch frame besides its segment table (header, keys, ids, class name)."""
+
+
+class CopyOptions(TypedDict, total=False):
+    """The optional settings of a copy (docs/protocol.md, ``copy``)."""
+
+    dst_offset: int
+    src_offset: int
+    priority: str
+    """A class from the daemon's ``hello`` reply; default ``normal``."""
+    deadline_ms: float | None
+    """Orders work within its class, earliest first; a miss is counted, not an error."""
+    wait_event: Any
+    """An event the copy waits for before it starts (GPU-side ordering, docs/protocol.md):
+    handle bytes, a ``torch.cuda.Event(interprocess=True)``, `priod.client.cuda_ipc.ipc_event()`, or
+    under sim a `priod.wire.ipc_event.SimEvent`. Record it behind your producing kernel first."""
+    signal_event: Any
+    """An event of yours (as for ``wait_event``) the daemon records right behind the copy: once
+    the handle's ``recorded()`` returns, ``stream.wait_event`` on it orders your next kernel
+    after the copy with no host synchronisation."""
+
+
+class BatchOptions(TypedDict, total=False):
+    """The optional settings of a batch (docs/protocol.md, ``copy_batch``)."""
+
+    priority: str
+    deadline_ms: float | None
+    wait_event: Any
+    """As `CopyOptions.wait_event`."""
+    signal_event: Any
+    """As `CopyOptions.signal_event`."""
+
+
+
+def import_torch() -> Any:
+    """PyTorch, imported on first use: ``import priod`` never needs it."""
+    try:
+        return importlib.import_module("torch")
+    except ImportError as exc:
+        raise ImportError(f"priod's tensor helpers need PyTorch, which is not installed ({exc}): pip install torch") from exc
+
+class Region:
+    """A host or device region this connection made. ``array`` maps it where that is possible."""
+
+    def __init__(self, reply: RegionReply, fds: list[int], generation: int) -> None:
+        self.id = reply.region
+        self.nbytes = reply.nbytes
+        self.kind = reply.kind
+        self.device = reply.device
+        """The daemon's ordinal of the region's GPU; yours may differ (CUDA_VISIBLE_DEVICES)."""
+        self.device_uuid = reply.device_uuid
+        """The region's GPU by UUID (``GPU-...``), the same in every process; None for host memory."""
+        self.export: Message = reply.export or {}
+        self.generation = generation
+        self._mapping: mmap.mmap | None = None
+        self.array: npt.NDArray[np.uint8] | None = None
+        self._view: Any = None
+        """The `CudaBuffer` that `device_view` opened (torch views of the region use it)."""
+        self._held: Any = None
+        """A ``register_device``'d buffer, held so its allocator cannot reuse the memory meanwhile."""
+        self._held_pointer: int | None = None
+        if fds:
+            try:
+                self._mapping = mmap.mmap(fds[0], self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self.array = np.frombuffer(self._mapping, dtype=np.uint8)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def cuda(self) -> Any:
+        """Open a daemon-allocated device region in this process (cuda engine only).
+
+        Returns an object with ``__cuda_array_interface__`` (uint8, ``nbytes``): pass it to
+        ``cupy.asarray`` or ``torch.as_tensor(..., device="cuda")``. Call its ``close()`` when done.
+        """
+        if self.export.get("kind") != "cuda_ipc":
+            raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
+        from priod.client.cuda_ipc import local_ordinal, open_device_export
+
+        # Opened on this process's ordinal of the GPU, found by UUID: the daemon's ordinal names
+        # another GPU here, or none, when CUDA_VISIBLE_DEVICES differs between the two processes.
+        device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
+        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, device)
+
+    def holding(self, obj: Any) -> Region:
+        """Remember ``obj``, the client's own device buffer this region was registered from:
+        tensors viewing it are then found by `priod.client.torch_face.where`, and holding it keeps a
+        caching allocator (PyTorch's, CuPy's) from handing its memory out again before `free`."""
+        from priod.client.cuda_ipc import device_span
+
+        self._held, self._held_pointer = obj, device_span(obj)[0]
+        return self
+
+    def address(self, on_gpu: bool) -> int | None:
+        """The region's first byte in this process, where it is mapped here: on the GPU
+        (``on_gpu``: `device_view` opened, or a registered buffer) or the host (``array``)."""
+        if not on_gpu:
+            return None if self.array is None else int(self.array.ctypes.data)
+        if self._held_pointer is not None:
+            return self._held_pointer
+        return None if self._view is None else int(self._view.pointer)
+
+    def device_view(self) -> Any:
+        """This region's device memory as an object with ``__cuda_array_interface__`` (uint8),
+        opened once and kept until `free` (see `cuda` for one you close yourself)."""
+        if self._held is not None:
+            from priod.client.cuda_ipc import DeviceBytes, local_ordinal
+
+            device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
+            return DeviceBytes(self._held, self._held_pointer or 0, self.nbytes, device)
+        if self._view is None:
+            self._view = self.cuda()
+        return self._view
+
+    def torch(self, dtype: Any = None, shape: Any = None) -> Any:
+        """A torch tensor viewing this region (no copy), of ``dtype`` (default ``torch.uint8``)
+        and ``shape`` (default 1-D; one entry may be -1). Host regions (and sim device regions) are
+        viewed through ``array``, device regions of the cuda engine through their CUDA IPC mapping
+        (opened on first use, closed by ``free``), a ``register_device``'d buffer as itself. The
+        region's size must be a multiple of the element size; the view is valid until the region
+        is freed or its connection closed."""
+        torch = import_torch()
+        dtype = torch.uint8 if dtype is None else dtype
+        if self.array is not None:
+            flat = torch.from_numpy(self.array)
+        elif self.kind == "host" or self.export.get("kind") == "memfd":
+            raise InvalidRequest(f"{self!r} is not mapped in this process any more (freed, or its connection closed)")
+        else:
+            buf = self.device_view()
+            # the buffer's own GPU: a bare "cuda" is the current device, and torch would copy to it
+            flat = torch.as_tensor(buf, device=f"cuda:{buf.device}")
+        size = torch.empty((), dtype=dtype).element_size()
+        if self.nbytes % size:
+            raise InvalidRequest(f"{self!r} holds {self.nbytes} bytes, not a whole number of {dtype} elements ({size} bytes each)")
+        view = flat.view(dtype)
+        if shape is None:
+            return view
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        try:
+            return view.view(shape)
+        except RuntimeError as exc:
+            raise InvalidRequest(f"{self!r} as {dtype} has {view.numel()} elements, which shape {shape} does not fit: {exc}") from None
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """DLPack export of the region's bytes (uint8, 1-D): ``torch.from_dlpack(region)``,
+        ``np.from_dlpack(region)`` for host regions."""
+        if self.array is not None:
+            return self.array.__dlpack__(**kwargs)
+        return self.torch().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        if self.array is not None:
+            return (1, 0)  # kDLCPU
+        from priod.client.cuda_ipc import local_ordinal
+
+        return (2, local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0)  # kDLCUDA
+
+    def unmap(self) -> None:
+        self._held = self._held_pointer = None
+        if self._view is not None:
+            view, self._view = self._view, None
+            view.close()
+        self.array = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when that view goes
+            self._mapping = None
+
+    def __repr__(self) -> str:
+        return f"<priod.Region {self.id} {self.kind} {self.nbytes} bytes>"
+
+
+def no_permission(path: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"cannot connect to {path}: permission denied by the socket's mode; "
+        "ask an administrator to add your user to the socket's group (priod; see docs/operations.md)"
+    )
+
+
+def no_daemon(path: str, exc: OSError) -> ConnectionClosed:
+    return ConnectionClosed(f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path")
+
+
+async def discover(deadline: float) -> str:
+    """`find_socket`, tried again until ``deadline`` (``time.monotonic()``): a daemon that is
+    starting has not made its socket yet."""
+    while True:
+        try:
+            return find_socket()
+        except ConnectionClosed:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
+def check_owner(sock: socket.socket, path: str, expect_uid: int | None) -> None:
+    """Refuse a daemon that does not run as ``expect_uid`` (SO_PEERCRED: who called listen())."""
+    if expect_uid is None:
+        return
+    uid = peer_credentials(sock).uid
+    if uid != expect_uid:
+        raise PermissionDenied(
+            f"the socket {path} is served by a process of uid {uid}, not of uid {expect_uid} as expected (expect_uid); "
+            "another user may have taken the socket path: check which process listens there before sending it your data"
+        )
+
+
+def _with_handles(options: Any) -> Any:
+    """``options`` with its events as handle bytes (whatever names them: `event_handle`)."""
+    if options.get("wait_event") is None and options.get("signal_event") is None:
+        return options
+    out = dict(options)
+    for key in ("wait_event", "signal_event"):
+        if out.get(key) is not None:
+            out[key] = event_handle(out[key])
+    return out
+
+
+def copy_request(dst: Region, src: Region, nbytes: int | None, options: CopyOptions) -> Copy:
+    if nbytes is None:
+        nbytes = min(dst.nbytes - options.get("dst_offset", 0), src.nbytes - options.get("src_offset", 0))
+    return Copy(dst.id, src.id, nbytes, **_with_handles(options))
+
+
+def batch_request(dst: Region, src: Region, segments: Any, options: BatchOptions, max_frame: int) -> CopyBatch:
+    raw = encode_segments(segments)
+    if len(raw) + BATCH_FRAME_SLACK > max_frame:
+        raise InvalidRequest(
+            f"{len(raw) // 24} segments make a frame of about {len(raw) + BATCH_FRAME_SLACK} bytes, over the daemon's "
+            f"max_frame_bytes = {max_frame}; split them into batches of at most {(max_frame - BATCH_FRAME_SLACK) // 24} segments"
+        )
+    return CopyBatch(dst.id, src.id, raw, **_with_handles(options))
+
+
+def cuda_register_request(obj: Any) -> tuple[RegisterDevice, tuple[int, ...]]:
+    """The register_device request for a CUDA buffer, and the fds to send beside it (the
+    allocation's POSIX fd for ``cuMemCreate`` memory, the pool's for a stream-ordered pool's,
+    which the caller then owns)."""
+    from priod.client.cuda_ipc import export_device_buffer, gpu_uuid
+
+    buf = export_device_buffer(obj)
+    try:
+        # ``device`` is this process's ordinal; the UUID is what the daemon goes by (its ordinals
+        # may differ). The ordinal still goes along for a daemon that predates UUIDs.
+        uuid = gpu_uuid(buf.device)
+    except BaseException:
+        if buf.fd >= 0:
+            os.close(buf.fd)
+        raise
+    if buf.kind != "cuda_ipc":  # vmm_fd (handle empty) or pool_fd (handle: the allocation's export data)
+        req = RegisterDevice(buf.handle, buf.nbytes, buf.offset, buf.device, uuid, kind=buf.kind, size=buf.size)
+        return req, (buf.fd,)
+    return RegisterDevice(handle=buf.handle, nbytes=buf.nbytes, offset=buf.offset, device=buf.device, device_uuid=uuid), ()
+
+
+def alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
+    if isinstance(device, str):
+        return AllocDevice(nbytes, device_uuid=device)
+    return AllocDevice(nbytes, device)
+
+
+Reply = tuple[Message, list[int]]
+"""A reply as it arrived, and the fds that came beside it (the receiver owns them)."""
+
+
+def hold_page(reply: Reply) -> HoldPage:
+    """The `HoldPage` a ``hold_page`` reply brings (its memfd beside it)."""
+    msg, fds = reply
+    if len(fds) != 1:
+        close_fds(fds)
+        raise ConnectionClosed(f"the daemon's hold_page reply came with {len(fds)} fds instead of 1; is it a priod of this version?")
+    return HoldPage(fds[0], HoldPageReply.decode(msg).lanes)
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def raise_if_cancelled(req_id: int, timeout: float | None, msg: Message) -> None:
+    """The copy's last reply after a timeout cancelled it: `CopyTimeout` if the cancel took."""
+    exc = error_of(msg)
+    if isinstance(exc, Cancelled):
+        raise CopyTimeout(
+            f"copy {req_id} did not finish within {timeout} s and was cancelled in the daemon: {exc}", exc.bytes_done, exc.segments_done
+        )
+
+
+def progress(msg: Message, decode: Callable[[Message], R]) -> tuple[int, int | None]:
+    """Bytes and (for a batch) whole segments moved, from the last reply of a copy that was
+    asked to stop: cancelled part way, or finished meanwhile. Other errors are raised."""
+    exc = error_of(msg)
+    if isinstance(exc, Cancelled):
+        return exc.bytes_done, exc.segments_done
+    if exc is not None:
+        raise exc
+    result = decode(msg)
+    return result.nbytes, result.segments if isinstance(result, CopyBatchReply) else None
+
+

@@ -1,0 +1,525 @@
+"""Client library: `Client` (asyncio) and `SyncClient` (blocking), speaking docs/protocol.md.
+
+    c = await priod.connect(socket_path)        # or: async with priod.connect(path) as c:
+    h = await c.alloc_host(nbytes)              # h.array: numpy view of the shared memory
+    d = await c.alloc_device(nbytes)            # under sim, d.array too
+    r = await c.copy(d, h, nbytes, priority="urgent")
+    b = await c.copy_batch(d, h, [(0, 0, 4096), (65536, 8192, 4096)])  # many blocks, one request
+    await c.close()
+
+Copies never carry data: they name regions both sides can reach. Replies may come back out of
+order (urgent copies overtake bulk ones); each request waits on its own future. If the
+connection breaks, every waiting request fails with `ConnectionClosed` (its ``__cause__`` says
+why), and no copy is ever reported done that the daemon did not report done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import os
+import socket
+import time
+from collections.abc import Callable, Generator
+from types import TracebackType
+from typing import Any, Generic, Unpack
+
+from priod.client.base import (
+    BUSY_WAIT_S,
+    BatchOptions,
+    BatchResult,
+    CopyOptions,
+    CopyResult,
+    R,
+    Region,
+    Reply,
+    alloc_device_request,
+    batch_request,
+    check_owner,
+    close_fds,
+    copy_request,
+    cuda_register_request,
+    discover,
+    hold_page,
+    no_daemon,
+    no_permission,
+    progress,
+    raise_if_cancelled,
+)
+from priod.client.direct import HoldPage
+from priod.client.torch_face import block_segments, tensor_copy
+from priod.errors import ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
+from priod.wire.frames import REPLY_LIMITS
+from priod.wire.messages import (
+    PROTOCOL_VERSION,
+    AllocHost,
+    Cancel,
+    CopyBatchReply,
+    CopyReply,
+    Free,
+    Hello,
+    HelloReply,
+    Message,
+    OpenHoldPage,
+    Ping,
+    RegionReply,
+    RegisterHost,
+    Request,
+    Share,
+    StatusReply,
+    StatusRequest,
+    error_of,
+    is_progress,
+)
+from priod.wire.transport import FramedSocket
+
+__all__ = [
+    "BatchHandle",
+    "BatchOptions",
+    "BatchResult",
+    "Client",
+    "CopyHandle",
+    "CopyOptions",
+    "CopyResult",
+    "Region",
+    "connect",
+]
+
+
+class _Handle(Generic[R]):
+    """A copy (or batch) in progress: await it (or `wait`) for its result, or `cancel()` it."""
+
+    _decode: Callable[[Message], R]
+
+    def __init__(self, client: Client, req_id: int, future: asyncio.Future[Reply], recorded: asyncio.Future[None] | None = None) -> None:
+        self.client, self.id, self._future = client, req_id, future
+        self._recorded = recorded
+        self.segments_done: int | None = None
+        """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
+
+    async def recorded(self) -> None:
+        """Return once the daemon has recorded this copy's ``signal_event`` behind its last
+        chunk (the copy itself may still be in flight): from then on
+        ``stream.wait_event(event)`` makes ``stream``'s later work wait for the copy's bytes,
+        with no host synchronisation. Raises the copy's error if it ended without recording
+        it (cancelled before its last chunk, failed, or the record failed)."""
+        if self._recorded is None:
+            raise InvalidRequest("this copy was sent without signal_event; pass signal_event= to wait on it from a stream")
+        if not self._recorded.done():
+            either: list[asyncio.Future[Any]] = [self._recorded, self._future]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not self._recorded.done():
+            await self  # the reply came first: it raises why nothing was recorded
+
+    def __await__(self) -> Generator[Any, None, R]:
+        msg, _fds = yield from self._future.__await__()
+        if (exc := error_of(msg)) is not None:
+            raise exc
+        return self._decode(msg)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    async def wait(self, timeout: float | None = None) -> R:
+        """The result; with ``timeout`` (seconds), cancel the copy in the daemon once it passes
+        and raise `CopyTimeout` with how far it got (unless it finished meanwhile)."""
+        if timeout is not None and not self._future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._future), timeout)
+            except TimeoutError:
+                await self._stop()
+                raise_if_cancelled(self.id, timeout, self._future.result()[0])
+        return await self
+
+    async def _stop(self) -> None:
+        """Ask the daemon to cancel, then wait for the copy's own last reply."""
+        if not self._future.done():
+            try:
+                await self.client._request(Cancel(self.id))
+            except PriodError:
+                pass  # finished meanwhile: its own reply says how
+        await asyncio.wait([self._future])
+
+    async def cancel(self) -> int:
+        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had
+        finished). For a batch, `segments_done` then says how many segments landed whole."""
+        await self._stop()
+        nbytes, self.segments_done = progress(self._future.result()[0], self._decode)
+        return nbytes
+
+
+class CopyHandle(_Handle[CopyReply]):
+    """A copy in progress: await it (or `wait`) for its `CopyResult`, or `cancel()` it."""
+
+    _decode = staticmethod(CopyReply.decode)
+
+
+class BatchHandle(_Handle[CopyBatchReply]):
+    """A batch in progress: await it (or `wait`) for its `BatchResult`, or `cancel()` it."""
+
+    _decode = staticmethod(CopyBatchReply.decode)
+
+
+class Client:
+    """An asyncio connection to the daemon. Many requests may be in flight at once."""
+
+    def __init__(self, path: str, name: str = "", expect_uid: int | None = None) -> None:
+        self.path = path
+        self.name = name
+        self.expect_uid = expect_uid
+        """Connect only to a daemon whose process runs as this uid (checked on every connect)."""
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._recorded: dict[int, asyncio.Future[None]] = {}
+        """Copies sent with a signal_event whose record the daemon has not reported yet."""
+        self._sock: FramedSocket | None = None
+        self._closed_exc: PriodError | None = None
+        self.generation = 0
+        self._server: HelloReply | None = None
+        self._regions: list[Region] = []
+
+    @property
+    def server(self) -> HelloReply:
+        """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
+        if self._server is None:
+            raise ConnectionClosed("not connected; use priod.connect()")
+        return self._server
+
+    @classmethod
+    async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> Client:
+        """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
+
+        ``path``: None looks for the socket (`priod.daemon.config.find_socket`), for ``wait_s`` too.
+
+        ``expect_uid``: refuse (`PermissionDenied`) a daemon whose process does not run as this
+        uid, so a socket path that another user took over never gets this client's requests.
+        """
+        deadline = time.monotonic() + wait_s
+        client = cls(path or await discover(deadline), name, expect_uid)
+        await client._open(max(0.0, deadline - time.monotonic()))
+        return client
+
+    async def _open(self, wait_s: float) -> None:
+        start = time.monotonic()
+        deadline = start + wait_s
+        busy_deadline = start + max(wait_s, BUSY_WAIT_S)
+        busy_sleep = 0.002
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                # A Unix stream connect completes at once or fails; it is never "in progress".
+                # With the daemon's listen backlog full it fails with EAGAIN, which asyncio's
+                # sock_connect takes for EINPROGRESS and then reports as connected.
+                sock.connect(self.path)
+                check_owner(sock, self.path, self.expect_uid)
+                break
+            except PermissionError as exc:
+                sock.close()
+                raise no_permission(self.path) from exc
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise no_daemon(self.path, exc) from exc
+                await asyncio.sleep(0.05)
+            except BlockingIOError as exc:
+                sock.close()
+                if time.monotonic() >= busy_deadline:
+                    raise ConnectionClosed(
+                        f"priod at {self.path} accepted no connection for {time.monotonic() - start:.2f} s: its listen backlog "
+                        "is full (EAGAIN), so it is overloaded or stuck; retry later, or pass a longer wait_s"
+                    ) from exc
+                await asyncio.sleep(busy_sleep)
+                busy_sleep = min(busy_sleep * 2, 0.05)
+            except PermissionDenied:
+                sock.close()
+                raise
+            except OSError as exc:
+                sock.close()
+                raise ConnectionClosed(f"cannot connect to priod at {self.path}: {exc}") from exc
+        self.generation += 1
+        self._closed_exc = None
+        self._sock = FramedSocket(sock, max_output=1 << 30, limits=REPLY_LIMITS)
+        self._sock.set_listener(functools.partial(self._on_replies, self._sock))
+        msg, _ = await self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
+        self._server = HelloReply.decode(msg)
+
+    async def reconnect(self, wait_s: float = 10.0) -> None:
+        """Open a fresh connection (after a daemon restart). Regions of the old one are gone:
+        allocate them again. Pending requests of the old connection have already failed."""
+        await self.close()
+        await self._open(wait_s)
+
+    def _on_replies(self, sock: FramedSocket) -> None:
+        """The transport's listener: replies resolve their requests in the read callback itself
+        (a reader task would cost every reply one more turn of the loop)."""
+        if sock is not self._sock or self._closed_exc is not None:
+            return
+        try:
+            while (item := sock.take()) is not None:
+                msg, fds = item
+                if is_progress(msg):  # not the reply: a copy's signal_event was recorded
+                    close_fds(fds)
+                    rec = self._recorded.pop(msg.get("id", 0), None)
+                    if rec is not None and not rec.done():
+                        rec.set_result(None)
+                    continue
+                if self._recorded:
+                    self._recorded.pop(msg.get("id", 0), None)
+                fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
+                if fut is None or fut.done():
+                    close_fds(fds)
+                    if fut is None and (exc := error_of(msg)) is not None:
+                        # id 0: the daemon refused the connection or closed it for a protocol error
+                        raise exc
+                    continue
+                fut.set_result((msg, fds))
+        except PriodError as exc:
+            self._lost(exc)
+        except Exception as exc:
+            self._lost(ProtocolError(f"unexpected error reading replies: {exc!r}"))
+
+    def _lost(self, cause: PriodError) -> None:
+        """The connection ended (``cause``): close it and fail every request still waiting."""
+        closed = ConnectionClosed(f"connection to priod at {self.path} lost: {cause}")
+        closed.__cause__ = cause
+        if cause.code != "closed":
+            self._closed_exc = cause  # a refusal (permission, limit...) is more useful than "closed"
+        else:
+            self._closed_exc = closed
+        if self._sock is not None:
+            self._sock.set_listener(None)
+            self._sock.close()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self._closed_exc)
+        self._pending.clear()
+        self._recorded.clear()  # their handles see the copy's future fail
+
+    def _send(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> tuple[int, asyncio.Future[Reply]]:
+        if self._closed_exc is not None or self._sock is None or self._sock.closed:
+            close_fds(list(fds))  # they are ours to close from here on, sent or not
+            if self._closed_exc is not None:
+                raise self._closed_exc
+            raise ConnectionClosed("not connected; use priod.connect() or reconnect()")
+        req_id = next(self._ids)
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
+        return req_id, fut
+
+    async def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
+        _, fut = self._send(msg, fds)
+        reply, got = await fut
+        if (exc := error_of(reply)) is not None:
+            close_fds(got)
+            raise exc
+        return reply, got
+
+    async def raw_request(self, msg: Message) -> Message:
+        """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields; raises the
+        error an error reply stands for. For tools and protocol tests; fds that come back are closed."""
+        reply, fds = await self._request(msg)
+        close_fds(fds)
+        return reply
+
+    def _region(self, reply: Reply) -> Region:
+        msg, fds = reply
+        region = Region(RegionReply.decode(msg), fds, self.generation)
+        self._regions.append(region)
+        return region
+
+    def _check_region(self, *regions: Region) -> None:
+        for r in regions:
+            if r.generation != self.generation:
+                raise InvalidRequest(f"{r!r} belongs to an earlier connection; allocate it again after reconnect()")
+
+    # -- regions -----------------------------------------------------------------------------
+    async def hold_page(self) -> HoldPage:
+        """This connection's hold page, for direct urgent copies (`priod.client.direct.DirectCopies`):
+        your own DMA, with the daemon holding bulk back on the lane while each is under way."""
+        return hold_page(await self._request(OpenHoldPage()))
+
+    async def alloc_host(self, nbytes: int) -> Region:
+        """A host region: a memfd the daemon maps and pins once; ``.array`` is your view of it."""
+        return self._region(await self._request(AllocHost(nbytes)))
+
+    async def register_host(self, fd: int, nbytes: int) -> Region:
+        """Share your own memfd (sealed with F_SEAL_SHRINK) as a host region. ``fd`` stays yours."""
+        msg, got = await self._request(RegisterHost(nbytes), (os.dup(fd),))
+        close_fds(got)
+        return self._region((msg, [os.dup(fd)]))  # map our own copy, so .array works as for alloc_host
+
+    async def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
+        """Device memory the daemon allocates; sim: ``.array`` maps it; cuda: ``.cuda()`` opens it.
+
+        ``device``: the GPU's UUID (``GPU-...``; `priod.client.cuda_ipc.gpu_uuid` gives it for one of
+        your ordinals), or the daemon's ordinal of it. Name it by UUID wherever your
+        CUDA_VISIBLE_DEVICES may differ from the daemon's (containers): your ordinal 0 may be
+        the daemon's gpu3.
+        """
+        return self._region(await self._request(alloc_device_request(nbytes, device)))
+
+    async def register_device(self, obj: Any) -> Region:
+        """Share your own GPU buffer: a CUDA tensor of any dtype (PyTorch's caching allocator in
+        its default mode, or with expandable segments: then the buffer must lie within one of
+        its pages), or anything with ``__cuda_array_interface__``, also memory of a
+        stream-ordered pool created with POSIX fd handles (``cudaMallocAsync`` from a
+        shareable pool; a device's default pool is not). The region holds a reference to it
+        until `free`; tensors viewing it then name it in `copy_tensor`."""
+        req, fds = cuda_register_request(obj)  # the fd of cuMemCreate or pool memory: closed once sent
+        return self._region(await self._request(req, fds)).holding(obj)
+
+    async def free(self, region: Region) -> None:
+        self._check_region(region)
+        await self._request(Free(region.id))
+        region.unmap()
+
+    async def share(self, region: Region, uid: int) -> None:
+        """Let connections of ``uid`` name this region in their copies (not free or share it)."""
+        self._check_region(region)
+        await self._request(Share(region.id, uid))
+
+    # -- copies ------------------------------------------------------------------------------
+    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyHandle:
+        """Send a copy and return at once; await the handle for its result.
+
+        ``nbytes`` defaults to as much as both regions hold past their offsets; the direction
+        comes from the regions' kinds.
+        """
+        self._check_region(dst, src)
+        req = copy_request(dst, src, nbytes, options)
+        req_id, fut = self._send(req)
+        return CopyHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
+
+    def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> BatchHandle:
+        """Send many copies between ``src`` and ``dst`` as one request and return at once.
+
+        ``segments``: an (N, 3) integer array or a sequence of ``(dst_offset, src_offset,
+        nbytes)`` triples, at most ``priod.wire.batch.MAX_SEGMENTS`` of them; every segment must fit
+        its region, and no two destination segments (nor, in one memory, a destination and a
+        source segment) may overlap. The daemon checks all of them before queuing any, and
+        schedules the batch as one copy of its class. One reply: total bytes, segment count,
+        timings. Cancelled or failed, the error's ``segments_done`` says how many of the first
+        segments landed whole.
+        """
+        self._check_region(dst, src)
+        req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
+        req_id, fut = self._send(req)
+        return BatchHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
+
+    def _expect_record(self, req_id: int, signal_event: bytes | None) -> asyncio.Future[None] | None:
+        if signal_event is None:
+            return None
+        fut = self._recorded[req_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def copy(
+        self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]
+    ) -> CopyResult:
+        """Copy ``nbytes`` from ``src`` to ``dst`` and wait for it (see `start_copy`).
+
+        With ``timeout`` (seconds), a copy still unfinished then is cancelled in the daemon and
+        `CopyTimeout` raised, carrying ``bytes_done``. If the awaiting task is cancelled, the
+        copy is cancelled in the daemon too.
+        """
+        return await self._wait(self.start_copy(dst, src, nbytes, **options), timeout)
+
+    async def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
+        """Copy every segment and wait for the batch (see `start_copy_batch`; ``timeout`` as
+        for `copy`, the `CopyTimeout` carrying ``segments_done`` too)."""
+        return await self._wait(self.start_copy_batch(dst, src, segments, **options), timeout)
+
+    # -- tensors (priod.client.torch_face) ----------------------------------------------------------
+    def start_copy_tensor(self, dst: Any, src: Any, **options: Unpack[BatchOptions]) -> CopyHandle:
+        """Copy tensor ``src`` into tensor ``dst`` (any dtypes, the same number of bytes; each a
+        contiguous view of a region of this connection: `Region.torch`, or a tensor given to
+        `register_device`) and return at once. The copy moves bytes: make sure the kernels that
+        wrote ``src`` have finished (``torch.cuda.current_stream().synchronize()``)."""
+        d, s = tensor_copy(dst, src, self._regions)
+        return self.start_copy(d.region, s.region, d.nbytes, dst_offset=d.offset, src_offset=s.offset, **options)
+
+    async def copy_tensor(self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> CopyResult:
+        """`start_copy_tensor` and wait for it (``timeout`` as for `copy`)."""
+        return await self._wait(self.start_copy_tensor(dst, src, **options), timeout)
+
+    def start_copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchHandle:
+        """Copy block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst`` as one
+        `start_copy_batch`. ``dst``, ``src``: paged caches as tensors viewing regions (blocks
+        along ``block_dim``; K/V or layer dimensions before it) or regions holding blocks of
+        ``block_bytes`` end to end (`priod.client.torch_face.block_segments`)."""
+        d, s, segments = block_segments(dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes)
+        return self.start_copy_batch(d, s, segments, **options)
+
+    async def copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchResult:
+        """`start_copy_blocks` and wait for it (``timeout`` as for `copy_batch`)."""
+        return await self._wait(self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options), timeout)
+
+    async def _wait(self, handle: _Handle[R], timeout: float | None) -> R:
+        try:
+            return await handle.wait(timeout)
+        except asyncio.CancelledError:
+            if self._sock is not None and not self._sock.closed and self._closed_exc is None:
+                try:
+                    self._send(Cancel(handle.id))
+                except PriodError:
+                    pass
+            raise
+
+    async def status(self) -> dict[str, Any]:
+        msg, _ = await self._request(StatusRequest())
+        return StatusReply.decode(msg).status
+
+    async def ping(self) -> None:
+        await self._request(Ping())
+
+    async def close(self) -> None:
+        """Close the connection; the daemon releases this connection's regions."""
+        if self._sock is not None and self._closed_exc is None:
+            self._lost(ConnectionClosed("connection closed by this client"))
+        if self._sock is not None:
+            self._sock.close()
+        for region in self._regions:
+            region.unmap()
+        self._regions.clear()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+
+class _Connecting:
+    """What `connect` returns: await it for a `Client`, or use it with ``async with``."""
+
+    def __init__(self, path: str | None, name: str, wait_s: float, expect_uid: int | None) -> None:
+        self._args = (path, name, wait_s, expect_uid)
+        self._client: Client | None = None
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        path, name, wait_s, expect_uid = self._args
+        return Client.connect(path, name=name, wait_s=wait_s, expect_uid=expect_uid).__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self
+        return self._client
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> _Connecting:
+    """Connect to the daemon at ``path`` (default: the first that exists of $PRIOD_SOCKET,
+    $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.daemon.config.find_socket`);
+    with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`)."""
+    return _Connecting(path, name, wait_s, expect_uid)
+
+
+# The blocking client lives in sync_client.py; both are importable from here, as from `priod`.

@@ -1,0 +1,367 @@
+"""`SyncClient`: the client's API, blocking, for code without an event loop.
+
+One request at a time on one socket; ``spin_us`` busy-polls for a reply before sleeping, since
+waking a sleeping process costs more than an urgent copy. Copies may also be started and polled
+(`start_copy`, `start_copy_batch`: handles with ``poll``, ``wait`` and ``cancel``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Generic, Unpack
+
+from priod.client.base import (
+    BatchOptions,
+    BatchResult,
+    CopyOptions,
+    CopyResult,
+    R,
+    Region,
+    Reply,
+    alloc_device_request,
+    batch_request,
+    check_owner,
+    close_fds,
+    copy_request,
+    cuda_register_request,
+    hold_page,
+    no_daemon,
+    no_permission,
+    progress,
+    raise_if_cancelled,
+)
+from priod.client.direct import HoldPage
+from priod.client.torch_face import block_segments, tensor_copy
+from priod.common.socket_path import find_socket
+from priod.errors import InvalidRequest, PriodError
+from priod.wire.messages import (
+    PROTOCOL_VERSION,
+    AllocHost,
+    Cancel,
+    CopyBatchReply,
+    CopyReply,
+    Free,
+    Hello,
+    HelloReply,
+    Message,
+    OpenHoldPage,
+    Ping,
+    RegionReply,
+    RegisterHost,
+    Request,
+    Share,
+    StatusReply,
+    StatusRequest,
+    error_of,
+    is_progress,
+)
+from priod.wire.transport import BlockingFramedSocket
+
+__all__ = ["DEFAULT_SPIN_US", "SyncBatchHandle", "SyncClient", "SyncCopyHandle"]
+
+DEFAULT_SPIN_US = 200.0
+"""How long a `SyncClient` busy-polls for a reply before it sleeps in ``recv``. Measured on the
+2-vCPU VM (sim engine, 64-byte copy): a client that sleeps at once waits 136-142 us for a reply
+that a spinning one has at 58 us; the difference is waking the sleeping process (a virtual CPU
+that halted). A small copy's round trip fits in 200 us; a longer wait costs at most that much
+CPU before the client sleeps."""
+
+
+class _SyncHandle(Generic[R]):
+    """A copy (or batch) started by `SyncClient.start_copy` / `start_copy_batch`: `poll` it
+    without blocking, `wait` for it, or `cancel` it. Other requests may go meanwhile."""
+
+    _decode: Callable[[Message], R]
+
+    def __init__(self, client: SyncClient, req_id: int, signalled: bool = False) -> None:
+        self.client, self.id = client, req_id
+        self._signalled = signalled
+        self._reply: Message | None = None
+        self.segments_done: int | None = None
+        """After `cancel` of a batch: how many of its segments (the first ones) landed whole."""
+
+    def done(self) -> bool:
+        return self.poll_reply(0.0) is not None
+
+    def poll_reply(self, timeout: float) -> Message | None:
+        """The copy's reply if it came within ``timeout`` seconds (0: never blocks)."""
+        if self._reply is None:
+            self._reply = self.client._take(self.id, timeout)
+        return self._reply
+
+    def wait_recorded(self, timeout: float | None = None) -> None:
+        """Block until the daemon has recorded this copy's ``signal_event`` behind its last
+        chunk (the copy may still be in flight); see `priod.client.CopyHandle.recorded`. Raises
+        the copy's error if it ended without recording it, TimeoutError after ``timeout`` s."""
+        if not self._signalled:
+            raise InvalidRequest("this copy was sent without signal_event; pass signal_event= to wait on it from a stream")
+        c = self.client
+        deadline = time.perf_counter() + (math.inf if timeout is None else timeout)
+        while self.id not in c._recorded:
+            if self.poll_reply(0.0) is not None:
+                assert self._reply is not None
+                self._result(self._reply)  # the reply came first: it raises why nothing was recorded
+                return
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TimeoutError(f"the daemon did not record copy {self.id}'s signal_event within {timeout} s")
+            got = c._sock.receive() if left == math.inf else c._sock.receive_within(left)
+            if got is not None:
+                c._keep(*got)
+
+    def poll(self) -> R | None:
+        """The result if the copy has ended, else None; never blocks. Raises the copy's error."""
+        msg = self.poll_reply(0.0)
+        return None if msg is None else self._result(msg)
+
+    def _result(self, msg: Message) -> R:
+        if (exc := error_of(msg)) is not None:
+            raise exc
+        return self._decode(msg)
+
+    def wait(self, timeout: float | None = None) -> R:
+        """Block for the result; with ``timeout`` (seconds), cancel the copy in the daemon once it
+        passes and raise `CopyTimeout` with how far it got (unless it finished meanwhile)."""
+        msg = self.poll_reply(math.inf if timeout is None else timeout)
+        if msg is None:
+            msg = self._stop()
+            raise_if_cancelled(self.id, timeout, msg)
+        return self._result(msg)
+
+    def _stop(self) -> Message:
+        if self.poll_reply(0.0) is None:
+            try:
+                self.client._request(Cancel(self.id))
+            except PriodError:
+                pass  # finished meanwhile: its own reply says how
+        msg = self.poll_reply(math.inf)
+        assert msg is not None
+        return msg
+
+    def cancel(self) -> int:
+        """Stop at the next chunk boundary; returns the bytes copied (all of them if it had
+        finished). For a batch, `segments_done` then says how many segments landed whole."""
+        nbytes, self.segments_done = progress(self._stop(), self._decode)
+        return nbytes
+
+
+class SyncCopyHandle(_SyncHandle[CopyReply]):
+    """A copy started by `SyncClient.start_copy`."""
+
+    _decode = staticmethod(CopyReply.decode)
+
+
+class SyncBatchHandle(_SyncHandle[CopyBatchReply]):
+    """A batch started by `SyncClient.start_copy_batch`."""
+
+    _decode = staticmethod(CopyBatchReply.decode)
+
+
+class SyncClient:
+    """The same API, blocking, for code without an event loop. One request at a time, except
+    copies started with `start_copy` / `start_copy_batch`, which go on while others are made."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        name: str = "",
+        timeout: float | None = None,
+        spin_us: float = DEFAULT_SPIN_US,
+        expect_uid: int | None = None,
+    ) -> None:
+        """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
+        sleeping (lower latency for urgent copies, at the cost of a core while waiting); 0
+        sleeps at once. The default, `DEFAULT_SPIN_US`, covers a small copy's round trip."""
+        self.path = path or find_socket()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)  # blocking: waits while the daemon's listen backlog is full
+            check_owner(sock, self.path, expect_uid)
+        except PermissionError as exc:
+            sock.close()
+            raise no_permission(self.path) from exc
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise no_daemon(self.path, exc) from exc
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(timeout)
+        self._sock = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
+        self._ids = itertools.count(1)
+        self._regions: list[Region] = []
+        self._started: dict[int, Message | None] = {}
+        """Copies started and not yet collected by their handle: their reply once it came."""
+        self._recorded: set[int] = set()
+        """Started copies whose signal_event the daemon reported recorded (a progress frame)."""
+        msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
+        self.server = HelloReply.decode(msg)
+        """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
+
+    def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
+        req_id = next(self._ids)
+        self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
+        while True:
+            reply, got = self._sock.receive()
+            if is_progress(reply) and reply.get("id") == req_id:
+                close_fds(got)  # a blocking copy() with signal_event: its reply follows
+                continue
+            if reply.get("id") == req_id:
+                if (exc := error_of(reply)) is not None:
+                    close_fds(got)
+                    raise exc
+                return reply, got
+            self._keep(reply, got)
+
+    def _keep(self, reply: Message, fds: list[int]) -> None:
+        """A reply that is not the one awaited: a started copy's is kept for its handle."""
+        close_fds(fds)
+        rid = reply.get("id")
+        if is_progress(reply):
+            if rid in self._started:
+                self._recorded.add(rid)
+            return
+        if rid in self._started:
+            self._started[rid] = reply
+        elif not rid and (exc := error_of(reply)) is not None:
+            raise exc
+
+    def _start(self, msg: Request) -> int:
+        req_id = next(self._ids)
+        self._started[req_id] = None
+        try:
+            self._sock.send(msg.encode(req_id))
+        except BaseException:
+            del self._started[req_id]
+            raise
+        return req_id
+
+    def _take(self, req_id: int, timeout: float) -> Message | None:
+        """A started copy's reply, read within ``timeout`` seconds, else None."""
+        deadline = time.perf_counter() + timeout
+        while self._started.get(req_id) is None:
+            left = deadline - time.perf_counter()
+            got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
+            if got is None:
+                return None
+            self._keep(*got)
+        self._recorded.discard(req_id)
+        return self._started.pop(req_id)
+
+    def raw_request(self, msg: Message) -> Message:
+        """Send ``msg`` as it is (an ``id`` is added) and return the reply's fields (see `Client.raw_request`)."""
+        reply, fds = self._request(msg)
+        close_fds(fds)
+        return reply
+
+    def _region(self, reply: Reply) -> Region:
+        msg, fds = reply
+        region = Region(RegionReply.decode(msg), fds, 1)
+        self._regions.append(region)
+        return region
+
+    def hold_page(self) -> HoldPage:
+        """See `Client.hold_page`."""
+        return hold_page(self._request(OpenHoldPage()))
+
+    def alloc_host(self, nbytes: int) -> Region:
+        return self._region(self._request(AllocHost(nbytes)))
+
+    def register_host(self, fd: int, nbytes: int) -> Region:
+        dup = os.dup(fd)
+        try:
+            msg, got = self._request(RegisterHost(nbytes), (dup,))
+        finally:
+            os.close(dup)
+        close_fds(got)
+        return self._region((msg, [os.dup(fd)]))
+
+    def alloc_device(self, nbytes: int, device: int | str = 0) -> Region:
+        """See `Client.alloc_device`."""
+        return self._region(self._request(alloc_device_request(nbytes, device)))
+
+    def register_device(self, obj: Any) -> Region:
+        """See `Client.register_device`."""
+        req, fds = cuda_register_request(obj)
+        try:
+            reply = self._request(req, fds)
+        finally:
+            close_fds(list(fds))  # the daemon got its own copy of the allocation's (the pool's) fd
+        return self._region(reply).holding(obj)
+
+    def free(self, region: Region) -> None:
+        self._request(Free(region.id))
+        region.unmap()
+
+    def share(self, region: Region, uid: int) -> None:
+        self._request(Share(region.id, uid))
+
+    def copy(self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
+        """Copy and wait for it (see `Client.start_copy`; ``timeout`` as in `Client.copy`)."""
+        if timeout is not None:
+            return self.start_copy(dst, src, nbytes, **options).wait(timeout)
+        msg, _ = self._request(copy_request(dst, src, nbytes, options))
+        return CopyReply.decode(msg)
+
+    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> SyncCopyHandle:
+        """Send a copy and return at once (see `Client.start_copy`)."""
+        req = copy_request(dst, src, nbytes, options)
+        return SyncCopyHandle(self, self._start(req), req.signal_event is not None)
+
+    def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
+        """Copy every segment and wait for the batch (see `Client.start_copy_batch`)."""
+        return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
+
+    def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> SyncBatchHandle:
+        """Send a batch and return at once (see `Client.start_copy_batch`)."""
+        req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
+        return SyncBatchHandle(self, self._start(req), req.signal_event is not None)
+
+    def copy_tensor(self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> CopyResult:
+        """Copy tensor ``src`` into tensor ``dst`` and wait (see `Client.start_copy_tensor`)."""
+        return self.start_copy_tensor(dst, src, **options).wait(timeout)
+
+    def start_copy_tensor(self, dst: Any, src: Any, **options: Unpack[BatchOptions]) -> SyncCopyHandle:
+        """Send a tensor copy and return at once (see `Client.start_copy_tensor`)."""
+        d, s = tensor_copy(dst, src, self._regions)
+        return self.start_copy(d.region, s.region, d.nbytes, dst_offset=d.offset, src_offset=s.offset, **options)
+
+    def copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchResult:
+        """Copy paged blocks as one batch and wait (see `Client.start_copy_blocks`)."""
+        return self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options).wait(timeout)
+
+    def start_copy_blocks(
+        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, **options: Unpack[BatchOptions]
+    ) -> SyncBatchHandle:
+        """Send paged blocks as one batch and return at once (see `Client.start_copy_blocks`)."""
+        d, s, segments = block_segments(dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes)
+        return self.start_copy_batch(d, s, segments, **options)
+
+    def status(self) -> dict[str, Any]:
+        msg, _ = self._request(StatusRequest())
+        return StatusReply.decode(msg).status
+
+    def ping(self) -> None:
+        self._request(Ping())
+
+    def close(self) -> None:
+        self._sock.close()
+        for region in self._regions:
+            region.unmap()
+        self._regions.clear()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+

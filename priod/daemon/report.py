@@ -1,0 +1,125 @@
+"""What the daemon reports about itself: `priod status` and the Prometheus gauges.
+
+Counters move where things happen (metrics.py, per copy); the gauges here are snapshots, taken
+once a second and on a reload, of the scheduler's queues and bytes in flight, the engine's busy
+time, the urgent paths' latencies and the clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+from priod._version import __version__
+from priod.daemon.metrics import lane_labels
+from priod.wire.transport import Peer
+
+if TYPE_CHECKING:
+    from priod.daemon.server import Daemon
+
+__all__ = ["refresh_metrics", "refresh_metrics_loop", "status"]
+
+
+def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
+    """The daemon's state for `priod status`. ``viewer``: who asks; root, the daemon's own
+    uid and the daemon itself (None) see every client, anyone else only its own uid's
+    connections and holdings beside the totals."""
+    mine = None if viewer is None or d.admission.privileged(viewer.uid) else viewer.uid
+    if d.pump.holds.pages:
+        d.pump.scan_holds()  # direct copies since the last submission are counted too
+    st = d.scheduler.statistics()
+    inflight: dict[str, int] = {}
+    for ls in st.lanes:
+        for path, n in (("dma", ls.inflight_bytes + ls.strict_inflight_bytes), ("express", ls.express_inflight_bytes)):
+            if n:
+                inflight[f"{ls.lane}/{path}"] = n
+    return {
+        "version": __version__,
+        "backend": d.engine.name,
+        "socket": d.cfg.socket_path,
+        "uptime_s": round(time.time() - d.started_at, 3),
+        "mode": st.mode,
+        "stopping": d.stopping,
+        "max_block_us": d.cfg.scheduler.max_block_us,
+        "classes": [{"name": c.name, "weight": c.weight, "strict": c.strict} for c in st.classes],
+        "gpus": [{"index": i, "uuid": u} for i, u in sorted(d.engine.device_uuids().items())],
+        "host_bandwidth_gbps": round(d.engine.host_bandwidth() / 1e9, 3),
+        "lanes": [
+            {
+                "lane": ls.lane,
+                "gpu": d.engine.device_uuid(ls.device),
+                **({"peer_gpu": d.engine.device_uuid(ls.peer)} if ls.peer is not None else {}),
+                "bandwidth_gbps": round(ls.bandwidth / 1e9, 3),
+                "chunk_bytes": ls.chunk_bytes,
+                "inflight_bound": ls.inflight_bound,
+                "express_range": [ls.express_min, ls.express_max],
+                "queued_requests": ls.queued_requests,
+                "queued_bytes": ls.queued_bytes,
+                "inflight_bytes": ls.inflight_bytes,
+                "strict_inflight_bytes": ls.strict_inflight_bytes,
+                "express_inflight_bytes": ls.express_inflight_bytes,
+                "urgent_chunk_bytes": ls.urgent_chunk_bytes,
+                "urgent_inflight_bound": ls.urgent_inflight_bound,
+                "batch_chunk_bytes": ls.batch_chunk_bytes,
+                "batch_inflight_bound": ls.batch_inflight_bound,
+                "beat_chunk_bytes": ls.beat_chunk_bytes,
+                "beat_inflight_bound": ls.beat_inflight_bound,
+                "urgent_beat_us": None if ls.beat_us is None else round(ls.beat_us, 1),
+                "host_scale": round(ls.host_scale, 4),
+            }
+            for ls in st.lanes
+        ],
+        "urgent_paths": [dataclasses.asdict(e) for e in d.scheduler.path_estimates()],
+        "inflight_chunks": d.pump.inflight_chunks,
+        "polls": d.pump.polls,
+        "held_copies": len(d.pump.gates),
+        "direct": d.pump.holds.figures(),
+        "event_polls": d.pump.gates.polls,
+        "lane_bytes": {str(lane): n for lane, n in sorted(d.pump.lane_bytes.items())},
+        "inflight_bytes": inflight,
+        "deadline_misses": st.deadline_misses,
+        "finished": st.finished,
+        "totals": dict(d.totals),
+        "clients": [s.figures() for s in d.sessions.values() if mine is None or s.peer.uid == mine],
+        "clients_total": len(d.sessions),
+        "uids": [t.figures() for t in d.regions.all_uid_holdings() if mine is None or t.uid == mine],
+        "holdings": d.regions.figures(),
+        "engine": d.engine.statistics(),
+    }
+
+
+async def refresh_metrics_loop(d: Daemon) -> None:
+    while True:
+        refresh_metrics(d)
+        await asyncio.sleep(1.0)
+
+
+def refresh_metrics(d: Daemon) -> None:
+    m = d.metrics
+    m.set_engine(d.engine.name)
+    # Scheduler and path figures name lanes by their text; the labels come from the key.
+    keys = {str(info.key): info.key for info in d.engine.lanes()}
+    st = d.scheduler.statistics()
+    for ls in st.lanes:
+        gpu, direction = lane_labels(keys[ls.lane], m.gpu_names)
+        for cls, n in ls.queued_requests.items():
+            m.queued_requests.labels(gpu, direction, cls).set(n)
+        for cls, n in ls.queued_bytes.items():
+            m.queued_bytes.labels(gpu, direction, cls).set(n)
+        m.inflight.labels(gpu, direction, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
+        m.inflight.labels(gpu, direction, "express").set(ls.express_inflight_bytes)
+        m.urgent_beat.labels(gpu, direction).set(0.0 if ls.beat_us is None else ls.beat_us / 1e6)
+    for lane, seconds in d.engine.busy_seconds().items():
+        m.add_busy(lane, seconds)
+    for e in d.scheduler.path_estimates():
+        gpu, direction = lane_labels(keys[e.lane], m.gpu_names)
+        for path, us in (("express", e.express_us), ("dma", e.dma_us)):
+            if us is not None:
+                m.urgent_path_latency.labels(gpu, direction, path, str(e.size_bytes), e.form).set(us / 1e6)
+    holds = d.pump.holds
+    for key in holds.copies.keys() | holds.cut.keys() | holds.stepped_back.keys():
+        m.add_direct(key, holds.copies.get(key, 0), holds.cut.get(key, 0), holds.stepped_back.get(key, 0))
+    m.clients.set(len(d.sessions))
+    m.pinned.set(sum(s.holdings.pinned_bytes for s in d.sessions.values()))

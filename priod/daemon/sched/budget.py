@@ -1,0 +1,115 @@
+"""What one client may have on one lane: its urgent budget and its chunks in flight. Pure logic.
+
+Part of the scheduler (scheduler.py drives it; nothing else imports it). Why it exists: the
+strict class holds bulk back while it is queued or in flight, so without a limit one client's
+urgent flood would take the lane from everyone else (docs/design.md, promise 7); and one
+client's flood of small copies would fill the engine's FIFO queue ahead of others (promise 6).
+
+- A *tenant* is a uid, or the connection where the uid is unknown (`TenantKey`); each lane
+  keeps one `Tenant` per client that has requests there or has spent tokens lately.
+- The urgent budget is a token bucket of strict bytes (``urgent_budget_bytes_per_s``, or
+  ``urgent_budget_share`` of the lane if lower; ``urgent_burst_bytes`` deep) and a cap on the
+  strict bytes admitted and not yet finished (``urgent_inflight_bytes``). A strict request is
+  charged once, when it first comes up for service (`admit`; express copies count like DMA
+  ones). Nothing waits for tokens, so no timer is needed: a request past the budget is served
+  as the highest-weight non-strict class instead, for good (dispatch.py).
+- The in-flight cap: a tenant has at most ``depth`` chunks in flight per lane of each kind
+  (`EXPRESS`, `STRICT`, `BULK`); its class groups wait off their rings while it is at the cap
+  (``parked``; queues.py parks and unparks them).
+
+No clocks: the caller passes ``now``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+from priod.wire.batch import SEGMENT_COST_S
+
+if TYPE_CHECKING:
+    from priod.daemon.sched.lanes import Lane
+    from priod.daemon.sched.queues import Group, Track
+
+EXPRESS, STRICT, BULK = 0, 1, 2
+"""Kinds of chunk in flight, counted per tenant: express, strict DMA, non-strict DMA."""
+
+TenantKey = tuple[str, Hashable]
+"""``("uid", uid)``, or ``("owner", connection)`` where the uid is unknown."""
+
+
+class Tenant:
+    """One client on one lane: its urgent budget and its chunks in flight."""
+
+    __slots__ = ("inflight", "parked", "pending", "stamp", "tokens", "tracks")
+
+    def __init__(self, tokens: float, now: float) -> None:
+        self.tokens = tokens
+        """The token bucket of strict bytes, refilled lazily from ``stamp``."""
+        self.stamp = now
+        self.pending = 0
+        """Strict bytes admitted and not finished (``urgent_inflight_bytes`` bounds it)."""
+        self.inflight = [0, 0, 0]
+        """Chunks in flight by kind (EXPRESS, STRICT, BULK); each is at most ``depth``."""
+        self.parked: list[Group] = []
+        """Its class groups taken off their rings while it was at a cap; put back on a completion."""
+        self.tracks = 0
+        """Its requests on this lane, queued or in flight."""
+
+
+def tenant(lane: Lane, key: TenantKey, now: float) -> Tenant:
+    """``key``'s tenant on ``lane``; a new one with a full bucket where the lane has none."""
+    tenant = lane.tenants.get(key)
+    if tenant is None:
+        if len(lane.tenants) >= lane.sweep_at:
+            sweep(lane, now)
+        tenant = lane.tenants[key] = Tenant(lane.burst, now)
+    return tenant
+
+
+def refill(lane: Lane, tenant: Tenant, now: float) -> None:
+    if now > tenant.stamp:
+        tenant.tokens = min(lane.burst, tenant.tokens + lane.budget_rate * (now - tenant.stamp))
+        tenant.stamp = now
+
+
+def admit(t: Track, now: float) -> bool:
+    """Charge a strict request to its tenant's budget; False: past it (nothing charged).
+
+    A request costs its bytes (a batch, its segments' engine time as bytes too), but at least
+    one short-bound chunk of the lane (``urgent_chunk_bytes``, capped at the burst) while the
+    lane has non-strict work queued or in flight: bulk is then held while the copy is queued or
+    in flight by DMA, which costs the others about that much however small the copy. With none,
+    holding costs no one anything, and the copy costs its bytes (a client's tiny urgent copies on
+    an idle lane do not spend the budget it will need once bulk comes).
+    """
+    lane, tenant, req = t.lane, t.tenant, t.req
+    left = req.nbytes - req.submitted_bytes
+    if req.segments is not None:
+        # A batch also costs the engine time per segment, as its chunks are cut (batch.py): an
+        # urgent batch of many tiny segments holds bulk back far longer than its bytes say.
+        left += len(req.segments) * int(lane.info.bandwidth * SEGMENT_COST_S)
+    cost = left
+    if (lane.inflight or lane.rr) and lane.min_strict_cost > left:
+        cost = lane.min_strict_cost
+    if now > tenant.stamp:  # `refill`, inline (min() too): this runs once per urgent copy
+        tokens = tenant.tokens + lane.budget_rate * (now - tenant.stamp)
+        tenant.tokens = tokens if tokens < lane.burst else lane.burst
+        tenant.stamp = now
+    if cost > tenant.tokens or tenant.pending + cost > lane.pending_cap:
+        return False
+    tenant.tokens -= cost
+    tenant.pending += cost
+    t.charged = cost
+    t.admitted = True
+    return True
+
+
+def sweep(lane: Lane, now: float) -> None:
+    """Forget tenants with no requests whose bucket is full again (nothing is lost by it)."""
+    for key, tenant in list(lane.tenants.items()):
+        if not tenant.tracks:
+            refill(lane, tenant, now)
+            if tenant.tokens >= lane.burst:
+                del lane.tenants[key]
+    lane.sweep_at = max(64, 2 * len(lane.tenants))

@@ -1,0 +1,461 @@
+"""A session: one client connection, from its first frame to its last reply.
+
+    frame -> messages.decode_request -> handler -> reply frame
+    copy  -> copies.take_copy: checks (regions, bounds, limits) -> scheduler.enqueue -> pump.kick
+    copy_batch -> copies.take_batch: the same, its segment table checked as a unit (batch.py)
+          ... pump -> `Session.copy_finished` -> reply frame, metrics, log line
+
+Requests are handled in arrival order, without awaiting, except region set-up (pinning takes
+milliseconds per GiB, so it runs on a worker thread while other sessions go on). Nothing a
+client sends can stop the daemon or touch another client's memory: every request is checked
+against the regions this session may use, every failure is answered with an error reply, and a
+session that breaks the protocol is closed alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import os
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from priod._version import __version__
+from priod.common.types import Direction
+from priod.daemon.config import Config
+from priod.daemon.copies import PendingCopy, cancel_copy, copy_finished, copy_log_fields, count_pending, outcome_reply, take_batch, take_copy
+from priod.daemon.engines.base import Engine
+from priod.daemon.gates import EventTable
+from priod.daemon.log import error_fields
+from priod.daemon.metrics import Metrics
+from priod.daemon.pump import Pump
+from priod.daemon.region_requests import RegionRequests
+from priod.daemon.regions import Holdings, RegionTable
+from priod.daemon.sched.scheduler import Finished, Scheduler
+from priod.daemon.sched.scheduler import Request as QueuedCopy
+from priod.errors import ConnectionClosed, NotFound, PriodError, ProtocolError, RequestError
+from priod.wire.batch import MAX_SEGMENTS, SEGMENT_BYTES
+from priod.wire.messages import (
+    PROTOCOL_VERSION,
+    AllocDevice,
+    AllocHost,
+    Cancel,
+    Copy,
+    CopyBatch,
+    Free,
+    Hello,
+    Message,
+    OpenHoldPage,
+    Ping,
+    RegisterDevice,
+    RegisterHost,
+    Share,
+    StatusRequest,
+    decode_request,
+    request_id,
+)
+from priod.wire.replies import PROGRESS_SIGNAL_RECORDED, CancelReply, Empty, ErrorReply, HelloReply, HoldPageReply, StatusReply, progress_frame
+from priod.wire.transport import FramedSocket, Peer, close_received
+
+__all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]  # the first and last from copies.py, for the server
+
+log = structlog.get_logger("priod.daemon.session")
+
+REQUESTS_PER_TURN = 64
+"""Requests of one connection handled in one loop turn; the rest wait a turn, so a client
+that sends thousands at once cannot hold the loop from the others."""
+SEGMENTS_PER_TURN = MAX_SEGMENTS
+"""Batch segments one connection's requests may bring in one loop turn: checking a table costs
+O(N log N) of the loop (a few milliseconds for the largest), so a client sending batch after
+batch ends its turn after one of the largest and other clients are served between."""
+
+
+
+@dataclass(eq=False)
+class Shared:
+    """What every session reaches: the daemon's parts and its settings of the moment."""
+
+    cfg: Config
+    """Replaced on reload."""
+    engine: Engine
+    scheduler: Scheduler
+    pump: Pump
+    regions: RegionTable
+    metrics: Metrics
+    status: Callable[[Peer | None], dict[str, Any]]
+    """`Daemon.status`, given who asks (None: everything)."""
+    sessions: dict[int, Session] = field(default_factory=dict)
+    totals: dict[str, int] = field(default_factory=lambda: {"copies": 0, "bytes": 0, "refused": 0, "protocol_errors": 0})
+    stopping: bool = False
+    request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+
+class Session:
+    """One client connection: its pending copies, its regions, its replies."""
+
+    def __init__(self, session_id: int, sock: FramedSocket, peer: Peer, shared: Shared) -> None:
+        self.id = session_id
+        self.sock = sock
+        self.peer = peer
+        self.shared = shared
+        self.holdings: Holdings = shared.regions.holdings(peer.uid)
+        self.pending: dict[int, QueuedCopy] = {}
+        """Copies queued or in flight, by the client's request id."""
+        self.queued_bytes = 0
+        self.queued_segments = 0
+        """Segments of this connection's pending batches ([limits] max_queued_segments)."""
+        self._turn_segments = 0
+        self.events = EventTable(shared.engine)
+        """The IPC events this connection's copies named, opened once each (gates.py)."""
+        self.greeted = False
+        self.closed = False
+        self.copies = 0
+        self.connected_at = self.last_active = time.monotonic()
+        """When it connected, and when it last sent a request or held something (for [server]
+        hello_timeout_s and idle_timeout_s; the daemon's sweep keeps the second up to date)."""
+        self._setup: asyncio.Task[None] | None = None
+        """A region set-up under way; the requests behind it wait."""
+        self._draining = False
+        self._again = False
+        self._rate_timer: asyncio.TimerHandle | None = None
+        """Set while the uid is out of request tokens (``[limits] max_requests_per_s_per_uid``)."""
+        self._ended: asyncio.Future[ProtocolError | None]
+        self._context: contextvars.Context
+        # The per-copy log line runs thousands of times a second: resolve the logger once
+        # (not through structlog's lazy proxy on every call).
+        self._copy_log = structlog.get_logger("priod.daemon.session").bind()
+        regions = RegionRequests(shared, self.holdings)
+        self._handlers: dict[type, Callable[[Any, list[int]], Any]] = {
+            Hello: self._hello,
+            Ping: self._ping,
+            StatusRequest: self._status,
+            AllocHost: regions.alloc_host,
+            RegisterHost: regions.register_host,
+            AllocDevice: regions.alloc_device,
+            RegisterDevice: regions.register_device,
+            Free: regions.free,
+            Share: regions.share,
+            Cancel: self._cancel,
+            OpenHoldPage: self._hold_page,
+        }
+        """Every request type but Copy, whose reply comes later (`copy_finished`)."""
+
+    # -- the connection --------------------------------------------------------------------
+    async def serve(self) -> None:
+        """Handle requests until the client leaves or breaks the protocol; then release all.
+
+        Requests are handled in the transport's read callback (`_on_ready`), in arrival order;
+        this coroutine only waits for the end. A request that sets up a region runs as a task,
+        and the requests behind it wait for it (a copy may name the region it makes).
+        """
+        loop = asyncio.get_running_loop()
+        self._ended = loop.create_future()
+        self._context = contextvars.copy_context()  # the connection's log context, for callbacks
+        self.sock.set_listener(self._on_ready)
+        self._on_ready()
+        try:
+            exc = await self._ended
+            if isinstance(exc, ProtocolError):
+                self.shared.totals["protocol_errors"] += 1
+                log.warning("protocol_error", **error_fields(exc))
+                if not self.sock.closed:
+                    self.sock.send(ErrorReply(exc.code, f"{exc}; the connection is closed").encode(0))
+        finally:
+            self.sock.set_listener(None)
+            if self._rate_timer is not None:
+                self._rate_timer.cancel()
+            if self._setup is not None:
+                self._setup.cancel()
+            self.drop()
+            await self.flush_and_close(timeout=1.0)
+            log.info("client_disconnected", copies=self.copies)
+
+    def _on_ready(self) -> None:
+        if self._draining:
+            self._again = True  # called from inside _drain (a reply was sent): it goes on
+            return
+        # The pump is kicked once when the turn is over, not once per copy (`Pump.begin_batch`),
+        # and outside the connection's context: the kick may answer copies, and a reply that
+        # finds the connection gone calls back here.
+        pump = self.shared.pump
+        pump.begin_batch()
+        try:
+            self._context.run(self._drain)
+        finally:
+            pump.end_batch()
+
+    def _drain(self) -> None:
+        """Handle the requests the transport has, up to a bound per loop turn (other clients
+        are served between), unless a region set-up is under way."""
+        if self._rate_timer is not None:
+            return  # out of tokens: the timer resumes it
+        lim = self.shared.cfg.limits
+        rate = self.holdings.tally.requests
+        granted = rate.grant(REQUESTS_PER_TURN, lim.max_requests_per_s_per_uid, lim.request_burst_per_uid, time.monotonic())
+        used = 0
+        self._draining = True
+        self._turn_segments = 0
+        try:
+            for _ in range(granted):
+                if self._setup is not None or self._ended.done():
+                    return
+                if self._turn_segments >= SEGMENTS_PER_TURN:
+                    break  # checked a large batch this turn: the others go first
+                try:
+                    item = self.sock.take()
+                except ConnectionClosed:
+                    self._end(None)
+                    return
+                except ProtocolError as exc:
+                    self._end(exc)
+                    return
+                if item is None:
+                    if not self._again:
+                        return
+                    self._again = False
+                    continue
+                used += 1
+                self.last_active = time.monotonic()
+                try:
+                    setup = self._handle(*item)
+                except ConnectionClosed:
+                    self._end(None)
+                    return
+                if setup is not None:
+                    self._setup = asyncio.ensure_future(setup)  # in this context: keeps the log context
+                    self._setup.add_done_callback(self._setup_done)
+            loop = asyncio.get_running_loop()
+            if granted < REQUESTS_PER_TURN and lim.max_requests_per_s_per_uid > 0:
+                # The uid is out of tokens (this turn got fewer than a full turn's worth, all
+                # used): come back when one has accrued, not on the next turn.
+                self._rate_timer = loop.call_later(rate.wait_s(lim.max_requests_per_s_per_uid), self._rate_resume)
+            else:
+                loop.call_soon(self._on_ready)
+        finally:
+            rate.refund(granted - used)
+            self._draining = False
+
+    def _rate_resume(self) -> None:
+        self._rate_timer = None
+        self._on_ready()
+
+    def _setup_done(self, task: asyncio.Task[None]) -> None:
+        self._setup = None
+        if not task.cancelled() and isinstance(task.exception(), ConnectionClosed):
+            self._end(None)
+        else:
+            self._on_ready()
+
+    def _end(self, exc: ProtocolError | None) -> None:
+        if not self._ended.done():
+            self._ended.set_result(exc)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing of the client's is held: no copy pending, no region, no set-up under way."""
+        return not self.pending and not self.holdings.regions and self._setup is None
+
+    def expire(self, why: PriodError) -> None:
+        """Close the connection for a reason of the daemon's (a timeout): ``why`` goes to the
+        client in an error frame with id 0, then the connection ends as if the client had left."""
+        if self.closed or not hasattr(self, "_ended") or self._ended.done():
+            return
+        self._context.run(log.info, "connection_expired", reason=str(why))
+        if not self.sock.closed:
+            self.sock.send(ErrorReply.of(why).encode(0))
+        self._end(None)
+
+    async def flush_and_close(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.sock.drain(), timeout)
+        except (TimeoutError, PriodError):
+            pass
+        self.sock.close()
+
+    def drop(self) -> None:
+        """Release what the session held; chunks in flight finish, nothing else is touched."""
+        if self.closed:
+            return
+        self.closed = self.holdings.closed = True
+        self.shared.sessions.pop(self.id, None)
+        self.shared.pump.drop_owner(self.id)
+        self.shared.pump.close_holds(self.id)
+        self.events.close()  # after drop_owner: no held copy polls them any more
+        self.shared.regions.release_all(self.holdings)
+
+    def cancel_all(self, code: str) -> None:
+        """Cancel every pending copy (the daemon is stopping)."""
+        for req in list(self.pending.values()):
+            cancel_copy(self.shared.pump, req, code)
+
+    def figures(self) -> dict[str, Any]:
+        """This client's line in `priod status`."""
+        h = self.holdings
+        return {
+            "conn": self.id,
+            "pid": self.peer.pid,
+            "uid": self.peer.uid,
+            "regions": len(h.regions),
+            "pinned_bytes": h.pinned_bytes,
+            "device_bytes": h.device_bytes,
+            "pending": len(self.pending),
+            "queued_bytes": self.queued_bytes,
+            "copies": self.copies,
+            "events": len(self.events),
+            "output_buffered": self.sock.output_buffered,
+        }
+
+    # -- requests --------------------------------------------------------------------------
+    def _handle(self, msg: Message, fds: list[int]) -> Coroutine[Any, Any, None] | None:
+        """Answer one request now, or return the coroutine that will (region set-up)."""
+        req_id = request_id(msg)
+        try:
+            req = decode_request(msg, greeted=self.greeted, fds=len(fds))
+            if type(req) is Copy:  # first and direct: the one request that comes thousands a second
+                take_copy(self, req_id, req)  # answered when it ends (copy_finished)
+                return None
+            if type(req) is CopyBatch:
+                # Counted before the checks: a turn ends after the largest table, taken or
+                # refused (SEGMENTS_PER_TURN).
+                self._turn_segments += len(req.segments) // SEGMENT_BYTES
+                take_batch(self, req_id, req)
+                return None
+            reply = self._handlers[type(req)](req, fds)
+            if asyncio.iscoroutine(reply):
+                owned, fds = fds, []
+                return self._answer_later(req_id, msg.get("op"), reply, owned)
+            if type(reply) is tuple:  # (reply, fds to send beside it)
+                reply, out_fds = reply
+                self._reply(req_id, reply, out_fds)
+            else:
+                self._reply(req_id, reply, [])
+        except RequestError as exc:
+            self._refuse(req_id, exc)
+        except ConnectionClosed:
+            raise
+        except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
+            log.exception("request_failed", op=msg.get("op"))
+            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
+        finally:
+            if fds:  # the usual request brings none: no call
+                close_received(fds)  # the engine keeps its own mapping of a registered memfd
+        return None
+
+    async def _answer_later(self, req_id: int, op: object, pending: Coroutine[Any, Any, tuple[Any, list[int]]], fds: list[int]) -> None:
+        try:
+            reply, out_fds = await pending
+            self._reply(req_id, reply, out_fds)
+        except RequestError as exc:
+            self._refuse(req_id, exc)
+        except (ConnectionClosed, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            log.exception("request_failed", op=op)
+            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
+        finally:
+            close_received(fds)
+
+    def _reply(self, req_id: int, reply: Any, fds: list[int]) -> None:
+        if not self.closed:
+            self.sock.send(reply.encode(req_id), fds)
+        else:
+            for fd in fds:
+                os.close(fd)
+
+    def _refuse(self, req_id: int, exc: PriodError) -> None:
+        self.shared.totals["refused"] += 1
+        self.shared.metrics.refused.labels(exc.code).inc()
+        if not self.closed:
+            self.sock.send(ErrorReply.of(exc).encode(req_id))
+
+    def _hello(self, req: Hello, fds: list[int]) -> HelloReply:
+        self.greeted = True
+        if req.client:
+            structlog.contextvars.bind_contextvars(client=req.client[:64])
+        cfg = self.shared.cfg
+        return HelloReply(
+            v=PROTOCOL_VERSION,
+            server="priod",
+            version=__version__,
+            backend=self.shared.engine.name,
+            max_frame_bytes=cfg.server.max_frame_bytes,
+            classes=[c.name for c in cfg.classes],
+            peer={"pid": self.peer.pid, "uid": self.peer.uid, "gid": self.peer.gid},
+        )
+
+    def _ping(self, req: Ping, fds: list[int]) -> Empty:
+        return Empty()
+
+    def _status(self, req: StatusRequest, fds: list[int]) -> StatusReply:
+        return StatusReply(self.shared.status(self.peer))
+
+    def _hold_page(self, req: OpenHoldPage, fds: list[int]) -> tuple[HoldPageReply, list[int]]:
+        """This connection's hold page for direct urgent copies (holds.py): one slot per host
+        lane; a duplicate of the page's fd goes to the client, the daemon keeps its own."""
+        engine = self.shared.engine
+        lanes = [i.key for i in engine.lanes() if i.key.direction in (Direction.H2D, Direction.D2H)]
+        page = self.shared.pump.holds.open(self.id, self.peer.uid, lanes, time.perf_counter())
+        uuids = engine.device_uuids()
+        described = [{"device": k.device, "device_uuid": uuids.get(k.device), "direction": k.direction.value} for k in lanes]
+        return HoldPageReply(described), [os.dup(page.fd)]
+
+    # -- copies ----------------------------------------------------------------------------
+    def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
+        queued = self.pending.get(req.target)
+        if queued is None:
+            raise NotFound(f"no copy with id {req.target} is pending on this connection; it may have finished already")
+        ended = cancel_copy(self.shared.pump, queued, "cancelled")
+        return CancelReply(req.target, "cancelled" if ended else "stopping")
+
+    def signal_recorded(self, p: PendingCopy, error: Exception | None) -> None:
+        """A copy's signal_event was recorded behind its last chunk: tell the client at once (a
+        progress frame; the reply comes when the bytes land), so its stream can wait on the event
+        while the copy is still in flight. If it could not be, the reply says so."""
+        if error is not None:
+            p.signal_error = error
+        elif not self.closed:
+            self.sock.send(progress_frame(p.client_id, PROGRESS_SIGNAL_RECORDED))
+
+    def copy_finished(self, f: Finished, p: PendingCopy) -> None:
+        """Answer a copy that ended (done, cancelled or failed), then count and log it."""
+        req = f.request
+        shared = self.shared
+        end = req.last_done if req.last_done is not None else time.perf_counter()
+        first = req.first_submit if req.first_submit is not None else end
+        # A copy held for its wait_event was queued (``arrival``) held_s after it came.
+        queued_s, total_s = first - req.arrival, end - req.arrival + req.held_s
+        # The reply goes first: the client waits for it, while the counts, the metrics and the
+        # log line below wait for no one (they cost tens of microseconds, most of a small copy's time).
+        try:
+            if not self.closed:
+                self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
+        finally:
+            # Then the books, in this same callback: the client's next request is read after it.
+            if f.outcome == "done":
+                self.copies += 1
+                shared.totals["copies"] += 1
+                shared.totals["bytes"] += req.nbytes
+            if self.pending.get(p.client_id) is req:
+                del self.pending[p.client_id]
+                count_pending(self, req.nbytes, p.segments, -1)
+                if self.closed:
+                    shared.regions.forget_if_unused(self.holdings.tally)
+            shared.regions.copy_ended(req.id, p.dst, p.src)
+        outcome = f.outcome if f.outcome != "cancelled" else p.cancel_code
+        shared.metrics.copy_finished(req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline)
+        # One line per copy at debug level: at thousands of copies a second an info line each
+        # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.
+        # Its fields are not even built when the line would be dropped.
+        failed = f.outcome == "failed"
+        if not failed and shared.cfg.log.level != "debug":
+            return
+        (self._copy_log.warning if failed else self._copy_log.debug)(
+            "copy", conn=self.id, client_pid=self.peer.pid, uid=self.peer.uid, **copy_log_fields(f, p, outcome, shared.engine.device_uuid(req.lane.device), queued_s, total_s)
+        )
+
+
