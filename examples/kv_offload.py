@@ -103,7 +103,9 @@ def run(args: argparse.Namespace) -> None:
         engine = c.server.backend
         for flag, wanted in (("--register", args.register), ("--direct", args.direct)):
             if wanted and engine != "cuda":
-                raise SystemExit(f"{flag} needs the cuda engine (this daemon runs {engine}): its device memory is a GPU's")
+                raise SystemExit(
+                    f"{flag} needs the cuda engine (this daemon runs {engine}): its device memory is a GPU's"
+                )
         if args.register:
             cache = torch.empty(shape, dtype=dtype, device="cuda")
             cache_region = c.register_device(cache)  # PyTorch's caching allocator: an offset into one of its segments
@@ -127,7 +129,9 @@ def run(args: argparse.Namespace) -> None:
             copies = DirectCopies(c.hold_page())
             stack.callback(copies.close)
             direct = copies.pair(cache, pool)
-        print(f"{engine} engine, {args.dtype}: KV cache {tuple(cache.shape)} on {cache.device}, host pool {args.host_blocks} blocks, {block_bytes} bytes a block")
+        print(
+            f"{engine} engine, {args.dtype}: KV cache {tuple(cache.shape)} on {cache.device}, host pool {args.host_blocks} blocks, {block_bytes} bytes a block"
+        )
 
         # sequence A: scattered blocks, as a block allocator leaves them
         n = args.blocks
@@ -146,7 +150,9 @@ def run(args: argparse.Namespace) -> None:
 
         t0 = time.perf_counter()
         r = c.copy_blocks(pool, cache, slots_a, table_a, block_dim=1, priority="bulk")
-        print(f"offload A: {n} blocks as one copy_batch ({r.segments} segments, {r.nbytes} bytes) in {(time.perf_counter() - t0) * 1e3:.2f} ms")
+        print(
+            f"offload A: {n} blocks as one copy_batch ({r.segments} segments, {r.nbytes} bytes) in {(time.perf_counter() - t0) * 1e3:.2f} ms"
+        )
 
         # other sequences reuse A's device blocks meanwhile
         _fill(cache, table_a, dtype, gen)
@@ -165,7 +171,9 @@ def run(args: argparse.Namespace) -> None:
             direct.copy_batch(table)  # returns once the blocks have landed
             urgent_ms = (time.perf_counter() - t0) * 1e3
             b = bulk.wait()
-            print(f"reload A: {len(table)} segments urgent, direct, in {urgent_ms:.2f} ms beside B's bulk offload of {b.nbytes} bytes")
+            print(
+                f"reload A: {len(table)} segments urgent, direct, in {urgent_ms:.2f} ms beside B's bulk offload of {b.nbytes} bytes"
+            )
         else:
             t0 = time.perf_counter()
             r = c.copy_blocks(cache, pool, new_a, slots_a, block_dim=1, priority="urgent")
@@ -181,7 +189,9 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit("A's blocks after the reload are not the bytes that were offloaded")
         after = _attention(cache, q, new_a, seq_len, dtype)
         if not torch.equal(after, before):
-            raise SystemExit(f"attention output after the reload differs: max |diff| {float((after - before).abs().max())}")
+            raise SystemExit(
+                f"attention output after the reload differs: max |diff| {float((after - before).abs().max())}"
+            )
         for slot, blk in zip(slots_b, table_b, strict=True):
             if not torch.equal(pool_u8[:, slot].cpu(), u8[:, blk].cpu()):
                 raise SystemExit(f"B's block {blk} did not land in host slot {slot}")
@@ -191,13 +201,26 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--socket", help="a running daemon's socket (default: start one for this run)")
-    p.add_argument("--backend", choices=["auto", "sim", "cuda"], default="auto", help="the engine of the daemon started for this run")
-    p.add_argument("--dtype", default="bfloat16", help="torch dtype of the cache: bfloat16, float16, float8_e4m3fn, ...")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "sim", "cuda"],
+        default="auto",
+        help="the engine of the daemon started for this run",
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", help="torch dtype of the cache: bfloat16, float16, float8_e4m3fn, ..."
+    )
     p.add_argument("--blocks", type=int, default=32, help="blocks of sequence A (and of B)")
     p.add_argument("--device-blocks", type=int, default=128)
     p.add_argument("--host-blocks", type=int, default=96)
-    p.add_argument("--register", action="store_true", help="the cache is torch.empty(device='cuda'), given to register_device")
-    p.add_argument("--direct", action="store_true", help="reload A by this process's own copy (priod.client.direct), the pool pinned here")
+    p.add_argument(
+        "--register", action="store_true", help="the cache is torch.empty(device='cuda'), given to register_device"
+    )
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="reload A by this process's own copy (priod.client.direct), the pool pinned here",
+    )
     args = p.parse_args(argv)
     if 3 * args.blocks > args.device_blocks or 2 * args.blocks > args.host_blocks:
         p.error("need --device-blocks >= 3 * --blocks and --host-blocks >= 2 * --blocks")

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from priod._version import __version__
-from priod.client import BatchHandle, BatchResult, Client, CopyHandle, CopyResult, Region, SyncClient, SyncCopyHandle, connect
+from priod.client import (
+    BatchHandle,
+    BatchResult,
+    Client,
+    CopyHandle,
+    CopyResult,
+    Region,
+    SyncClient,
+    SyncCopyHandle,
+    connect,
+)
 from priod.errors import (
     Cancelled,
     ConfigError,

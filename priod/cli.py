@@ -71,7 +71,12 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
 
     log = get_logger("priod")
     for moved in cfg.moved:
-        log.warning("config_setting_moved", setting=moved, source=cfg.source, hint="rename it in the config file; the old name is read for now")
+        log.warning(
+            "config_setting_moved",
+            setting=moved,
+            source=cfg.source,
+            hint="rename it in the config file; the old name is read for now",
+        )
     loop = asyncio.get_running_loop()
     daemon: Daemon | None = None
     reload_pending = False
@@ -119,7 +124,9 @@ async def _serve(cfg: Config, args: argparse.Namespace) -> int:
             if interval:
                 systemd.notify("WATCHDOG=1")
             st = daemon.totals
-            systemd.notify(f"STATUS=serving {len(daemon.sessions)} clients, {st['copies']} copies, {st['bytes'] / 1e9:.1f} GB moved ({engine.name} engine)")
+            systemd.notify(
+                f"STATUS=serving {len(daemon.sessions)} clients, {st['copies']} copies, {st['bytes'] / 1e9:.1f} GB moved ({engine.name} engine)"
+            )
             await asyncio.sleep(min(interval or 5.0, 5.0))
 
     systemd.notify(f"READY=1\nSTATUS=serving on {cfg.socket_path} ({engine.name} engine)")
@@ -168,7 +175,8 @@ def _mib(n: float) -> str:
 def format_status(st: dict[str, Any]) -> str:
     lines = [
         f"priod {st['version']}  backend={st['backend']}  mode={st['mode']}  uptime={st['uptime_s']:.0f}s  socket={st['socket']}",
-        f"max_block_us={st['max_block_us']}  classes: " + ", ".join(f"{c['name']}({'strict' if c['strict'] else 'w=' + str(c['weight'])})" for c in st["classes"]),
+        f"max_block_us={st['max_block_us']}  classes: "
+        + ", ".join(f"{c['name']}({'strict' if c['strict'] else 'w=' + str(c['weight'])})" for c in st["classes"]),
         *(f"{'gpu' + str(g['index']):<10} {g['uuid']}" for g in st.get("gpus", [])),
         "",
         f"{'lane':<16} {'GB/s':>7} {'chunk':>11} {'bound':>11} {'in flight':>11} {'express':>11}  queued (requests by class)",
@@ -185,14 +193,25 @@ def format_status(st: dict[str, Any]) -> str:
     if direct and (direct["pages"] or direct["copies"]):
         copies = " ".join(f"{lane}={n}" for lane, n in direct["copies"].items()) or "-"
         cut = " ".join(f"{lane}={n}" for lane, n in direct["cut"].items()) or "-"
-        lines += ["", f"direct copies: hold pages {direct['pages']}  held now {', '.join(direct['held']) or '-'}  copies {copies}  holds cut {cut}"]
+        lines += [
+            "",
+            f"direct copies: hold pages {direct['pages']}  held now {', '.join(direct['held']) or '-'}  copies {copies}  holds cut {cut}",
+        ]
         back = direct.get("stepped_back")
         if back:  # a client's page writer tears its counters (protocol.md, hold_page)
-            lines.append("  counters read stepping back (no copy counted): " + " ".join(f"{lane}={n}" for lane, n in back.items()))
+            lines.append(
+                "  counters read stepping back (no copy counted): "
+                + " ".join(f"{lane}={n}" for lane, n in back.items())
+            )
     clients = st.get("clients_total", len(st["clients"]))  # a non-root viewer sees only its own lines
-    lines += ["", f"clients: {clients}   copies: {st['totals']['copies']}   bytes: {st['totals']['bytes'] / 1e9:.3f} GB   deadline misses: {st['deadline_misses']}"]
+    lines += [
+        "",
+        f"clients: {clients}   copies: {st['totals']['copies']}   bytes: {st['totals']['bytes'] / 1e9:.3f} GB   deadline misses: {st['deadline_misses']}",
+    ]
     for c in st["clients"]:
-        lines.append(f"  conn {c['conn']:<4} pid {c['pid']:<8} uid {c['uid']:<6} regions {c['regions']:<4} pending {c['pending']:<5} copies {c['copies']}")
+        lines.append(
+            f"  conn {c['conn']:<4} pid {c['pid']:<8} uid {c['uid']:<6} regions {c['regions']:<4} pending {c['pending']:<5} copies {c['copies']}"
+        )
     return "\n".join(lines)
 
 
@@ -213,12 +232,16 @@ def cmd_install_units(args: argparse.Namespace) -> int:
         print(f"priod: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"priod: cannot write the units under {args.dest}: {exc}; run as root, or pass --dest DIR", file=sys.stderr)
+        print(
+            f"priod: cannot write the units under {args.dest}: {exc}; run as root, or pass --dest DIR", file=sys.stderr
+        )
         return 1
     for w in written:
         print(f"{w.action:<9} {w.path}" + ("  (exists; --force replaces it)" if w.action == "kept" else ""))
     if os.path.abspath(args.dest) == "/":
-        print("next: systemd-sysusers && systemctl daemon-reload && systemctl enable --now priod.socket  (docs/operations.md)")
+        print(
+            "next: systemd-sysusers && systemctl daemon-reload && systemctl enable --now priod.socket  (docs/operations.md)"
+        )
     return 0
 
 
@@ -228,12 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{serve,status,install-units,demo}")
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", help="TOML config file (see config/priod.toml)")
-    serve.add_argument("--socket", help="socket path (default: $PRIOD_SOCKET if set, else $XDG_RUNTIME_DIR/priod.sock if set, else /run/priod/priod.sock)")
+    serve.add_argument(
+        "--socket",
+        help="socket path (default: $PRIOD_SOCKET if set, else $XDG_RUNTIME_DIR/priod.sock if set, else /run/priod/priod.sock)",
+    )
     serve.add_argument("--backend", choices=["auto", "sim", "cuda"], help="copy engine (default: auto)")
     serve.set_defaults(func=cmd_serve)
     status = sub.add_parser("status", help="show a running daemon's lanes, queues and clients")
     status.add_argument("--config")
-    status.add_argument("--socket", help="default: [server] socket of --config, else the first that exists of $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock")
+    status.add_argument(
+        "--socket",
+        help="default: [server] socket of --config, else the first that exists of $PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
     units = sub.add_parser(
@@ -243,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
         "<dest>/etc/priod/priod.toml (an existing config is kept). Units are replaced: put local changes in drop-ins.",
     )
     units.add_argument("--dest", default="/", help="root to write under (default /; a staging directory for packages)")
-    units.add_argument("--prefix", help=f"priod's installation prefix: ExecStart= runs <prefix>/bin/priod (default: this installation's, {sys.prefix})")
+    units.add_argument(
+        "--prefix",
+        help=f"priod's installation prefix: ExecStart= runs <prefix>/bin/priod (default: this installation's, {sys.prefix})",
+    )
     units.add_argument("--force", action="store_true", help="replace an existing etc/priod/priod.toml too")
     units.set_defaults(func=cmd_install_units, prefix=None)
     demo = sub.add_parser("demo", help="urgent latency and bulk throughput, fifo vs priod, on the sim engine")

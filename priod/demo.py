@@ -41,12 +41,18 @@ def measure_mode(mode: str, seconds: float, urgent_bytes: int, bulk_bytes: int) 
 
 
 def run_demo(seconds: float = 3.0, urgent_bytes: int = 1 << 20, bulk_bytes: int = 256 << 20) -> int:
-    print(f"priod demo (sim engine): urgent {urgent_bytes >> 10} KiB copies while a bulk client streams {bulk_bytes >> 20} MiB copies, {seconds:.0f} s per run")
+    print(
+        f"priod demo (sim engine): urgent {urgent_bytes >> 10} KiB copies while a bulk client streams {bulk_bytes >> 20} MiB copies, {seconds:.0f} s per run"
+    )
     fifo = measure_mode("fifo", seconds, urgent_bytes, bulk_bytes)
     prio = measure_mode("priod", seconds, urgent_bytes, bulk_bytes)
     print()
     print(f"{'':<22}{'fifo (plain stream)':>21}{'priod':>12}{'fifo / priod':>14}")
-    for key, label in (("urgent_p50_us", "urgent p50 (us)"), ("urgent_p99_us", "urgent p99 (us)"), ("bulk_gbps", "bulk GB/s")):
+    for key, label in (
+        ("urgent_p50_us", "urgent p50 (us)"),
+        ("urgent_p99_us", "urgent p99 (us)"),
+        ("bulk_gbps", "bulk GB/s"),
+    ):
         ratio = fifo[key] / prio[key] if prio[key] else float("nan")
         print(f"{label:<22}{fifo[key]:>21.1f}{prio[key]:>12.1f}{ratio:>13.1f}x")
     return 0

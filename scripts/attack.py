@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""priod against hostile clients (issue 11, multi-tenant safety): what an honest client gets
+"""priod against hostile clients (multi-tenant safety): what an honest client gets
 without and with each attacker, side by side in one run.
 
     .venv/bin/python scripts/attack.py --out /tmp/attack     # sim engine, about 2.5 minutes on 2 cores
@@ -222,7 +222,11 @@ def _raw_connect(path: str, uid: int | None, timeout: float = 10.0) -> socket.so
 
 
 def _errors_summary(errors: list[str]) -> dict[str, Any]:
-    return {"count": len(errors), "kinds": dict(Counter(e.split(":", 1)[0] for e in errors)), "first": sorted(set(errors))[:3]}
+    return {
+        "count": len(errors),
+        "kinds": dict(Counter(e.split(":", 1)[0] for e in errors)),
+        "first": sorted(set(errors))[:3],
+    }
 
 
 def attack_copies(p: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +264,15 @@ def attack_copies(p: dict[str, Any]) -> dict[str, Any]:
         print("ready", flush=True)
         watcher = asyncio.ensure_future(watch())
         extra = asyncio.ensure_future(bad_deadlines()) if answers else None
-        load = await bulk_load(client, p["nbytes"], stop, priority=p["priority"], pipeline=p["pipeline"], regions=(host, dev), deadline_ms=p.get("deadline_ms"))
+        load = await bulk_load(
+            client,
+            p["nbytes"],
+            stop,
+            priority=p["priority"],
+            pipeline=p["pipeline"],
+            regions=(host, dev),
+            deadline_ms=p.get("deadline_ms"),
+        )
         if extra is not None:
             await extra
         await watcher
@@ -365,7 +377,10 @@ def attack_bombs(p: dict[str, Any]) -> dict[str, Any]:
 
 
 IDLE_OUTCOMES = {"no_hello": "no hello within", "per_uid_cap": "max_connections_per_uid", "max_clients": "max_clients"}
-IDLE_OUTCOME_TEXT = {"per_uid_cap": "refused at once ([limits] max_connections_per_uid)", "max_clients": "refused at once ([server] max_clients)"}
+IDLE_OUTCOME_TEXT = {
+    "per_uid_cap": "refused at once ([limits] max_connections_per_uid)",
+    "max_clients": "refused at once ([server] max_clients)",
+}
 """How the idle attacker's connections are told off, by a piece of the daemon's message."""
 
 
@@ -457,7 +472,11 @@ def attack_mute(p: dict[str, Any]) -> dict[str, Any]:
     flag.wait()
     for s in socks:
         s.close()
-    return {"connections": len(socks), "uids": sorted({u for u in uids if u is not None}), "bytes_sent": summarize(sent, ("n", "min", "p50", "max"))}
+    return {
+        "connections": len(socks),
+        "uids": sorted({u for u in uids if u is not None}),
+        "bytes_sent": summarize(sent, ("n", "min", "p50", "max")),
+    }
 
 
 def attack_holds(p: dict[str, Any]) -> dict[str, Any]:
@@ -546,7 +565,10 @@ async def urgent_figures(client: Client, plan: Plan) -> dict[str, Any]:
     for start in range(0, plan.probes, PROBE_BATCH):
         n = min(PROBE_BATCH, plan.probes - start)
         try:
-            p = await asyncio.wait_for(urgent_copies(client, HONEST_COPY, n, interval_s=plan.probe_interval_s), REPLY_TIMEOUT_S + n * plan.probe_interval_s)
+            p = await asyncio.wait_for(
+                urgent_copies(client, HONEST_COPY, n, interval_s=plan.probe_interval_s),
+                REPLY_TIMEOUT_S + n * plan.probe_interval_s,
+            )
         except AssertionError:
             wrong += 1  # reported done, other bytes at the destination
             continue
@@ -650,8 +672,14 @@ def daemon_log_findings(log: str) -> dict[str, Any]:
                 errors.append(line[:300])
                 continue
             exc = (ev.get("exception") or [{}])[-1]
-            errors.append(f"{ev.get('event')}: {exc.get('exc_type', '')}: {exc.get('exc_value', ev.get('error', ''))}"[:300])
-    found: dict[str, Any] = {"tracebacks": log.count("Traceback"), "errors_logged": len(errors), "log_bytes": len(log.encode())}
+            errors.append(
+                f"{ev.get('event')}: {exc.get('exc_type', '')}: {exc.get('exc_value', ev.get('error', ''))}"[:300]
+            )
+    found: dict[str, Any] = {
+        "tracebacks": log.count("Traceback"),
+        "errors_logged": len(errors),
+        "log_bytes": len(log.encode()),
+    }
     if errors:
         found["first_errors"] = errors[:5]
     if found["tracebacks"]:
@@ -672,7 +700,9 @@ class Run:
             self.env["PRIOD_SERVER__SOCKET_MODE"] = "0o666"  # other uids must be able to connect
 
     @contextlib.contextmanager
-    def daemon(self, out: dict[str, Any], env: dict[str, str] | None = None, *, stopped_here: bool = False) -> Iterator[DaemonProcess]:
+    def daemon(
+        self, out: dict[str, Any], env: dict[str, str] | None = None, *, stopped_here: bool = False
+    ) -> Iterator[DaemonProcess]:
         """A fresh daemon for one attack. A record in ``out["daemons"]`` gets whether it ran to
         the end and still serves copies, how long SIGTERM took, its exit status and what its log
         says went wrong. ``stopped_here``: the attack stops it itself (and times that)."""
@@ -680,7 +710,12 @@ class Run:
         out.setdefault("daemons", []).append(rec)
         dp: DaemonProcess | None = None
         try:
-            with daemon_process({**self.env, **(env or {})}, backend=self.args.backend, config=self.args.config, socket_path=socket_path()) as d:
+            with daemon_process(
+                {**self.env, **(env or {})},
+                backend=self.args.backend,
+                config=self.args.config,
+                socket_path=socket_path(),
+            ) as d:
                 dp = d
                 try:
                     yield d
@@ -695,7 +730,9 @@ class Run:
             if dp is not None:
                 rec.update(exit_code=dp.proc.returncode, **daemon_log_findings(dp.log()))
 
-    def copies_attacker(self, d: DaemonProcess, **params: Any) -> contextlib.AbstractContextManager[tuple[LoadProcess, dict[str, Any]]]:
+    def copies_attacker(
+        self, d: DaemonProcess, **params: Any
+    ) -> contextlib.AbstractContextManager[tuple[LoadProcess, dict[str, Any]]]:
         return attacker("copies", path=d.socket_path, uid=attacker_uids()[0], **params)
 
     # 1 and 3: an honest urgent copy's latency -------------------------------------------------
@@ -710,11 +747,24 @@ class Run:
                 with self.copies_attacker(d, **flood) as (proc, result):
                     attacker_cpu = CpuMeter(proc.proc.pid)
                     await asyncio.sleep(self.plan.settle_s)
-                    t2, log2, c2, a2 = time.monotonic(), os.path.getsize(d.log_path), meter.sample(), attacker_cpu.sample()
+                    t2, log2, c2, a2 = (
+                        time.monotonic(),
+                        os.path.getsize(d.log_path),
+                        meter.sample(),
+                        attacker_cpu.sample(),
+                    )
                     out["honest_attacked"] = await urgent_figures(client, self.plan)
-                    t3, log3, c3, a3 = time.monotonic(), os.path.getsize(d.log_path), meter.sample(), attacker_cpu.sample()
+                    t3, log3, c3, a3 = (
+                        time.monotonic(),
+                        os.path.getsize(d.log_path),
+                        meter.sample(),
+                        attacker_cpu.sample(),
+                    )
                 out["attacker"] = result
-                out["daemon_log_bytes_per_s"] = {"unloaded": (log1 - log0) / (t1 - t0), "attacked": (log3 - log2) / (t3 - t2)}
+                out["daemon_log_bytes_per_s"] = {
+                    "unloaded": (log1 - log0) / (t1 - t0),
+                    "attacked": (log3 - log2) / (t3 - t2),
+                }
                 out["cpu_s_per_s"] = {
                     "daemon_unloaded": cpu_per_s(CpuMeter.delta(c0, c1)),
                     "daemon_attacked": cpu_per_s(CpuMeter.delta(c2, c3)),
@@ -732,10 +782,14 @@ class Run:
         await self.urgent_latency(out, None, nbytes=1, pipeline=self.plan.tiny_window, priority="urgent")
 
     # 2 and 4: another process's throughput in a class -------------------------------------------
-    async def throughput(self, out: dict[str, Any], env: dict[str, str] | None, cls: str, kind: str = "copies", **flood: Any) -> None:
+    async def throughput(
+        self, out: dict[str, Any], env: dict[str, str] | None, cls: str, kind: str = "copies", **flood: Any
+    ) -> None:
         p = self.plan
         with self.daemon(out, env) as d:
-            honest = BulkProcess(d.socket_path, p.throughput_bytes, p.throughput_pipeline, priority=cls, name="honest", verify=True)
+            honest = BulkProcess(
+                d.socket_path, p.throughput_bytes, p.throughput_pipeline, priority=cls, name="honest", verify=True
+            )
             try:
                 honest.wait_ready()
                 await asyncio.sleep(p.settle_s)
@@ -748,24 +802,44 @@ class Run:
                     got = honest.stop(REPLY_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     honest.kill()
-                    raise Stalled(f"the honest {cls} client got no reply to its last copies within {REPLY_TIMEOUT_S:g} s of stopping") from None
+                    raise Stalled(
+                        f"the honest {cls} client got no reply to its last copies within {REPLY_TIMEOUT_S:g} s of stopping"
+                    ) from None
             finally:
                 honest.kill()
         out["honest_class"] = cls
         out["honest_unloaded"] = throughput_between(got["done"], *alone)
         out["honest_attacked"] = throughput_between(got["done"], *attacked)
-        out["honest_bytes"] = {k: got.get(k, 0) for k in ("verified_bytes", "corrupted_bytes", "corrupted_copies", "unverified_bytes")}
+        out["honest_bytes"] = {
+            k: got.get(k, 0) for k in ("verified_bytes", "corrupted_bytes", "corrupted_copies", "unverified_bytes")
+        }
         out["honest_errors"] = _errors_summary(got["errors"])
         out["honest_copies"] = len(got["done"])
 
     async def urgent_dma(self, out: dict[str, Any]) -> None:
         p = self.plan
-        await self.throughput(out, {"PRIOD_SCHEDULER__EXPRESS": "false"}, "high", nbytes=p.flood_bytes, pipeline=p.flood_pipeline, priority="urgent")
+        await self.throughput(
+            out,
+            {"PRIOD_SCHEDULER__EXPRESS": "false"},
+            "high",
+            nbytes=p.flood_bytes,
+            pipeline=p.flood_pipeline,
+            priority="urgent",
+        )
 
     async def deadline(self, out: dict[str, Any]) -> None:
         p = self.plan
         bad = ["-1e12", "nan", "inf"]
-        await self.throughput(out, None, "bulk", nbytes=p.flood_bytes, pipeline=p.flood_pipeline, priority="bulk", deadline_ms=0.0, bad_deadlines=bad)
+        await self.throughput(
+            out,
+            None,
+            "bulk",
+            nbytes=p.flood_bytes,
+            pipeline=p.flood_pipeline,
+            priority="bulk",
+            deadline_ms=0.0,
+            bad_deadlines=bad,
+        )
 
     async def holds(self, out: dict[str, Any]) -> None:
         """9: a hold page whose copies never end, renewed every 2 ms, beside an honest bulk stream."""
@@ -779,14 +853,22 @@ class Run:
             try:
                 out["honest_unloaded"] = await ping_rtts(client, p.ping_s)
                 before = rss_mib(d)
-                with attacker("bombs", path=d.socket_path, uid=attacker_uids()[0], connections=p.bomb_connections) as (_, result):
+                with attacker("bombs", path=d.socket_path, uid=attacker_uids()[0], connections=p.bomb_connections) as (
+                    _,
+                    result,
+                ):
                     stop = asyncio.Event()
                     sampler = asyncio.ensure_future(sample_rss(d, stop, 0.25))
                     out["honest_attacked"] = await ping_rtts(client, p.ping_s)
                     stop.set()
                     series = await sampler
                 await asyncio.sleep(1.0)
-                out["rss_mib"] = {"before": before, "peak_during": max(series), "during_every_0.25_s": series, "1_s_after": rss_mib(d)}
+                out["rss_mib"] = {
+                    "before": before,
+                    "peak_during": max(series),
+                    "during_every_0.25_s": series,
+                    "1_s_after": rss_mib(d),
+                }
                 out["attacker"] = result
                 await client.ping()
             finally:
@@ -804,7 +886,11 @@ class Run:
                 await c.close()
                 return {"connected": True, "ms": (time.perf_counter() - t0) * 1e3}
             except PriodError as exc:
-                return {"connected": False, "ms": (time.perf_counter() - t0) * 1e3, "error": f"{type(exc).__name__}: {exc}"}
+                return {
+                    "connected": False,
+                    "ms": (time.perf_counter() - t0) * 1e3,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
 
         def other_uid_connects() -> dict[str, Any] | None:
             if not self.root:
@@ -842,12 +928,16 @@ class Run:
         with self.daemon(out, stopped_here=True) as d:
             out["honest_unloaded"] = terminate(d)
         with self.daemon(out, stopped_here=True) as d:
-            with attacker("mute", path=d.socket_path, uids=attacker_uids(), n=p.sigterm_clients, mode="status", requests=200) as (proc, result):
+            with attacker(
+                "mute", path=d.socket_path, uids=attacker_uids(), n=p.sigterm_clients, mode="status", requests=200
+            ) as (proc, result):
                 deadline = time.monotonic() + 60
                 stuck = 0
                 while time.monotonic() < deadline:
                     with SyncClient(d.socket_path, timeout=30) as c:
-                        stuck = sum(1 for x in c.status()["clients"] if x["pid"] == proc.proc.pid and x["output_buffered"] > 0)
+                        stuck = sum(
+                            1 for x in c.status()["clients"] if x["pid"] == proc.proc.pid and x["output_buffered"] > 0
+                        )
                     if stuck >= p.sigterm_clients:
                         break
                     await asyncio.sleep(0.1)
@@ -864,7 +954,10 @@ class Run:
                 await asyncio.sleep(0.5)
                 out["ping_unloaded"] = await ping_rtts(client, min(p.ping_s, 1.5))
                 before = {k: rss_mib(d, k) for k in ("VmRSS", "RssAnon")}
-                with attacker("mute", path=d.socket_path, uids=attacker_uids(2), n=p.mute_clients, mode="flood") as (proc, result):
+                with attacker("mute", path=d.socket_path, uids=attacker_uids(2), n=p.mute_clients, mode="flood") as (
+                    proc,
+                    result,
+                ):
                     await asyncio.sleep(1.0)
                     after = {k: rss_mib(d, k) for k in ("VmRSS", "RssAnon")}
                     st = await client.status()
@@ -901,7 +994,14 @@ def _latency_rows(name: str, r: dict[str, Any], what: str = "urgent 1 MiB copy")
         wrong, failed = r["honest_attacked"]["wrong_copies"], r["honest_attacked"]["failed"]["count"]
         bad = f" ({hit['n']} ok, {wrong} with wrong bytes, {failed} failed)" if wrong or failed else ""
     return [
-        (name, f"{what} p50", _ms(base["p50"]), _ms(hit["p50"]) + bad, f"<= 2x unloaded + 5 ms = {_ms(bound)}", _verdict(hit["p50"] <= bound)),
+        (
+            name,
+            f"{what} p50",
+            _ms(base["p50"]),
+            _ms(hit["p50"]) + bad,
+            f"<= 2x unloaded + 5 ms = {_ms(bound)}",
+            _verdict(hit["p50"] <= bound),
+        ),
         (name, f"{what} p99", _ms(base["p99"]), _ms(hit["p99"]), "report", "—"),
     ]
 
@@ -929,7 +1029,16 @@ def build_rows(res: dict[str, Any]) -> list[Row]:
         try:
             rows += attack_rows(name, r)
         except (KeyError, TypeError, ValueError) as exc:
-            rows.append((name, "figures missing (see attack.json)", "—", f"{type(exc).__name__}: {exc}", "complete figures", "NOT met"))
+            rows.append(
+                (
+                    name,
+                    "figures missing (see attack.json)",
+                    "—",
+                    f"{type(exc).__name__}: {exc}",
+                    "complete figures",
+                    "NOT met",
+                )
+            )
     rows.append(integrity_row(res))
     return rows
 
@@ -945,7 +1054,11 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
         rows += _latency_rows("3. 1-byte urgent copy flood, 256 outstanding", r)
         att = r["attacker"]
         logs = r["daemon_log_bytes_per_s"]
-        rate = f"{att['copies_per_s']:,.0f} copies/s" if "copies_per_s" in att else "attacker killed, its copies unanswered"
+        rate = (
+            f"{att['copies_per_s']:,.0f} copies/s"
+            if "copies_per_s" in att
+            else "attacker killed, its copies unanswered"
+        )
         rows.append(
             (
                 "3. (same)",
@@ -962,7 +1075,16 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
         refused = sum(v.get("bad_request", 0) for v in answers.values())
         per = ", ".join(f"{k}: {v.get('bad_request', 0):,}/{sum(v.values()):,}" for k, v in answers.items())
         ok = total > 0 and refused == total
-        rows.append(("4. deadline_ms -1e12 / NaN / inf", "bad deadlines refused (bad_request)", "—", f"{refused:,} of {total:,} ({per})", "all", _verdict(ok)))
+        rows.append(
+            (
+                "4. deadline_ms -1e12 / NaN / inf",
+                "bad deadlines refused (bad_request)",
+                "—",
+                f"{refused:,} of {total:,} ({per})",
+                "all",
+                _verdict(ok),
+            )
+        )
         rows.append(_throughput_row("4. (same, beside 4 x 64 MiB bulk at deadline 0)", r))
     elif name == "holds":
         base, hit = r["honest_unloaded"]["gbps"], r["honest_attacked"]["gbps"]
@@ -994,7 +1116,16 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
         )
         replies = r["attacker"]["replies"]
         n = sum(replies.values())
-        rows.append(("5. (same)", "bombs refused with bad_frame", "—", f"{replies.get('bad_frame', 0):,} of {n:,}", "all", _verdict(n > 0 and replies.get("bad_frame", 0) == n)))
+        rows.append(
+            (
+                "5. (same)",
+                "bombs refused with bad_frame",
+                "—",
+                f"{replies.get('bad_frame', 0):,} of {n:,}",
+                "all",
+                _verdict(n > 0 and replies.get("bad_frame", 0) == n),
+            )
+        )
     elif name == "idle":
         u, h = r["honest_unloaded"], r["honest_attacked"]
         rows.append(
@@ -1009,12 +1140,26 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
         )
         other = r.get("other_uid_attacked")
         if other is not None:
-            rows.append(("6. (same)", f"uid {other['uid']} client connects", "—", "yes" if other["connected"] else f"no: {other.get('error', '')[:60]}", "report", "—"))
+            rows.append(
+                (
+                    "6. (same)",
+                    f"uid {other['uid']} client connects",
+                    "—",
+                    "yes" if other["connected"] else f"no: {other.get('error', '')[:60]}",
+                    "report",
+                    "—",
+                )
+            )
         att = r["attacker"]
         expired = att["closed_after_s"].get("no_hello", {"n": 0, "min": math.nan, "max": math.nan})
         open_left = sum(v for k, v in att["outcomes"].items() if "still open" in k)
         others = ", ".join(f"{v} {IDLE_OUTCOME_TEXT.get(k, k)}" for k, v in att["outcomes"].items() if k != "no_hello")
-        ok = expired["n"] > 0 and open_left == 0 and expired["min"] >= HELLO_TIMEOUT_S and expired["max"] <= HELLO_TIMEOUT_S + 2.0
+        ok = (
+            expired["n"] > 0
+            and open_left == 0
+            and expired["min"] >= HELLO_TIMEOUT_S
+            and expired["max"] <= HELLO_TIMEOUT_S + 2.0
+        )
         rows.append(
             (
                 "6. (same)",
@@ -1086,7 +1231,12 @@ def integrity(res: dict[str, Any]) -> dict[str, Any]:
     for name, r in res["attacks"].items():
         for rec in r.get("daemons", []):
             daemons += 1
-            if rec.get("exit_code") != 0 or rec.get("tracebacks") or not rec.get("running_at_end", False) or rec.get("serves_after", "yes") != "yes":
+            if (
+                rec.get("exit_code") != 0
+                or rec.get("tracebacks")
+                or not rec.get("running_at_end", False)
+                or rec.get("serves_after", "yes") != "yes"
+            ):
                 crashed.append(name)
             logged += int(rec.get("errors_logged", 0))
         for key in ("honest_unloaded", "honest_attacked"):
@@ -1125,7 +1275,12 @@ def integrity_row(res: dict[str, Any]) -> Row:
         f"{len(i['crashed'])} of {i['daemons']} daemons crashed or stuck{which}, {i['errors_logged']} errors logged; {i['honest_verified_bytes'] / 1e9:.2f} GB verified; "
         f"copies with wrong bytes: {_per_attack(i['honest_wrong_copies'])}; copies failed: {_per_attack(i['honest_failed_copies'])}",
         "0 crashes, 0 errors, 0 lost, 0 corrupted",
-        _verdict(not i["crashed"] and i["errors_logged"] == 0 and not i["honest_wrong_copies"] and not i["honest_failed_copies"]),
+        _verdict(
+            not i["crashed"]
+            and i["errors_logged"] == 0
+            and not i["honest_wrong_copies"]
+            and not i["honest_failed_copies"]
+        ),
     )
 
 
@@ -1145,8 +1300,12 @@ def markdown_table(rows: list[Row]) -> str:
 def checkout() -> dict[str, Any]:
     """The commit and the uncommitted changes of the checkout the daemons ran from (read-only git)."""
     try:
-        head = subprocess.run(["git", "-C", _ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        changed = subprocess.run(["git", "-C", _ROOT, "status", "--short"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+        head = subprocess.run(
+            ["git", "-C", _ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", _ROOT, "status", "--short"], capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"head": head, "uncommitted": changed}
@@ -1163,10 +1322,20 @@ def uid_note() -> str:
 
 # -- entry point ---------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="priod against hostile clients: an honest client's figures without and with each attacker.")
-    p.add_argument("--backend", choices=["sim", "cuda", "auto"], default="sim", help="copy engine of the daemons (default: sim)")
+    p = argparse.ArgumentParser(
+        description="priod against hostile clients: an honest client's figures without and with each attacker."
+    )
+    p.add_argument(
+        "--backend", choices=["sim", "cuda", "auto"], default="sim", help="copy engine of the daemons (default: sim)"
+    )
     p.add_argument("--config", help="TOML config for every daemon (each attack adds its own settings)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="extra setting for every daemon, e.g. scheduler__max_block_us=500")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION__KEY=VALUE",
+        help="extra setting for every daemon, e.g. scheduler__max_block_us=500",
+    )
     p.add_argument("--out", default="out/attack", help="directory for attack.json (default: out/attack)")
     p.add_argument("--quick", action="store_true", help="fewer samples and shorter windows, about 1-1.5 minutes")
     p.add_argument("--only", help=f"comma-separated attacks to run, of: {', '.join(ATTACKS)}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""priod benchmark (issue 2): fifo against priod side by side in one run, and the daemon's own cost.
+"""priod benchmark: fifo against priod side by side in one run, and the daemon's own cost.
 
     .venv/bin/python scripts/bench.py                  # sim engine, about 1-2 minutes
     .venv/bin/python scripts/bench.py --quick          # about 30 s
@@ -89,7 +89,16 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(rtt_rounds=2, rtt_per_round=800, pipe_rounds=2, pipe_windows=20, idle_s=2.0, bulk_s=3.0, fifo_probes=8, priod_probes=80)
+        return cls(
+            rtt_rounds=2,
+            rtt_per_round=800,
+            pipe_rounds=2,
+            pipe_windows=20,
+            idle_s=2.0,
+            bulk_s=3.0,
+            fifo_probes=8,
+            priod_probes=80,
+        )
 
 
 def _ratio(a: float, b: float) -> float:
@@ -103,7 +112,15 @@ def _log(msg: str) -> None:
 # -- helper process: the echo server (the bulk client is priod.testing.BulkProcess) -------------
 def copy_request(dst: int, src: int, nbytes: int, priority: str) -> dict[str, Any]:
     """The same map `priod.Client` sends for a copy (id added per request), so frames match in size."""
-    return {"op": "copy", "dst": dst, "src": src, "nbytes": nbytes, "dst_offset": 0, "src_offset": 0, "priority": priority}
+    return {
+        "op": "copy",
+        "dst": dst,
+        "src": src,
+        "nbytes": nbytes,
+        "dst_offset": 0,
+        "src_offset": 0,
+        "priority": priority,
+    }
 
 
 def copy_reply(req_id: int, nbytes: int) -> dict[str, Any]:
@@ -160,7 +177,9 @@ def busy_seconds(st: dict[str, Any], lane: str) -> float | None:
     return float(frac[lane]) * float(st["uptime_s"])
 
 
-async def status_after_completion(client: Client, timeout: float = 5.0, poll_s: float = 0.005) -> tuple[dict[str, Any], float]:
+async def status_after_completion(
+    client: Client, timeout: float = 5.0, poll_s: float = 0.005
+) -> tuple[dict[str, Any], float]:
     """A status snapshot taken just after some copy finished, and when it arrived.
 
     A whole-copy engine (fifo) books its busy time and bytes when a copy ends: snapshots taken
@@ -207,7 +226,9 @@ def sync_rtt_echo(path: str, msg: dict[str, Any], n: int) -> list[float]:
     return lat
 
 
-def sync_rtt_priod(c: SyncClient, regions: tuple[Any, Any], nbytes: int, priority: str, n: int) -> tuple[list[float], list[float]]:
+def sync_rtt_priod(
+    c: SyncClient, regions: tuple[Any, Any], nbytes: int, priority: str, n: int
+) -> tuple[list[float], list[float]]:
     dev, host = regions
     lat, transfer = [], []
     for _ in range(n):
@@ -256,7 +277,9 @@ async def pipelined_echo(fs: FramedSocket, msg: dict[str, Any], windows: int, wi
     return windows * window / (time.perf_counter() - t0)
 
 
-async def pipelined_priod(c: Client, dev: Any, host: Any, nbytes: int, priority: str, windows: int, window: int) -> float:
+async def pipelined_priod(
+    c: Client, dev: Any, host: Any, nbytes: int, priority: str, windows: int, window: int
+) -> float:
     t0 = time.perf_counter()
     for _ in range(windows):
         handles = [c.start_copy(dev, host, nbytes, priority=priority) for _ in range(window)]
@@ -297,7 +320,17 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         sync_rtt_priod(sync, (s_dev, s_host), args.rtt_bytes, "urgent", 200)
         await async_rtt_echo(efs, msg, 200, 1)
         await async_rtt_priod(aclient, a_dev, a_host, args.rtt_bytes, "normal", 200)
-        series: dict[str, list[float]] = {k: [] for k in ("echo_sync", "priod_sync_normal", "priod_sync_urgent", "echo_async", "priod_async_normal", "priod_async_urgent")}
+        series: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "echo_sync",
+                "priod_sync_normal",
+                "priod_sync_urgent",
+                "echo_async",
+                "priod_async_normal",
+                "priod_async_urgent",
+            )
+        }
         transfer: dict[str, list[float]] = {"normal": [], "urgent": []}
         next_id = 1000
         n = plan.rtt_per_round
@@ -317,7 +350,9 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         # chunk submitted to completion seen, as the daemon reports it) is taken out.
         for prio in ("normal", "urgent"):
             lat = series[f"priod_sync_{prio}"]  # paired one to one with transfer[prio]
-            out["rtt_us"][f"priod_sync_{prio}_minus_engine"] = summarize([a - b for a, b in zip(lat, transfer[prio], strict=False)])
+            out["rtt_us"][f"priod_sync_{prio}_minus_engine"] = summarize(
+                [a - b for a, b in zip(lat, transfer[prio], strict=False)]
+            )
         # Pipelined: windows of `window` requests outstanding, tiny copies so the engine is not the limit.
         tiny = copy_request(t_dev.id, t_host.id, args.tiny_bytes, "normal")
         await pipelined_echo(efs, tiny, 4, args.window, next_id)
@@ -328,14 +363,25 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
             echo_rates.append(await pipelined_echo(efs, tiny, plan.pipe_windows, args.window, next_id))
             next_id += plan.pipe_windows * args.window
             a, c0 = meter.sample(), cpu_seconds(os.getpid())
-            priod_rates.append(await pipelined_priod(aclient, t_dev, t_host, args.tiny_bytes, "normal", plan.pipe_windows, args.window))
+            priod_rates.append(
+                await pipelined_priod(aclient, t_dev, t_host, args.tiny_bytes, "normal", plan.pipe_windows, args.window)
+            )
             cpu, c1 = CpuMeter.delta(a, meter.sample()), cpu_seconds(os.getpid())
             n = plan.pipe_windows * args.window
             loop_us.append(cpu.get("loop_ns", cpu["loop"]) / n * 1e6)
             daemon_us.append(cpu.get("cpu_ns", cpu["cpu"]) / n * 1e6)
             client_us.append((c1 - c0) / n * 1e6)
-        out["pipelined_per_s"] = {"echo": echo_rates, "priod": priod_rates, "echo_median": float(np.median(echo_rates)), "priod_median": float(np.median(priod_rates))}
-        out["pipelined_cpu_us_per_copy"] = {"daemon_loop": float(np.median(loop_us)), "daemon": float(np.median(daemon_us)), "client": float(np.median(client_us))}
+        out["pipelined_per_s"] = {
+            "echo": echo_rates,
+            "priod": priod_rates,
+            "echo_median": float(np.median(echo_rates)),
+            "priod_median": float(np.median(priod_rates)),
+        }
+        out["pipelined_cpu_us_per_copy"] = {
+            "daemon_loop": float(np.median(loop_us)),
+            "daemon": float(np.median(daemon_us)),
+            "client": float(np.median(client_us)),
+        }
         efs.close()
     finally:
         sync.close()
@@ -356,7 +402,9 @@ async def measure_mode(mode: str, args: argparse.Namespace, plan: Plan, echo_pat
             out["backend"] = st["backend"]
             out["engine_at_start"] = st.get("engine")
             out["max_block_us"] = st["max_block_us"]
-            out["h2d_lane"] = {k: lane[k] for k in ("lane", "bandwidth_gbps", "chunk_bytes", "inflight_bound", "express_range")}
+            out["h2d_lane"] = {
+                k: lane[k] for k in ("lane", "bandwidth_gbps", "chunk_bytes", "inflight_bound", "express_range")
+            }
             bandwidth = float(lane["bandwidth_gbps"])
             if echo_path is not None:
                 _log(f"{mode}: tiny-copy round trips and pipelined copies against the echo floor")
@@ -366,9 +414,15 @@ async def measure_mode(mode: str, args: argparse.Namespace, plan: Plan, echo_pat
             a = meter.sample()
             await asyncio.sleep(plan.idle_s)
             idle = CpuMeter.delta(a, meter.sample())
-            out["idle_cpu"] = {**idle, "cpu_per_s": idle["cpu"] / idle["seconds"], "cpu_per_s_precise": idle.get("cpu_ns", float("nan")) / idle["seconds"]}
+            out["idle_cpu"] = {
+                **idle,
+                "cpu_per_s": idle["cpu"] / idle["seconds"],
+                "cpu_per_s_precise": idle.get("cpu_ns", float("nan")) / idle["seconds"],
+            }
 
-            _log(f"{mode}: bulk client ({args.bulk_mib} MiB h2d copies, {args.pipeline} outstanding) in its own process")
+            _log(
+                f"{mode}: bulk client ({args.bulk_mib} MiB h2d copies, {args.pipeline} outstanding) in its own process"
+            )
             bulk = BulkProcess(d.socket_path, args.bulk_mib * MiB, args.pipeline, name="bench-bulk")
             try:
                 bulk.wait_ready()
@@ -441,13 +495,31 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str,
         f, p = fifo["urgent"][str(size)], prio["urgent"][str(size)]
         for q in ("p50", "p99"):
             fv, pv = f["latency_us"][q], p["latency_us"][q]
-            rows.append((f"(a) urgent {_size(size)} {q}: fifo / priod", f"{fv:,.0f} / {pv:,.0f} us = {_ratio(fv, pv):,.1f}x", "report", "—"))
+            rows.append(
+                (
+                    f"(a) urgent {_size(size)} {q}: fifo / priod",
+                    f"{fv:,.0f} / {pv:,.0f} us = {_ratio(fv, pv):,.1f}x",
+                    "report",
+                    "—",
+                )
+            )
         qw = p["queued_us"]["p99"]
-        rows.append((f"(a) urgent {_size(size)} queue wait p99, priod (daemon)", f"{qw:,.1f} us", f"<= max_block_us {max_block:,.0f}", verdict(qw <= max_block)))
+        rows.append(
+            (
+                f"(a) urgent {_size(size)} queue wait p99, priod (daemon)",
+                f"{qw:,.1f} us",
+                f"<= max_block_us {max_block:,.0f}",
+                verdict(qw <= max_block),
+            )
+        )
     for name, r in (("priod", prio), ("fifo", fifo)):
         b = r["bulk_alone"]
         busy = b["engine_busy_fraction"]
-        busy_s = f"; engine busy {busy:.3f}, {b['engine_rate_while_busy_fraction']:.3f} of its rate while busy" if busy else ""
+        busy_s = (
+            f"; engine busy {busy:.3f}, {b['engine_rate_while_busy_fraction']:.3f} of its rate while busy"
+            if busy
+            else ""
+        )
         target = ">= 0.95" if name == "priod" else "report"
         rows.append(
             (
@@ -466,7 +538,7 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str,
             (
                 f"(c) {_size(args.rtt_bytes)} {prio_name} copy RTT p50/p99 (blocking client)",
                 f"{pr['p50']:.0f}/{pr['p99']:.0f} us vs echo {echo['p50']:.0f}/{echo['p99']:.0f} us: p50 {ratio:.2f}x",
-                "p50 <= 2x echo (issue 10: 3x)",
+                "p50 <= 2x echo",
                 f"{verdict(ratio <= 2.0)} (3x: {verdict(ratio <= 3.0)})",
             )
         )
@@ -495,17 +567,31 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str,
         (
             f"(c) {args.tiny_bytes} B copies/s, windows of {args.window}",
             f"{rate:,.0f}/s (echo {ov['pipelined_per_s']['echo_median']:,.0f}/s); CPU us/copy: daemon loop {cpu['daemon_loop']:.0f}, client {cpu['client']:.0f}",
-            ">= 20,000/s (issue 10: 0.2x echo)",
+            ">= 20,000/s",
             f"{verdict(rate >= 20000)} (0.2x: {verdict(rate >= 0.2 * ov['pipelined_per_s']['echo_median'])})",
         )
     )
     idle = prio["idle_cpu"]
     idle_v = idle["cpu_per_s_precise"] if np.isfinite(idle["cpu_per_s_precise"]) else idle["cpu_per_s"]
-    rows.append((f"(d) idle CPU, priod ({idle['seconds']:.0f} s, client connected)", f"{idle_v:.5f} CPU s/s", "<= 0.001 (none measurable)", verdict(idle_v <= 0.001)))
+    rows.append(
+        (
+            f"(d) idle CPU, priod ({idle['seconds']:.0f} s, client connected)",
+            f"{idle_v:.5f} CPU s/s",
+            "<= 0.001 (none measurable)",
+            verdict(idle_v <= 0.001),
+        )
+    )
     for name, r in (("priod", prio), ("fifo", fifo)):
         b = r["bulk_alone"]
         per_gb = b["cpu_s_per_gb_precise"] if np.isfinite(b["cpu_s_per_gb_precise"]) else b["cpu_s_per_gb"]
-        rows.append((f"(d) daemon CPU per GB under bulk, {name}", f"{per_gb:.3f} s/GB (event loop {b['loop_cpu_s_per_gb']:.3f})", "report", "—"))
+        rows.append(
+            (
+                f"(d) daemon CPU per GB under bulk, {name}",
+                f"{per_gb:.3f} s/GB (event loop {b['loop_cpu_s_per_gb']:.3f})",
+                "report",
+                "—",
+            )
+        )
     return rows
 
 
@@ -528,10 +614,20 @@ def markdown_table(rows: list[tuple[str, str, str, str]]) -> str:
 
 # -- entry point -------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="priod benchmark: fifo vs priod urgent latency, bulk throughput, daemon overhead and CPU.")
-    p.add_argument("--backend", choices=["sim", "cuda", "auto"], default="sim", help="copy engine of both daemons (default: sim)")
+    p = argparse.ArgumentParser(
+        description="priod benchmark: fifo vs priod urgent latency, bulk throughput, daemon overhead and CPU."
+    )
+    p.add_argument(
+        "--backend", choices=["sim", "cuda", "auto"], default="sim", help="copy engine of both daemons (default: sim)"
+    )
     p.add_argument("--config", help="TOML config for both daemons (the mode is set by the benchmark)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="extra setting for both daemons, e.g. scheduler__max_block_us=500")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION__KEY=VALUE",
+        help="extra setting for both daemons, e.g. scheduler__max_block_us=500",
+    )
     p.add_argument("--out", default="out/bench", help="directory for bench.json (default: out/bench)")
     p.add_argument("--quick", action="store_true", help="fewer samples, about 30 s")
     p.add_argument("--bulk-mib", type=int, default=256, help="size of each bulk copy (default 256)")
@@ -560,7 +656,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
         "machine": machine(uvloop=str(getattr(uvloop, "__version__", ""))),
         "plan": plan.__dict__,
-        "settings": {"backend": args.backend, "bulk_mib": args.bulk_mib, "pipeline": args.pipeline, "urgent_sizes": args.urgent_sizes, "env": args.env, "config": args.config},
+        "settings": {
+            "backend": args.backend,
+            "bulk_mib": args.bulk_mib,
+            "pipeline": args.pipeline,
+            "urgent_sizes": args.urgent_sizes,
+            "env": args.env,
+            "config": args.config,
+        },
     }
     with echo_server() as echo_path:
         res["priod"] = await measure_mode("priod", args, plan, echo_path)
@@ -585,8 +688,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as fp:
         json.dump(res, fp, indent=1, default=float)
     print()
-    print(f"priod bench: {res['machine']['nproc']} CPUs, Python {res['machine']['python']}, backend {res['priod']['backend']}, "
-          f"{res['elapsed_s']:.0f} s; full numbers in {path}")
+    print(
+        f"priod bench: {res['machine']['nproc']} CPUs, Python {res['machine']['python']}, backend {res['priod']['backend']}, "
+        f"{res['elapsed_s']:.0f} s; full numbers in {path}"
+    )
     print_table(rows)
     return 0
 

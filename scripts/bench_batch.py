@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Batched copies against single ones (issue 12): scattered blocks as one ``copy_batch`` against
+"""Batched copies against single ones: scattered blocks as one ``copy_batch`` against
 the same blocks as single copies issued concurrently, through one daemon, same bytes verified.
 
     .venv/bin/python scripts/bench_batch.py                 # sim engine (link at 55 GB/s), about 10 s
@@ -50,7 +50,9 @@ def blocks(n: int, block: int, slots: int, rng: np.random.Generator) -> npt.NDAr
 def verify(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], segs: npt.NDArray[np.int64], what: str) -> None:
     for d, s, n in segs:
         if not np.array_equal(dst[d : d + n], src[s : s + n]):
-            raise SystemExit(f"{what}: block {s}->{d} of {n} bytes did not land intact; the benchmark stops (a bug, not a figure)")
+            raise SystemExit(
+                f"{what}: block {s}->{d} of {n} bytes did not land intact; the benchmark stops (a bug, not a figure)"
+            )
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,7 +73,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     loop_cpu: dict[str, list[float]] = {"single": [], "batch": []}
     with daemon_process(env, backend=args.backend, start_timeout=120) as d:
         async with priod.connect(d.socket_path, name="bench_batch") as c:
-            host, dev, back = await c.alloc_host(slots * block), await c.alloc_device(slots * block), await c.alloc_host(slots * block)
+            host, dev, back = (
+                await c.alloc_host(slots * block),
+                await c.alloc_device(slots * block),
+                await c.alloc_host(slots * block),
+            )
             assert host.array is not None and back.array is not None
             for r in range(args.rounds + 1):  # round 0 warms both paths up and is not counted
                 for form in ("single", "batch") if r % 2 == 0 else ("batch", "single"):
@@ -80,7 +86,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     cpu0 = schedstat_seconds(d.proc.pid)
                     t0 = time.perf_counter()
                     if form == "single":
-                        handles = [c.start_copy(dev, host, int(k), dst_offset=int(dd), src_offset=int(ss), priority=args.priority) for dd, ss, k in segs]
+                        handles = [
+                            c.start_copy(
+                                dev, host, int(k), dst_offset=int(dd), src_offset=int(ss), priority=args.priority
+                            )
+                            for dd, ss, k in segs
+                        ]
                         await asyncio.wait_for(asyncio.gather(*handles), args.timeout)
                     else:
                         reply = await c.copy_batch(dev, host, segs, priority=args.priority, timeout=args.timeout)
@@ -95,7 +106,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         if cpu0 is not None and cpu1 is not None:
                             loop_cpu[form].append(cpu1[1] - cpu0[1])
                         if form == "batch":
-                            replies.append({"total_us": reply.total_us, "transfer_us": reply.transfer_us, "queued_us": reply.queued_us, "path": reply.path})
+                            replies.append(
+                                {
+                                    "total_us": reply.total_us,
+                                    "transfer_us": reply.transfer_us,
+                                    "queued_us": reply.queued_us,
+                                    "path": reply.path,
+                                }
+                            )
             status = await c.status()
     single_p50, batch_p50 = statistics.median(single_s), statistics.median(batch_s)
     return {
@@ -116,7 +134,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "loop_cpu_s": loop_cpu,
         "batch_replies": replies,
         "lanes": status.get("lanes"),
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(), "priod": priod.__version__},
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "priod": priod.__version__,
+        },
     }
 
 
@@ -135,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sim: the h2d and d2h link's GB/s (default 55, an H200's; 0 keeps the daemon's 2 GB/s, under which 8 MiB takes 4.2 ms "
         "of modelled link time whatever the daemon does)",
     )
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds any one round may take before the benchmark gives up")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="daemon setting, e.g. sim__h2d_gbps=8")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds any one round may take before the benchmark gives up"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="daemon setting, e.g. sim__h2d_gbps=8"
+    )
     p.add_argument("--out", default="out/bench_batch")
     args = p.parse_args(argv)
     res = asyncio.run(run(args))
@@ -145,12 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(res, f, indent=1)
     ok = res["ratio"] >= TARGET_RATIO
     link = f" (link {args.link_gbps:g} GB/s)" if args.backend == "sim" and args.link_gbps > 0 else ""
-    print(f"\n{res['blocks']} scattered {res['block_bytes'] >> 10} KiB blocks, {args.backend} engine{link}, p50 of {args.rounds} rounds, bytes verified")
+    print(
+        f"\n{res['blocks']} scattered {res['block_bytes'] >> 10} KiB blocks, {args.backend} engine{link}, p50 of {args.rounds} rounds, bytes verified"
+    )
     cpu = res["loop_cpu_us_per_block"]
     print(f"{'form':<34} {'p50 ms':>9} {'blocks/s':>11} {'loop us/block':>14}")
     for key, label in (("single", "single copies, issued concurrently"), ("batch", "one copy_batch")):
-        print(f"{label:<34} {res[key + '_p50_s'] * 1e3:>9.2f} {res[key + '_blocks_per_s']:>11,.0f} {cpu.get(key, float('nan')):>14.2f}")
-    print(f"ratio {res['ratio']:.1f}x (target >= {TARGET_RATIO:.0f}x: {'met' if ok else 'NOT met'}); full numbers: {args.out}/bench_batch.json")
+        print(
+            f"{label:<34} {res[key + '_p50_s'] * 1e3:>9.2f} {res[key + '_blocks_per_s']:>11,.0f} {cpu.get(key, float('nan')):>14.2f}"
+        )
+    print(
+        f"ratio {res['ratio']:.1f}x (target >= {TARGET_RATIO:.0f}x: {'met' if ok else 'NOT met'}); full numbers: {args.out}/bench_batch.json"
+    )
     return 0
 
 

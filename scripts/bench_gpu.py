@@ -84,6 +84,8 @@ def pause(seconds: float) -> None:
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:
         pass
+
+
 COTENANTS = ("none", "gemm")
 SPAWN = mp.get_context("spawn")
 URGENT_WINDOW_S = 0.25
@@ -177,7 +179,10 @@ class CudaCopies:
         self.cp, self.check = cp, check
         self.rt, _ = bindings()
         self.low_priority, high = check(self.rt.cudaDeviceGetStreamPriorityRange())
-        self.kinds = {"h2d": self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, "d2h": self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost}
+        self.kinds = {
+            "h2d": self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+            "d2h": self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+        }
         self.urgent_stream = cp.cuda.Stream(non_blocking=True, priority=high)
         self.urgent_host = cp.cuda.alloc_pinned_memory(max(SIZES))
         self.urgent_dev = cp.cuda.alloc(max(SIZES))
@@ -391,7 +396,10 @@ def anchor_row(load: Load) -> dict[str, Any]:
     ready, stop, bulk_q, urgent_q = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue(), SPAWN.Queue()
     with child(dma_bulk_process, load.directions, load.bulk_bytes, ready, stop, bulk_q) as bulk:
         wait_ready(ready, [bulk], "the bulk process")
-        with cotenant(load.cotenant, load.gemm_n) as ct, child(anchor_urgent, load.directions, load.count, urgent_q) as urgent:
+        with (
+            cotenant(load.cotenant, load.gemm_n) as ct,
+            child(anchor_urgent, load.directions, load.count, urgent_q) as urgent,
+        ):
             measured = get_result(urgent_q, [urgent])
         stop.set()
         done = get_result(bulk_q, [bulk], 120)
@@ -468,7 +476,9 @@ def urgent_client(
     paths: dict[str, set[str]] = {}
     daemon: dict[str, list[tuple[float, float, float]]] = {}  # the daemon's own queued/transfer/total
     cpu: dict[str, tuple[float, float]] = {}
-    lane_bytes: dict[str, tuple[dict[str, int], dict[str, int], float]] = {}  # per size: lane bytes before, after, wall s
+    lane_bytes: dict[
+        str, tuple[dict[str, int], dict[str, int], float]
+    ] = {}  # per size: lane bytes before, after, wall s
     with priod.SyncClient(path, name="urgent", spin_us=spin_us) as c:
         one: Callable[[str, int], Any]
         if direct is not None:
@@ -533,7 +543,9 @@ def bulk_rate(lane_bytes: int, urgent_bytes: int, seconds: float, direct: bool) 
     return (lane_bytes - (0 if direct else urgent_bytes)) / seconds / 1e9
 
 
-def bulk_per_size(loaded: dict[str, Any], directions: tuple[str, ...], count: int, direct: bool) -> dict[str, dict[str, float]]:
+def bulk_per_size(
+    loaded: dict[str, Any], directions: tuple[str, ...], count: int, direct: bool
+) -> dict[str, dict[str, float]]:
     """Bulk GB/s on each loaded lane while the urgent copies of one size ran (``count`` of them,
     every 5 ms), their own bytes taken out. A 16 MiB urgent copy every 5 ms is itself ~6% of the
     H200's link, which bulk cannot have; 64 KiB copies are 0.02%. So the figure for the whole
@@ -543,7 +555,9 @@ def bulk_per_size(loaded: dict[str, Any], directions: tuple[str, ...], count: in
     for key, (before, after, wall) in loaded.get("_lane_bytes", {}).items():
         direction, n = key.split("/")
         lanes = {d: after[f"gpu0/{d}"] - before[f"gpu0/{d}"] for d in directions}
-        out[key] = {d: bulk_rate(moved, int(n) * count if d == direction else 0, wall, direct) for d, moved in lanes.items()}
+        out[key] = {
+            d: bulk_rate(moved, int(n) * count if d == direction else 0, wall, direct) for d, moved in lanes.items()
+        }
     return out
 
 
@@ -552,7 +566,14 @@ def cpu_per_copy_us(probe: dict[str, Any], count: int, baseline_cpu_s_per_s: flo
     return {key: (cpu - baseline_cpu_s_per_s * wall) / count * 1e6 for key, (cpu, wall) in probe["_cpu_s"].items()}
 
 
-def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str = "cuda", direct: bool = False, ahead_us: float = 0.0) -> dict[str, Any]:
+def priod_row(
+    load: Load,
+    express: bool,
+    bulk_poll: str = "spin",
+    backend: str = "cuda",
+    direct: bool = False,
+    ahead_us: float = 0.0,
+) -> dict[str, Any]:
     """priod-idle (urgent copies only), then urgent copies under bulk from one client process per
     direction. ``direct``: the urgent copies are direct ones (this process's own DMA, `priod.client.direct`);
     ``ahead_us``: each announced that long before it is issued."""
@@ -563,17 +584,24 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
         "PRIOD_SERVER__BULK_POLL": f'"{bulk_poll}"',
         **DAEMON_ENV,
     }
-    log(f"priod row {load.directions} express={express} bulk_poll={bulk_poll} co-tenant {load.cotenant}: starting daemon ({backend})")
+    log(
+        f"priod row {load.directions} express={express} bulk_poll={bulk_poll} co-tenant {load.cotenant}: starting daemon ({backend})"
+    )
     with daemon_process(env, backend=backend, start_timeout=120) as dmn, cotenant(load.cotenant, load.gemm_n) as ct:
         pid = dmn.proc.pid
         idle = urgent(dmn.socket_path, load.directions, load.count, pid)
         stop, q = SPAWN.Event(), SPAWN.Queue()
         log("idle via priod done; starting bulk clients")
         with ExitStack() as stack, priod.SyncClient(dmn.socket_path) as sc:
-            procs = [stack.enter_context(child(bulk_client, dmn.socket_path, d, load.bulk_bytes, stop, q)) for d in load.directions]
+            procs = [
+                stack.enter_context(child(bulk_client, dmn.socket_path, d, load.bulk_bytes, stop, q))
+                for d in load.directions
+            ]
             # warm: every bulk client has pinned its regions and its bytes are flowing
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(sc.status()["lane_bytes"][f"gpu0/{d}"] for d in load.directions):
+            while time.monotonic() < deadline and not all(
+                sc.status()["lane_bytes"][f"gpu0/{d}"] for d in load.directions
+            ):
                 time.sleep(0.05)
             time.sleep(load.warm_s)
             # bulk alone for a second, then under urgent load: bytes per lane from the daemon,
@@ -609,7 +637,10 @@ def priod_row(load: Load, express: bool, bulk_poll: str = "spin", backend: str =
         "bulk_alone_cpu_s_per_gb": (c4 - c3) / max(moved_alone / 1e9, 1e-9),
         "bulk_alone_polls_per_s": (s4.get("polls", 0) - s3.get("polls", 0)) / (t4 - t3),
     }
-    per_copy = {"idle": cpu_per_copy_us(idle, load.count), "loaded": cpu_per_copy_us(loaded, load.count, cpu["bulk_alone_cpu_s_per_s"])}
+    per_copy = {
+        "idle": cpu_per_copy_us(idle, load.count),
+        "loaded": cpu_per_copy_us(loaded, load.count, cpu["bulk_alone_cpu_s_per_s"]),
+    }
     return {
         "row": ("ahead" if ahead_us else "direct") if direct else "express" if express else "dma",
         "bulk_poll": bulk_poll,
@@ -664,10 +695,26 @@ def main() -> int:
         "copies are the client's own DMA, priod.client.direct, while the daemon runs bulk), ahead (direct, each copy "
         "announced AHEAD_US before it is issued)",
     )
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="a daemon setting for every priod row, e.g. tuning__urgent_block_us=300")
-    ap.add_argument("--gap", choices=["sleep", "busy"], default="sleep", help="the pause between urgent copies: asleep (default) or running Python")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION__KEY=VALUE",
+        help="a daemon setting for every priod row, e.g. tuning__urgent_block_us=300",
+    )
+    ap.add_argument(
+        "--gap",
+        choices=["sleep", "busy"],
+        default="sleep",
+        help="the pause between urgent copies: asleep (default) or running Python",
+    )
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
-    ap.add_argument("--warm-s", type=float, default=3.0, help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)")
+    ap.add_argument(
+        "--warm-s",
+        type=float,
+        default=3.0,
+        help="bulk runs this long before measuring (the first passes over fresh pinned memory are slow)",
+    )
     args = ap.parse_args()
     os.environ[GAP_ENV] = args.gap  # the rows in spawned processes pause the same way
     _dump_stacks_later()
@@ -762,15 +809,45 @@ def table_lines(s: dict[str, Any], key: str) -> list[Line]:
         for r in priod_rows:
             if r["row"] in ("express", "direct", "ahead"):
                 idle = r["idle_via_priod"]
-                label = r["label"].replace("express", "priod-idle").replace("direct", "direct-idle").replace("ahead", "ahead-idle")
-                lines.append(Line(label, cot, idle[key], daemon_us=daemon_p50(idle, key), cpu_us=r["cpu_per_copy_us"]["idle"][key], anchor=anchor))
+                label = (
+                    r["label"]
+                    .replace("express", "priod-idle")
+                    .replace("direct", "direct-idle")
+                    .replace("ahead", "ahead-idle")
+                )
+                lines.append(
+                    Line(
+                        label,
+                        cot,
+                        idle[key],
+                        daemon_us=daemon_p50(idle, key),
+                        cpu_us=r["cpu_per_copy_us"]["idle"][key],
+                        anchor=anchor,
+                    )
+                )
         for r in priod_rows:
             loaded = r["loaded"]
             bulk, urgent = r["bulk_gbps"], r["urgent_gbps"]
-            if key in r.get("bulk_gbps_per_size", {}):  # bulk while this size's copies ran, where the results file has it
+            if key in r.get(
+                "bulk_gbps_per_size", {}
+            ):  # bulk while this size's copies ran, where the results file has it
                 bulk, wall = r["bulk_gbps_per_size"][key], loaded["_lane_bytes"][key][2]
-                urgent = {d: int(key.split("/")[1]) * len(loaded[key]) / wall / 1e9 if key.startswith(d + "/") else 0.0 for d in bulk}
-            lines.append(Line(r["label"], cot, loaded[key], mean_of(bulk), mean_of(urgent), daemon_p50(loaded, key), r["cpu_per_copy_us"]["loaded"][key], anchor))
+                urgent = {
+                    d: int(key.split("/")[1]) * len(loaded[key]) / wall / 1e9 if key.startswith(d + "/") else 0.0
+                    for d in bulk
+                }
+            lines.append(
+                Line(
+                    r["label"],
+                    cot,
+                    loaded[key],
+                    mean_of(bulk),
+                    mean_of(urgent),
+                    daemon_p50(loaded, key),
+                    r["cpu_per_copy_us"]["loaded"][key],
+                    anchor,
+                )
+            )
     return lines
 
 
@@ -805,7 +882,10 @@ def render(results: dict[str, Any]) -> str:
                     f"{fmt(xa50, '.2f', 6)} {fmt(xa99, '.2f', 6)} {fmt(ln.daemon_us, '.0f', 7)} {fmt(ln.cpu_us, '.0f', 6)} "
                     f"{fmt(gbps, '.1f', 10)} {fmt(gbps / raw if gbps is not None else None, '.3f', 6)} {fmt(link, '.3f', 6)}  {met}"
                 )
-        out.append(f"{name:<5} raw cudaMemcpyAsync GB/s (the set's directions at once): " + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items()))
+        out.append(
+            f"{name:<5} raw cudaMemcpyAsync GB/s (the set's directions at once): "
+            + ", ".join(f"{d} {v:.1f}" for d, v in inproc["raw_gbps"].items())
+        )
         out += [f"{name:<5} {row_summary(r, inproc['raw_gbps'])}" for r in s["rows"]]
     out.append(
         "xA: ratio to the anchor row (other-process bulk, no daemon) with the same co-tenant, < 1: priod wins; daemon: the daemon's own p50 "
@@ -821,7 +901,11 @@ def row_summary(r: dict[str, Any], raw_gbps: dict[str, float]) -> str:
     tenant = f"; co-tenant {ct['gemm_n']}^3 GEMMs {ct['tflops']:.0f} TFLOP/s" if "tflops" in ct else ""
     head = f"{r['label']} ({ct['kind']}):"
     if r["row"] == "anchor":
-        return f"{head} bulk process GB/s over its whole run " + ", ".join(f"{d} {v:.1f}" for d, v in r["bulk_process_gbps"].items()) + tenant
+        return (
+            f"{head} bulk process GB/s over its whole run "
+            + ", ".join(f"{d} {v:.1f}" for d, v in r["bulk_process_gbps"].items())
+            + tenant
+        )
     cpu = r["daemon_cpu"]
     alone = ", ".join(f"{d} {v:.1f} (x raw {v / raw_gbps[d]:.3f})" for d, v in r["bulk_alone_gbps"].items())
     loaded = ", ".join(f"{d} {v:.1f} (x raw {v / raw_gbps[d]:.3f})" for d, v in r["bulk_gbps"].items())
@@ -855,7 +939,12 @@ def plot(results: dict[str, Any], path: str) -> None:
             key = f"{direction}/{n}"
             for ln in table_lines(s, key):
                 v = sorted(ln.lat)
-                ax.plot(v, np.linspace(0, 1, len(v)), label=f"{ln.row} ({ln.cotenant})", linestyle="--" if ln.cotenant == "gemm" else "-")
+                ax.plot(
+                    v,
+                    np.linspace(0, 1, len(v)),
+                    label=f"{ln.row} ({ln.cotenant})",
+                    linestyle="--" if ln.cotenant == "gemm" else "-",
+                )
             ax.set_xscale("log")
             ax.set_title(f"{name}: urgent {key}")
             ax.set_xlabel("latency (us)")

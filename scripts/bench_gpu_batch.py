@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU benchmark of batched copies (issue 12): scattered 64 KiB blocks, through priod and without it.
+"""GPU benchmark of batched copies: scattered 64 KiB blocks, through priod and without it.
 
 Rows (one direction, --direction, default h2d):
   in-process   no daemon, a CUDA context of this benchmark's own, idle GPU, back to back: the
@@ -50,10 +50,25 @@ import numpy as np
 import numpy.typing as npt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")) if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")) if p
+)
 
 # scripts/ is this script's directory
-from bench_gpu import COTENANTS, GAP_ENV, SPAWN, child, cotenant, csv_choices, dma_bulk_process, get_result, log, pause, wait_ready, window_gbps
+from bench_gpu import (
+    COTENANTS,
+    GAP_ENV,
+    SPAWN,
+    child,
+    cotenant,
+    csv_choices,
+    dma_bulk_process,
+    get_result,
+    log,
+    pause,
+    wait_ready,
+    window_gbps,
+)
 
 import priod
 from priod.testing import BulkProcess, daemon_process, percentile, throughput_between
@@ -66,7 +81,10 @@ INTERVAL_S = 0.005
 def scattered(n: int, block: int, seed: int) -> npt.NDArray[np.int64]:
     """``n`` blocks between random distinct slots of two regions of ``2 n`` blocks."""
     rng = np.random.default_rng(seed)
-    return np.stack([rng.choice(2 * n, n, replace=False) * block, rng.choice(2 * n, n, replace=False) * block, np.full(n, block)], axis=1).astype(np.int64)
+    return np.stack(
+        [rng.choice(2 * n, n, replace=False) * block, rng.choice(2 * n, n, replace=False) * block, np.full(n, block)],
+        axis=1,
+    ).astype(np.int64)
 
 
 def release(c: priod.SyncClient, *regions: Any) -> None:
@@ -99,7 +117,11 @@ class OwnBatch:
 
         self.cp, self.check = cp, check
         self.rt, _ = bindings()
-        self.kind = self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice if direction == "h2d" else self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self.kind = (
+            self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+            if direction == "h2d"
+            else self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        )
         _, high = check(self.rt.cudaDeviceGetStreamPriorityRange())
         self.stream = cp.cuda.Stream(non_blocking=True, priority=high)
         self.rt_stream = self.rt.cudaStream_t(self.stream.ptr)
@@ -121,7 +143,12 @@ class OwnBatch:
         elif form == "batch":
             self.batched.copy(self.dst, self.src, self.d_offs, self.s_offs, self.sizes, self.kind, self.rt_stream)
         else:
-            for d, s, n in zip((self.d_offs + np.uint64(self.dst)).tolist(), (self.s_offs + np.uint64(self.src)).tolist(), self.sizes.tolist(), strict=True):
+            for d, s, n in zip(
+                (self.d_offs + np.uint64(self.dst)).tolist(),
+                (self.s_offs + np.uint64(self.src)).tolist(),
+                self.sizes.tolist(),
+                strict=True,
+            ):
                 self.check(self.rt.cudaMemcpyAsync(d, s, n, self.kind, self.rt_stream))
 
     def series(self, count: int, interval_s: float = 0.0) -> dict[str, dict[str, float]]:
@@ -196,7 +223,10 @@ def anchor_row(args: argparse.Namespace, cot: str) -> dict[str, Any]:
     ready, stop, bulk_q, q = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue(), SPAWN.Queue()
     with child(dma_bulk_process, (args.direction,), args.bulk_mib * MiB, ready, stop, bulk_q) as bulk:
         wait_ready(ready, [bulk], "the bulk process")
-        with cotenant(cot, args.gemm_n) as ct, child(anchor_measure, args.direction, args.blocks, args.block_kib * KiB, args.count, q) as p:
+        with (
+            cotenant(cot, args.gemm_n) as ct,
+            child(anchor_measure, args.direction, args.blocks, args.block_kib * KiB, args.count, q) as p,
+        ):
             t0 = time.monotonic()
             out: dict[str, Any] = get_result(q, [p])
             t1 = time.monotonic()
@@ -208,7 +238,9 @@ def anchor_row(args: argparse.Namespace, cot: str) -> dict[str, Any]:
 
 
 # -- through the daemon ---------------------------------------------------------------------------------
-def urgent_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, count: int, timeout: float) -> dict[str, Any]:
+def urgent_rows(
+    c: priod.SyncClient, direction: str, blocks: int, block: int, count: int, timeout: float
+) -> dict[str, Any]:
     """Alternating: one urgent copy_batch of the blocks, one urgent contiguous copy of the same
     bytes; client-observed microseconds, and which path each took."""
     size = 2 * blocks * block
@@ -265,7 +297,11 @@ def direct_rows(c: priod.SyncClient, direction: str, blocks: int, block: int, co
     dev = cp.zeros(size, dtype=cp.uint8)
     page = c.hold_page()
     # a batch as DirectCopies chooses ("batch"), by the copy kernel alone, by batched DMA alone
-    copies = {"batch": DirectCopies(page), "batch_kernel": DirectCopies(page, batch_path="kernel"), "batch_dma": DirectCopies(page, batch_path="dma")}
+    copies = {
+        "batch": DirectCopies(page),
+        "batch_kernel": DirectCopies(page, batch_path="kernel"),
+        "batch_dma": DirectCopies(page, batch_path="dma"),
+    }
     pairs = {k: d.pair(dev, host) if direction == "h2d" else d.pair(host, dev) for k, d in copies.items()}
     segs = scattered(blocks, block, seed=6)
     lat: dict[str, list[float]] = {"batch": [], "batch_kernel": [], "batch_dma": [], "contiguous": []}
@@ -328,7 +364,10 @@ def priod_rows(args: argparse.Namespace, cotenants: list[str], save: Any, result
         key, _, value = item.partition("=")
         env[f"PRIOD_{key.upper()}"] = value
     blocks, block = args.blocks, args.block_kib * KiB
-    with daemon_process(env, backend=args.backend, start_timeout=180) as d, priod.SyncClient(d.socket_path, name="urgent", spin_us=2000) as c:
+    with (
+        daemon_process(env, backend=args.backend, start_timeout=180) as d,
+        priod.SyncClient(d.socket_path, name="urgent", spin_us=2000) as c,
+    ):
         for cot in cotenants:
             part = results["cotenants"].setdefault(cot, {})
             with cotenant(cot, args.gemm_n) as ct:
@@ -383,11 +422,21 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     inp = r.get("inprocess", {})
     lat = inp.get("latency_us", {})
     row("in-process, idle GPU: contiguous", lat.get("contiguous"))
-    row("in-process, idle GPU: cuMemcpyBatchAsync" + (" (FALLBACK: loop)" if inp.get("batch_dma_error") else ""), lat.get("batch"))
+    row(
+        "in-process, idle GPU: cuMemcpyBatchAsync" + (" (FALLBACK: loop)" if inp.get("batch_dma_error") else ""),
+        lat.get("batch"),
+    )
     row("in-process, idle GPU: loop of cudaMemcpyAsync", lat.get("loop"))
     targets: list[str] = []
     for cot, part in r.get("cotenants", {}).items():
-        lines.append(f"-- co-tenant {cot}" + (f" ({part['cotenant']['tflops']:.0f} TFLOP/s of GEMMs beside priod's rows)" if "tflops" in part.get("cotenant", {}) else ""))
+        lines.append(
+            f"-- co-tenant {cot}"
+            + (
+                f" ({part['cotenant']['tflops']:.0f} TFLOP/s of GEMMs beside priod's rows)"
+                if "tflops" in part.get("cotenant", {})
+                else ""
+            )
+        )
         alat = part.get("anchor", {}).get("latency_us", {})
         row("anchor (bulk in another process): contiguous", alat.get("contiguous"))
         row("anchor: cuMemcpyBatchAsync", alat.get("batch"))
@@ -395,34 +444,67 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
         for key, label in (("priod_idle", "priod idle"), ("priod_bulk", "priod under bulk")):
             paths = part.get(key, {}).get("paths", {})
             plat = part.get(key, {}).get("latency_us", {})
-            row(f"{label}: contiguous urgent {'/'.join(paths.get('contiguous', []))}", plat.get("contiguous"), alat.get("contiguous") if key == "priod_bulk" else None)
-            row(f"{label}: copy_batch urgent {'/'.join(paths.get('batch', []))}", plat.get("batch"), alat.get("batch") if key == "priod_bulk" else None)
+            row(
+                f"{label}: contiguous urgent {'/'.join(paths.get('contiguous', []))}",
+                plat.get("contiguous"),
+                alat.get("contiguous") if key == "priod_bulk" else None,
+            )
+            row(
+                f"{label}: copy_batch urgent {'/'.join(paths.get('batch', []))}",
+                plat.get("batch"),
+                alat.get("batch") if key == "priod_bulk" else None,
+            )
         for key, label in (("direct_idle", "direct idle"), ("direct_bulk", "direct under priod bulk")):
             dlat = part.get(key, {}).get("latency_us", {})
             loaded = key == "direct_bulk"
             row(f"{label}: contiguous", dlat.get("contiguous"), alat.get("contiguous") if loaded else None)
             chosen = part.get(key, {}).get("chosen", [])
             times = ", ".join(f"kernel {e['express_chosen']}x, dma {e['dma_chosen']}x" for e in chosen)
-            row(f"{label}: copy_batch ({times or 'kernel or DMA'})", dlat.get("batch"), alat.get("batch") if loaded else None)
-            row(f"{label}: copy_batch (copy kernel only)", dlat.get("batch_kernel"), alat.get("batch") if loaded else None)
+            row(
+                f"{label}: copy_batch ({times or 'kernel or DMA'})",
+                dlat.get("batch"),
+                alat.get("batch") if loaded else None,
+            )
+            row(
+                f"{label}: copy_batch (copy kernel only)",
+                dlat.get("batch_kernel"),
+                alat.get("batch") if loaded else None,
+            )
             row(f"{label}: copy_batch (batched DMA only)", dlat.get("batch_dma"), alat.get("batch") if loaded else None)
         for key, label in (("priod_bulk", "through the daemon"), ("direct_bulk", "direct")):
             loaded = part.get(key, {}).get("latency_us", {})
             if loaded:
                 ok = loaded["batch"]["p99"] <= loaded["contiguous"]["p99"] + 100
                 batch99, contiguous99 = loaded["batch"]["p99"], loaded["contiguous"]["p99"]
-                targets.append(f"co-tenant {cot}, {label}: batch p99 {batch99:.0f} <= contiguous p99 {contiguous99:.0f} + 100 us: {'met' if ok else 'NOT met'}")
+                targets.append(
+                    f"co-tenant {cot}, {label}: batch p99 {batch99:.0f} <= contiguous p99 {contiguous99:.0f} + 100 us: {'met' if ok else 'NOT met'}"
+                )
                 if alat.get("batch"):
                     wins = all(loaded["batch"][p] < alat["batch"][p] for p in ("p50", "p99"))
-                    targets.append(f"co-tenant {cot}, {label}: batch beats the anchor's cuMemcpyBatchAsync at p50 and p99: {'yes' if wins else 'NO'}")
+                    targets.append(
+                        f"co-tenant {cot}, {label}: batch beats the anchor's cuMemcpyBatchAsync at p50 and p99: {'yes' if wins else 'NO'}"
+                    )
     lines += ["targets:"] + [f"  {t}" for t in targets]
     raw = inp.get("raw_gbps")
     lines.append(f"{'bulk rates':<52} {'GB/s':>8} {'x raw':>8}")
-    rates: list[tuple[str, Any]] = [("raw: in-process contiguous", raw), ("in-process cuMemcpyBatchAsync, 64 KiB blocks", inp.get("batch_bulk_gbps"))]
+    rates: list[tuple[str, Any]] = [
+        ("raw: in-process contiguous", raw),
+        ("in-process cuMemcpyBatchAsync, 64 KiB blocks", inp.get("batch_bulk_gbps")),
+    ]
     for cot, part in r.get("cotenants", {}).items():
         rates.append((f"anchor's bulk process beside its urgent ({cot})", part.get("anchor", {}).get("bulk_gbps")))
-        rates.append((f"priod bulk contiguous beside urgent batches ({cot})", part.get("priod_bulk", {}).get("bulk_contiguous", {}).get("gbps")))
-        rates.append((f"priod bulk contiguous beside direct ({cot})", part.get("direct_bulk", {}).get("bulk_contiguous", {}).get("gbps")))
+        rates.append(
+            (
+                f"priod bulk contiguous beside urgent batches ({cot})",
+                part.get("priod_bulk", {}).get("bulk_contiguous", {}).get("gbps"),
+            )
+        )
+        rates.append(
+            (
+                f"priod bulk contiguous beside direct ({cot})",
+                part.get("direct_bulk", {}).get("bulk_contiguous", {}).get("gbps"),
+            )
+        )
     rates.append(("priod bulk copy_batch, 64 KiB blocks", r.get("priod_batch_bulk", {}).get("gbps")))
     for name, v in rates:
         if v is not None:
@@ -434,7 +516,9 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="batched copies on a GPU: priod's copy_batch against contiguous copies and in-process cuMemcpyBatchAsync")
+    ap = argparse.ArgumentParser(
+        description="batched copies on a GPU: priod's copy_batch against contiguous copies and in-process cuMemcpyBatchAsync"
+    )
     ap.add_argument("--direction", choices=["h2d", "d2h"], default="h2d")
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--block-kib", type=int, default=64)
@@ -444,19 +528,44 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds any one copy may take before the run fails")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="daemon setting")
     ap.add_argument("--out", default="out/bench_gpu_batch")
-    ap.add_argument("--inprocess-timeout", type=float, default=180.0, help="seconds the in-process rows may take in all")
-    ap.add_argument("--gap", choices=["sleep", "busy"], default="sleep", help="the 5 ms after each urgent copy: asleep (default) or running Python")
-    ap.add_argument("--direct", action="store_true", help="also direct rows (priod.client.direct: this process's own DMA, bulk held back; needs CuPy)")
+    ap.add_argument(
+        "--inprocess-timeout", type=float, default=180.0, help="seconds the in-process rows may take in all"
+    )
+    ap.add_argument(
+        "--gap",
+        choices=["sleep", "busy"],
+        default="sleep",
+        help="the 5 ms after each urgent copy: asleep (default) or running Python",
+    )
+    ap.add_argument(
+        "--direct",
+        action="store_true",
+        help="also direct rows (priod.client.direct: this process's own DMA, bulk held back; needs CuPy)",
+    )
     ap.add_argument("--skip-inprocess", action="store_true", help="no in-process rows (they need CuPy)")
-    ap.add_argument("--cotenant", default="none,gemm", help="what else runs on the GPU beside the anchor and priod rows, comma-separated: none, gemm (bf16 GEMMs, own process)")
+    ap.add_argument(
+        "--cotenant",
+        default="none,gemm",
+        help="what else runs on the GPU beside the anchor and priod rows, comma-separated: none, gemm (bf16 GEMMs, own process)",
+    )
     ap.add_argument("--gemm-n", type=int, default=8192, help="the gemm co-tenant's matrices are n x n")
     ap.add_argument("--skip-anchor", action="store_true", help="no anchor rows (they need CuPy)")
-    ap.add_argument("--backend", choices=["cuda", "sim"], default="cuda", help="sim: a dry run of the daemon rows on any machine (with --skip-inprocess)")
+    ap.add_argument(
+        "--backend",
+        choices=["cuda", "sim"],
+        default="cuda",
+        help="sim: a dry run of the daemon rows on any machine (with --skip-inprocess)",
+    )
     args = ap.parse_args()
     os.environ[GAP_ENV] = args.gap  # bench_gpu.pause: asleep, or running Python
     cotenants = csv_choices(ap, args.cotenant, COTENANTS, "--cotenant")
     os.makedirs(args.out, exist_ok=True)
-    results: dict[str, Any] = {"args": vars(args), "priod": priod.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "cotenants": {}}
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "priod": priod.__version__,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cotenants": {},
+    }
 
     def save() -> None:
         with open(os.path.join(args.out, "results.json"), "w") as f:

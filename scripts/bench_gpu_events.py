@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What GPU-side ordering costs (issue 12 item 2): copies with ``wait_event`` / ``signal_event``
+"""What GPU-side ordering costs: copies with ``wait_event`` / ``signal_event``
 against the same copies without, through an idle cuda daemon.
 
 Rows, per size (--sizes, host -> device, urgent, one copy at a time with --interval-ms between;
@@ -82,7 +82,9 @@ class Events:
             ev.close()
 
 
-def measure(c: priod.SyncClient, dst: Any, src: Any, size: int, form: str, wait_ev: Any, sig_ev: Any, timeout: float) -> tuple[float, float | None]:
+def measure(
+    c: priod.SyncClient, dst: Any, src: Any, size: int, form: str, wait_ev: Any, sig_ev: Any, timeout: float
+) -> tuple[float, float | None]:
     """One copy of ``form``: (send to reply, send to recorded report or None) in microseconds."""
     opts: dict[str, Any] = {"priority": "urgent"}
     if "wait" in form:
@@ -131,7 +133,12 @@ def kernel_rows(c: priod.SyncClient, dst: Any, src: Any, size: int, args: argpar
                 wait_us.append((time.perf_counter() - t0) * 1e6)
                 daemon_wait.append(r.event_wait_us or 0.0)
             time.sleep(args.interval_ms / 1e3)
-    return {"kernel_cycles": cycles, "kernel+sync": summary(sync_us), "kernel+wait": summary(wait_us), "event_wait_us": summary(daemon_wait)}
+    return {
+        "kernel_cycles": cycles,
+        "kernel+sync": summary(sync_us),
+        "kernel+wait": summary(wait_us),
+        "event_wait_us": summary(daemon_wait),
+    }
 
 
 def size_rows(c: priod.SyncClient, events: Events, size: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -194,11 +201,19 @@ def main() -> int:
     ap.add_argument("--out", default="out/bench_gpu_events")
     ap.add_argument("--backend", choices=["cuda", "sim"], default="cuda", help="sim: a dry run on any machine")
     args = ap.parse_args()
-    results: dict[str, Any] = {"args": vars(args), "priod": priod.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sizes": {}}
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "priod": priod.__version__,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "sizes": {},
+    }
     where = os.path.join(args.out, "results.json")
     os.makedirs(args.out, exist_ok=True)
     env = {"PRIOD_LOG__LEVEL": '"warning"', **dict(s.split("=", 1) for s in args.set)}
-    with daemon_process(env, backend=args.backend, start_timeout=180) as d, priod.SyncClient(d.socket_path, name="bench-events", spin_us=2000) as c:
+    with (
+        daemon_process(env, backend=args.backend, start_timeout=180) as d,
+        priod.SyncClient(d.socket_path, name="bench-events", spin_us=2000) as c,
+    ):
         events = Events(c, args.backend)
         try:
             for size in (int(s) for s in args.sizes.split(",")):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Two GPUs under one daemon (issue 14): isolation between GPUs, peer copies, bytes checked.
+"""Two GPUs under one daemon: isolation between GPUs, peer copies, bytes checked.
 
 Rows, in one run, each urgent figure from 60 copies 5 ms apart (client-observed, a SyncClient
 spinning for its reply), bulk from other processes keeping two copies in flight per link:
@@ -64,7 +64,10 @@ class Bulk:
 
     def __init__(self, path: str, specs: list[tuple[str, int, int]], nbytes: int) -> None:
         self.stop, self.q = SPAWN.Event(), SPAWN.Queue()
-        self.procs = [SPAWN.Process(target=bulk_worker, args=(path, k, s, d, nbytes, self.stop, self.q), daemon=True) for k, s, d in specs]
+        self.procs = [
+            SPAWN.Process(target=bulk_worker, args=(path, k, s, d, nbytes, self.stop, self.q), daemon=True)
+            for k, s, d in specs
+        ]
         self.results: list[list[tuple[float, int]]] = []
 
     def __enter__(self) -> Bulk:
@@ -140,9 +143,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["raw"] = raw_rates(args.bulk_mib * MiB)
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_LIMITS__MAX_REQUESTS_PER_S_PER_UID": "0"}
     if args.backend == "sim":
-        env |= {"PRIOD_SIM__DEVICES": "2", "PRIOD_SIM__H2D_GBPS": "1", "PRIOD_SIM__D2H_GBPS": "1", "PRIOD_SIM__PEER_GBPS": "1"}
+        env |= {
+            "PRIOD_SIM__DEVICES": "2",
+            "PRIOD_SIM__H2D_GBPS": "1",
+            "PRIOD_SIM__D2H_GBPS": "1",
+            "PRIOD_SIM__PEER_GBPS": "1",
+        }
     nbytes = args.bulk_mib * MiB
-    with daemon_process(env, backend=args.backend, start_timeout=180) as d, priod.SyncClient(d.socket_path, name="urgent", spin_us=2000) as c:
+    with (
+        daemon_process(env, backend=args.backend, start_timeout=180) as d,
+        priod.SyncClient(d.socket_path, name="urgent", spin_us=2000) as c,
+    ):
         st = c.status()
         res["lanes"] = {ln["lane"]: ln["bandwidth_gbps"] for ln in st["lanes"]}
         res["gpus"] = st["gpus"]
@@ -184,19 +195,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = [f"two GPUs, {r['backend']} engine, {r['date']}; lanes (calibrated GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["lanes"].items())]
-    for key in ("urgent_gpu1_idle", "urgent_gpu1_under_gpu0_bulk", "urgent_gpu1_under_gpu1_bulk", "urgent_peer_1mib_idle", "urgent_peer_1mib_under_peer_bulk"):
+    lines = [
+        f"two GPUs, {r['backend']} engine, {r['date']}; lanes (calibrated GB/s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in r["lanes"].items())
+    ]
+    for key in (
+        "urgent_gpu1_idle",
+        "urgent_gpu1_under_gpu0_bulk",
+        "urgent_gpu1_under_gpu1_bulk",
+        "urgent_peer_1mib_idle",
+        "urgent_peer_1mib_under_peer_bulk",
+    ):
         lines.append(f"{key:<36} p50 {r[key]['p50']:8.1f} us   p99 {r[key]['p99']:8.1f} us")
     raw = r.get("raw", {})
     both = sum(r["bulk_h2d_both_gbps"])
-    versus = f" (raw in-process both at once {raw['h2d_both']:.1f}: x {both / raw['h2d_both']:.3f}; target 0.95)" if raw else ""
+    versus = (
+        f" (raw in-process both at once {raw['h2d_both']:.1f}: x {both / raw['h2d_both']:.3f}; target 0.95)"
+        if raw
+        else ""
+    )
     lines.append(f"bulk h2d on both GPUs through priod: {both:.1f} GB/s{versus}")
     lines.append(
         f"peer bulk through priod: alone {r['peer_bulk_alone_gbps']:.1f} GB/s, under urgent {r['peer_bulk_under_urgent_gbps']:.1f}"
-        + (f" (raw cudaMemcpyPeerAsync {raw['peer']:.1f}: x {r['peer_bulk_alone_gbps'] / raw['peer']:.3f}; target 0.9)" if raw else "")
+        + (
+            f" (raw cudaMemcpyPeerAsync {raw['peer']:.1f}: x {r['peer_bulk_alone_gbps'] / raw['peer']:.3f}; target 0.9)"
+            if raw
+            else ""
+        )
     )
     idle99, load99 = r["urgent_peer_1mib_idle"]["p99"], r["urgent_peer_1mib_under_peer_bulk"]["p99"]
-    lines.append(f"urgent peer 1 MiB under peer bulk p99 {load99:.0f} us against 2 x idle + 100 = {2 * idle99 + 100:.0f}: {'met' if load99 <= 2 * idle99 + 100 else 'NOT met'}")
+    lines.append(
+        f"urgent peer 1 MiB under peer bulk p99 {load99:.0f} us against 2 x idle + 100 = {2 * idle99 + 100:.0f}: {'met' if load99 <= 2 * idle99 + 100 else 'NOT met'}"
+    )
     lines.append(f"peer bytes checked: {r['peer_bytes_ok']} (before bulk), {r['peer_bytes_ok_after_bulk']} (after)")
     return "\n".join(lines)
 

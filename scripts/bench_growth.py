@@ -85,7 +85,15 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 import priod
-from priod.testing import DaemonProcess, cpu_seconds, machine, schedstat_seconds, settings_env, summarize, wait_for_socket
+from priod.testing import (
+    DaemonProcess,
+    cpu_seconds,
+    machine,
+    schedstat_seconds,
+    settings_env,
+    summarize,
+    wait_for_socket,
+)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SPAWN = mp.get_context("spawn")
@@ -276,7 +284,14 @@ def direct_series(cfg: dict[str, Any], index: int, go: Any, start_at: Any, q: An
         direct.copy(chk, dev)
         verified = bool(np.array_equal(chk, src))
         direct.close()
-    return {"latency_us": lat, "daemon_total_us": [], "paths": {"direct": len(lat)}, "t_first": t_first, "t_last": t_last, "verified": verified}
+    return {
+        "latency_us": lat,
+        "daemon_total_us": [],
+        "paths": {"direct": len(lat)},
+        "t_first": t_first,
+        "t_last": t_last,
+        "verified": verified,
+    }
 
 
 def urgent_series(cfg: dict[str, Any], index: int, go: Any, start_at: Any, q: Any) -> dict[str, Any]:
@@ -311,7 +326,14 @@ def urgent_series(cfg: dict[str, Any], index: int, go: Any, start_at: Any, q: An
         chk.array[:] = 0
         c.copy(chk, dev, size, priority="urgent")
         verified = bool(np.array_equal(chk.array, src.array))
-    return {"latency_us": lat, "daemon_total_us": daemon_total, "paths": paths, "t_first": t_first, "t_last": t_last, "verified": verified}
+    return {
+        "latency_us": lat,
+        "daemon_total_us": daemon_total,
+        "paths": paths,
+        "t_first": t_first,
+        "t_last": t_last,
+        "verified": verified,
+    }
 
 
 # -- the daemon ----------------------------------------------------------------------------------
@@ -332,7 +354,9 @@ def start_daemon(env: dict[str, str], backend: str, timeout: float) -> Iterator[
     cmd = [sys.executable, "-m", "priod", "serve", "--socket", path, "--backend", backend]
     with open(log_path, "wb") as logf:
         # a session of its own: a Ctrl-C at the terminal reaches this script, which stops the daemon last
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env, preexec_fn=_daemon_preexec, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env, preexec_fn=_daemon_preexec, start_new_session=True
+        )
     d = DaemonProcess(proc, path, log_path)
     try:
         wait_for_socket(path, timeout, proc)
@@ -370,7 +394,9 @@ def daemon_env(args: argparse.Namespace, n_procs: int) -> dict[str, str]:
 
 
 # -- one N ---------------------------------------------------------------------------------------
-def collect(q: Any, procs: list[BaseProcess], daemon: DaemonProcess, what: str, count: int, timeout: float, client: str = "") -> list[tuple[str, int, Any]]:
+def collect(
+    q: Any, procs: list[BaseProcess], daemon: DaemonProcess, what: str, count: int, timeout: float, client: str = ""
+) -> list[tuple[str, int, Any]]:
     """The next ``count`` messages of kind ``what`` (ready or result) from the clients (of kind
     ``client``, bulk or urgent, if given): (client, index, payload).
 
@@ -386,15 +412,21 @@ def collect(q: Any, procs: list[BaseProcess], daemon: DaemonProcess, what: str, 
             if bad:
                 raise RuntimeError(f"client processes died before saying {what}: {bad}") from None
             if daemon.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited ({daemon.proc.returncode}); its log ends:\n{daemon.log()[-3000:]}") from None
+                raise RuntimeError(
+                    f"the daemon exited ({daemon.proc.returncode}); its log ends:\n{daemon.log()[-3000:]}"
+                ) from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{count - len(got)} of {count} clients did not say {what} in {timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"{count - len(got)} of {count} clients did not say {what} in {timeout:.0f} s"
+                ) from None
             continue
         kind, who, index, payload = msg
         if kind == "error":
             raise RuntimeError(f"{who} client {index} failed:\n{payload}")
         if kind != what or (client and who != client):
-            raise RuntimeError(f"{who} client {index} said {kind} while waiting for {client or 'every'} client to say {what}")
+            raise RuntimeError(
+                f"{who} client {index} said {kind} while waiting for {client or 'every'} client to say {what}"
+            )
         got.append((who, index, payload))
     return got
 
@@ -410,7 +442,13 @@ def sample(sc: priod.SyncClient, pid: int) -> dict[str, Any]:
     """When (monotonic), the daemon's CPU seconds then, and its status counters just after."""
     t, cpu = time.monotonic(), daemon_cpu(pid)
     st = sc.status()
-    return {"t": t, "cpu": cpu, "lane_bytes": st["lane_bytes"], "polls": st.get("polls", 0), "finished": st.get("finished", {})}
+    return {
+        "t": t,
+        "cpu": cpu,
+        "lane_bytes": st["lane_bytes"],
+        "polls": st.get("polls", 0),
+        "finished": st.get("finished", {}),
+    }
 
 
 def sleep_until(t: float) -> None:
@@ -446,11 +484,15 @@ def run_point(n: int, args: argparse.Namespace) -> dict[str, Any]:
             for i in range(n_bulk):
                 procs.append(SPAWN.Process(target=bulk_child, args=(cfg, i, go, stop, q), name=f"bulk{i}", daemon=True))
             for i in range(n_urgent):
-                procs.append(SPAWN.Process(target=urgent_child, args=(cfg, i, go, start_at, q), name=f"urgent{i}", daemon=True))
+                procs.append(
+                    SPAWN.Process(target=urgent_child, args=(cfg, i, go, start_at, q), name=f"urgent{i}", daemon=True)
+                )
             for p in procs:
                 p.start()
             collect(q, procs, d, "ready", n_procs, args.ready_timeout_s)
-            log(f"N={n}: every client is ready; bulk for {args.lead_s:.1f} s, then {args.warm}+{args.count} urgent copies each")
+            log(
+                f"N={n}: every client is ready; bulk for {args.lead_s:.1f} s, then {args.warm}+{args.count} urgent copies each"
+            )
             with priod.SyncClient(d.socket_path, name="growth-status") as sc:
                 t_go = time.monotonic()
                 start_at.value = t_go + args.lead_s
@@ -553,7 +595,12 @@ def figures(
 def all_good(r: dict[str, Any]) -> bool:
     """Every copy's bytes checked equal, no bulk copy failed, the daemon failed none."""
     v = r["verified"]
-    return v["urgent_ok"] == v["urgent_clients"] and v["bulk_ok"] == v["bulk_clients"] and not r["bulk_errors"] and not r["daemon_finished"].get("failed", 0)
+    return (
+        v["urgent_ok"] == v["urgent_clients"]
+        and v["bulk_ok"] == v["bulk_clients"]
+        and not r["bulk_errors"]
+        and not r["daemon_finished"].get("failed", 0)
+    )
 
 
 # -- the table -----------------------------------------------------------------------------------
@@ -580,20 +627,30 @@ def render(points: list[dict[str, Any]], args: argparse.Namespace) -> str:
         ratio = top["urgent_latency_us"]["p99"] / base_p99
         verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
         if top["n"] == 64 and base_n == 1:
-            lines.append(f"target (issue): urgent p99 with 64 clients within {TARGET_RATIO}x of 1 client: {ratio:.2f}x, {verdict}")
+            lines.append(
+                f"target (issue): urgent p99 with 64 clients within {TARGET_RATIO}x of 1 client: {ratio:.2f}x, {verdict}"
+            )
         else:
-            lines.append(f"target (issue) names N=64 against N=1; this run's largest N={top['n']} against N={base_n}: {ratio:.2f}x ({verdict} at this N; not the issue's figure)")
+            lines.append(
+                f"target (issue) names N=64 against N=1; this run's largest N={top['n']} against N={base_n}: {ratio:.2f}x ({verdict} at this N; not the issue's figure)"
+            )
     lines.append(
         f"N=1 means 1 urgent + 1 bulk process; N>1: N/2 urgent + N/2 bulk. Urgent: {human(args.size)} h2d every {args.interval_ms:g} ms, "
         f"{args.count} measured per process (pooled), SyncClient spin {args.spin_us:g} us. Bulk: {human(args.bulk_bytes)} h2d, {args.pipeline} outstanding per process. "
         f"CPU s/s: the daemon over the urgent window ((bulk): over 1 s of bulk alone just before); CPU us/cp: window CPU / urgent copies in it "
         f"(warm-up and read-back included), (beyond): less the bulk-alone rate. bytes: every urgent and bulk client's read-back equal to its source."
     )
-    budget = "shipped per-uid urgent budget" if args.shipped_budget else "per-uid urgent budget raised to the lane's bandwidth (all clients are one uid)"
+    budget = (
+        "shipped per-uid urgent budget"
+        if args.shipped_budget
+        else "per-uid urgent budget raised to the lane's bandwidth (all clients are one uid)"
+    )
     cores = os.cpu_count() or 0
     lines.append(f"backend {args.backend}; {cores} cores; request-rate cap off; {budget}.")
     if points and max(p["urgent_clients"] + p["bulk_clients"] for p in points) + 1 > cores:
-        lines.append(f"note: more processes than this machine's {cores} cores at the largest N: the clients and the daemon compete for CPU, which the latencies include.")
+        lines.append(
+            f"note: more processes than this machine's {cores} cores at the largest N: the clients and the daemon compete for CPU, which the latencies include."
+        )
     return "\n".join(lines)
 
 
@@ -601,13 +658,26 @@ def render(points: list[dict[str, Any]], args: argparse.Namespace) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=["sim", "cuda"], default="sim", help="the daemon's copy engine (default sim)")
-    ap.add_argument("--clients", default="1,8,64", help="client process counts N, comma-separated (default 1,8,64; 1,8,16 for a quick sim run)")
+    ap.add_argument(
+        "--clients",
+        default="1,8,64",
+        help="client process counts N, comma-separated (default 1,8,64; 1,8,16 for a quick sim run)",
+    )
     ap.add_argument("--out", default="out/growth", help="directory for growth.json and table.txt (default out/growth)")
     ap.add_argument("--size", type=parse_size, default=64 * KiB, help="urgent copy size (default 64K)")
-    ap.add_argument("--bulk-bytes", type=parse_size, default=None, help="bulk copy size (default 256M on cuda, 16M on sim)")
+    ap.add_argument(
+        "--bulk-bytes", type=parse_size, default=None, help="bulk copy size (default 256M on cuda, 16M on sim)"
+    )
     ap.add_argument("--pipeline", type=int, default=2, help="bulk copies outstanding per bulk process (default 2)")
-    ap.add_argument("--count", type=int, default=None, help="measured urgent copies per urgent process (default 200 on cuda, 100 on sim)")
-    ap.add_argument("--warm", type=int, default=5, help="unmeasured urgent copies per process before the measured ones (default 5)")
+    ap.add_argument(
+        "--count",
+        type=int,
+        default=None,
+        help="measured urgent copies per urgent process (default 200 on cuda, 100 on sim)",
+    )
+    ap.add_argument(
+        "--warm", type=int, default=5, help="unmeasured urgent copies per process before the measured ones (default 5)"
+    )
     ap.add_argument("--interval-ms", type=float, default=5.0, help="pause after each urgent copy (default 5)")
     ap.add_argument(
         "--spin-us",
@@ -615,12 +685,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the urgent SyncClient's busy-poll for each reply (default 2000 on cuda, as bench_gpu.py; 0 on sim, whose copies need the small machine's cores)",
     )
-    ap.add_argument("--lead-s", type=float, default=None, help="bulk runs this long before urgent copies start (default 3 on cuda, 2 on sim; >= 1.5)")
-    ap.add_argument("--direct", action="store_true", help="the urgent clients make direct copies (priod.client.direct: their own DMA, announced on a hold page; needs a GPU and CuPy)")
-    ap.add_argument("--shipped-budget", action="store_true", help="keep the shipped per-uid urgent budget (default: raised to the lane's bandwidth, all clients being one uid)")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION__KEY=VALUE", help="extra daemon setting, e.g. server__bulk_poll='\"spin\"' (repeatable)")
-    ap.add_argument("--start-timeout-s", type=float, default=120.0, help="how long the daemon may take to listen (default 120)")
-    ap.add_argument("--ready-timeout-s", type=float, default=300.0, help="how long the clients may take to get ready (default 300)")
+    ap.add_argument(
+        "--lead-s",
+        type=float,
+        default=None,
+        help="bulk runs this long before urgent copies start (default 3 on cuda, 2 on sim; >= 1.5)",
+    )
+    ap.add_argument(
+        "--direct",
+        action="store_true",
+        help="the urgent clients make direct copies (priod.client.direct: their own DMA, announced on a hold page; needs a GPU and CuPy)",
+    )
+    ap.add_argument(
+        "--shipped-budget",
+        action="store_true",
+        help="keep the shipped per-uid urgent budget (default: raised to the lane's bandwidth, all clients being one uid)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION__KEY=VALUE",
+        help="extra daemon setting, e.g. server__bulk_poll='\"spin\"' (repeatable)",
+    )
+    ap.add_argument(
+        "--start-timeout-s", type=float, default=120.0, help="how long the daemon may take to listen (default 120)"
+    )
+    ap.add_argument(
+        "--ready-timeout-s", type=float, default=300.0, help="how long the clients may take to get ready (default 300)"
+    )
     args = ap.parse_args(argv)
     cuda = args.backend == "cuda"
     args.bulk_bytes = args.bulk_bytes or (256 * MiB if cuda else 16 * MiB)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One event loop's cost as GPUs grow (issue 14): the daemon's CPU per copy and per GB with 1,
+"""One event loop's cost as GPUs grow: the daemon's CPU per copy and per GB with 1,
 2 and 4 sim GPUs, bulk on every link, and what an urgent copy sees meanwhile.
 
     .venv/bin/python scripts/bench_multi_gpu.py                  # 1, 2, 4 GPUs, about 20 s
@@ -82,16 +82,30 @@ async def _measure(path: str, pid: int, gpus: int, args: argparse.Namespace) -> 
             if args.peer:
                 for h in range(gpus):
                     if h != g:
-                        links.append((await bulk.alloc_device(nbytes, device=h), await bulk.alloc_device(nbytes, device=g)))
+                        links.append(
+                            (await bulk.alloc_device(nbytes, device=h), await bulk.alloc_device(nbytes, device=g))
+                        )
                         loaded.add(f"gpu{g}/peer/gpu{h}")
         usrc, udst = await probe.alloc_host(URGENT), await probe.alloc_device(URGENT, device=gpus - 1)
         tasks = [asyncio.create_task(_keep_busy(bulk, dst, src, stop, done)) for dst, src in links]
         tasks.append(asyncio.create_task(_probe(probe, udst, usrc, stop, urgent)))
         await asyncio.sleep(args.warmup)
-        st0, copies0, cpu0, wait0, t0 = await probe.status(), done[0], schedstat_seconds(pid), _loop_wait_seconds(pid), time.perf_counter()
+        st0, copies0, cpu0, wait0, t0 = (
+            await probe.status(),
+            done[0],
+            schedstat_seconds(pid),
+            _loop_wait_seconds(pid),
+            time.perf_counter(),
+        )
         urgent.clear()
         await asyncio.sleep(args.seconds)
-        st1, copies1, cpu1, wait1, t1 = await probe.status(), done[0], schedstat_seconds(pid), _loop_wait_seconds(pid), time.perf_counter()
+        st1, copies1, cpu1, wait1, t1 = (
+            await probe.status(),
+            done[0],
+            schedstat_seconds(pid),
+            _loop_wait_seconds(pid),
+            time.perf_counter(),
+        )
         lat = list(urgent)
         stop.set()
         await asyncio.gather(*tasks)
@@ -133,7 +147,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--peer", action="store_true", help="also bulk on every ordered pair's peer link")
-    ap.add_argument("--max-block-us", type=float, default=1000.0, help="[scheduler] max_block_us: fewer, larger chunks above 1000")
+    ap.add_argument(
+        "--max-block-us", type=float, default=1000.0, help="[scheduler] max_block_us: fewer, larger chunks above 1000"
+    )
     args = ap.parse_args()
     rows = []
     for gpus in args.gpus:
@@ -154,7 +170,22 @@ def main() -> None:
         f"# sim engine, {args.gbps} GB/s per link{' (peer links too)' if args.peer else ''}, {args.bulk_mib} MiB bulk copies "
         f"(2 in flight per link), max_block_us {args.max_block_us:g}, {args.seconds} s per row, {os.cpu_count()} CPUs"
     )
-    head = ("gpus", "links", "GB/s", "of model", "copies/s", "chunks/s", "loop CPU s/s", "loop wait s/s", "us/copy", "us/chunk", "ms/GB", "proc CPU s/s", "urgent p50 ms", "p99 ms")
+    head = (
+        "gpus",
+        "links",
+        "GB/s",
+        "of model",
+        "copies/s",
+        "chunks/s",
+        "loop CPU s/s",
+        "loop wait s/s",
+        "us/copy",
+        "us/chunk",
+        "ms/GB",
+        "proc CPU s/s",
+        "urgent p50 ms",
+        "p99 ms",
+    )
     print(" | ".join(head))
     for r in rows:
         print(

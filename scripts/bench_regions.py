@@ -117,7 +117,9 @@ def render(results: dict[str, Any], region_mib: int) -> str:
         lat, dm = r["lat_us"], r["daemon_us"]
         a, f = r.get("alloc_ms", []), r.get("free_ms", [])
         churn_cols = f"{pc(a, 50):13.2f} {pc(f, 50):12.2f} {len(a):7d}" if a else f"{'':>13} {'':>12} {'':>7}"
-        lines.append(f"{phase:<12} {pc(lat, 50):8.0f} {pc(lat, 99):8.0f} {max(lat):8.0f} {pc(dm, 99):11.0f} {max(dm):11.0f} {churn_cols}")
+        lines.append(
+            f"{phase:<12} {pc(lat, 50):8.0f} {pc(lat, 99):8.0f} {max(lat):8.0f} {pc(dm, 99):11.0f} {max(dm):11.0f} {churn_cols}"
+        )
     return "\n".join(lines)
 
 

@@ -110,12 +110,16 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
                 return bounds[-2] if len(bounds) > 1 else math.nan
             if b <= 0:
                 return b
-            return prev_bound + (b - prev_bound) * (rank - prev_count) / (count - prev_count) if count > prev_count else b
+            return (
+                prev_bound + (b - prev_bound) * (rank - prev_count) / (count - prev_count) if count > prev_count else b
+            )
         prev_bound, prev_count = b, count
     return bounds[-2]
 
 
-def quantile_by(q: float, now: Scrape, then: Scrape, name: str, by: Iterable[str], **match: str) -> dict[tuple[str, ...], float]:
+def quantile_by(
+    q: float, now: Scrape, then: Scrape, name: str, by: Iterable[str], **match: str
+) -> dict[tuple[str, ...], float]:
     """``histogram_quantile(q, sum by (by, le) (rate(name_bucket{match}[window])))``."""
     keys = tuple(by)
     per = sum_by(rate(now, then, f"{name}_bucket", **match), (*keys, "le"))
@@ -158,37 +162,56 @@ def panels() -> list[Panel]:
         Panel(
             "Bytes/s by class and direction",
             "GB/s",
-            lambda now, then: {_fmt(k, "{} {}"): v / 1e9 for k, v in sum_by(rate(now, then, "priod_copied_bytes_total"), ("priority", "direction")).items()},
+            lambda now, then: {
+                _fmt(k, "{} {}"): v / 1e9
+                for k, v in sum_by(rate(now, then, "priod_copied_bytes_total"), ("priority", "direction")).items()
+            },
         ),
         Panel(
             "Queue depth by class and direction",
             "requests",
-            lambda now, _then: {_fmt(k, "{} {}"): v for k, v in sum_by(select(now.samples, "priod_queued_requests"), ("priority", "direction")).items()},
+            lambda now, _then: {
+                _fmt(k, "{} {}"): v
+                for k, v in sum_by(select(now.samples, "priod_queued_requests"), ("priority", "direction")).items()
+            },
         ),
         Panel(
             "Urgent copies: express vs DMA",
             "copies/s",
-            lambda now, then: {k[0]: v for k, v in sum_by(rate(now, then, "priod_request_duration_seconds_count", **urgent), ("path",)).items()},
+            lambda now, then: {
+                k[0]: v
+                for k, v in sum_by(rate(now, then, "priod_request_duration_seconds_count", **urgent), ("path",)).items()
+            },
         ),
         Panel(
             "Copy latency p99 by class and GPU",
             "ms",
-            lambda now, then: {_fmt(k, "{} gpu {}"): v * 1e3 for k, v in quantile_by(0.99, now, then, "priod_request_duration_seconds", ("priority", "gpu")).items()},
+            lambda now, then: {
+                _fmt(k, "{} gpu {}"): v * 1e3
+                for k, v in quantile_by(0.99, now, then, "priod_request_duration_seconds", ("priority", "gpu")).items()
+            },
         ),
         Panel(
             "Copy engine busy ratio",
             "ratio",
-            lambda now, then: {_fmt(k, "gpu {} {}"): v for k, v in sum_by(rate(now, then, "priod_engine_busy_seconds_total"), ("gpu", "direction")).items()},
+            lambda now, then: {
+                _fmt(k, "gpu {} {}"): v
+                for k, v in sum_by(rate(now, then, "priod_engine_busy_seconds_total"), ("gpu", "direction")).items()
+            },
         ),
         Panel(
             "Refusals by code",
             "requests/s",
-            lambda now, then: {k[0]: v for k, v in sum_by(rate(now, then, "priod_refused_requests_total"), ("code",)).items()},
+            lambda now, then: {
+                k[0]: v for k, v in sum_by(rate(now, then, "priod_refused_requests_total"), ("code",)).items()
+            },
         ),
         Panel(
             "Deadline misses by class",
             "copies/s",
-            lambda now, then: {k[0]: v for k, v in sum_by(rate(now, then, "priod_deadline_misses_total"), ("priority",)).items()},
+            lambda now, then: {
+                k[0]: v for k, v in sum_by(rate(now, then, "priod_deadline_misses_total"), ("priority",)).items()
+            },
         ),
     ]
 
@@ -227,7 +250,18 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     scrapes: list[Scrape] = []
     with daemon_process(env) as d, tempfile.TemporaryDirectory(prefix="priod-dash-") as out:
         load = subprocess.Popen(
-            [sys.executable, os.path.join(_ROOT, "scripts", "loadtest.py"), "--socket", d.socket_path, "--duration", str(args.duration), "--out", out, "--progress-s", "5"]
+            [
+                sys.executable,
+                os.path.join(_ROOT, "scripts", "loadtest.py"),
+                "--socket",
+                d.socket_path,
+                "--duration",
+                str(args.duration),
+                "--out",
+                out,
+                "--progress-s",
+                "5",
+            ]
             + [a for spec in LOAD_MIX for a in ("--client", spec)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -236,7 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         )
         stop = threading.Event()
         refusals: list[int] = []
-        refuser = threading.Thread(target=lambda: refusals.append(asyncio.run(refused_client(d.socket_path, stop, args.refuse_every_s))))
+        refuser = threading.Thread(
+            target=lambda: refusals.append(asyncio.run(refused_client(d.socket_path, stop, args.refuse_every_s)))
+        )
         refuser.start()
         t0 = time.monotonic()
         try:
@@ -304,7 +340,7 @@ def plot(result: dict[str, object], path: str, args: argparse.Namespace) -> None
     fig.suptitle(
         f"priod dashboard, main panels: a sim daemon under scripts/loadtest.py ({args.duration:.0f} s, h2d link {args.h2d_gbps} GB/s), "
         f"rates over {args.window_s:.0f} s windows of /metrics scrapes\n"
-        f"engine = {result['engine']}   ·   \"Engine = sim on a GPU node\" = {stat} (no /dev/nvidiaN here)",
+        f'engine = {result["engine"]}   ·   "Engine = sim on a GPU node" = {stat} (no /dev/nvidiaN here)',
         fontsize=12,
     )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -313,10 +349,19 @@ def plot(result: dict[str, object], path: str, args: argparse.Namespace) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", default="docs/img/dashboard.png", help="the PNG to write")
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of load")
-    ap.add_argument("--scrape-s", type=float, default=1.0, help="seconds between scrapes (the daemon refreshes gauges once a second)")
+    ap.add_argument(
+        "--scrape-s",
+        type=float,
+        default=1.0,
+        help="seconds between scrapes (the daemon refreshes gauges once a second)",
+    )
     ap.add_argument("--window-s", type=float, default=5.0, help="rate() window")
     ap.add_argument("--h2d-gbps", type=float, default=0.5, help="the sim engine's h2d bandwidth")
     ap.add_argument("--refuse-every-s", type=float, default=0.5, help="how often the over-limit client asks")

@@ -45,11 +45,15 @@ def renderer() -> str:
     try:
         import helm_python  # noqa: F401
     except ImportError as exc:
-        raise NoRenderer(f"no helm binary on PATH and helm-python-sdk is not installed ({exc}); pip install -e '.[test]' installs it") from exc
+        raise NoRenderer(
+            f"no helm binary on PATH and helm-python-sdk is not installed ({exc}); pip install -e '.[test]' installs it"
+        ) from exc
     return "helm-python-sdk"
 
 
-def render(values: dict[str, Any] | None = None, release: str = "priod", namespace: str = "priod") -> list[dict[str, Any]]:
+def render(
+    values: dict[str, Any] | None = None, release: str = "priod", namespace: str = "priod"
+) -> list[dict[str, Any]]:
     """The chart's objects for these values, parsed, in template order (empty documents dropped)."""
     values = values or {}
     if renderer() == "helm":
@@ -74,7 +78,14 @@ def render(values: dict[str, Any] | None = None, release: str = "priod", namespa
     docs = [doc for text in texts for doc in yaml.safe_load_all(text) if doc]
     # One order whichever renderer ran (helm sorts by kind, the SDK returns files), so the plain
     # manifests come out the same: what kubectl apply needs first comes first.
-    return sorted(docs, key=lambda d: (KIND_ORDER.index(d["kind"]) if d["kind"] in KIND_ORDER else len(KIND_ORDER), d["kind"], d["metadata"]["name"]))
+    return sorted(
+        docs,
+        key=lambda d: (
+            KIND_ORDER.index(d["kind"]) if d["kind"] in KIND_ORDER else len(KIND_ORDER),
+            d["kind"],
+            d["metadata"]["name"],
+        ),
+    )
 
 
 KIND_ORDER = ["Namespace", "PriorityClass", "ConfigMap", "Service", "DaemonSet", "ServiceMonitor", "PrometheusRule"]
@@ -89,7 +100,9 @@ def lint() -> list[str]:
 
     result = helm_python.lint(str(CHART))
     # Severity 1 is INFO ("icon is recommended"); 2 and up are warnings and errors.
-    return [f"{m['path']}: {m['error']}" for m in result["messages"] if m["severity"] >= 2] + [str(e) for e in result["errors"]]
+    return [f"{m['path']}: {m['error']}" for m in result["messages"] if m["severity"] >= 2] + [
+        str(e) for e in result["errors"]
+    ]
 
 
 def plain_documents() -> dict[str, list[dict[str, Any]]]:
@@ -129,7 +142,9 @@ def plain_texts() -> dict[str, str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="only say whether deploy/kubernetes/ is up to date (exit 1 if not)")
+    p.add_argument(
+        "--check", action="store_true", help="only say whether deploy/kubernetes/ is up to date (exit 1 if not)"
+    )
     args = p.parse_args()
     stale = []
     for name, text in plain_texts().items():

@@ -205,7 +205,9 @@ def parse_profile(spec: str) -> Profile:
         elif key in ("window", "concurrency", "requests", "count", "device", "churn"):
             setattr(p, key, int(value))
         else:
-            raise ValueError(f"unknown client spec key {key!r}; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn")
+            raise ValueError(
+                f"unknown client spec key {key!r}; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn"
+            )
     if p.direction not in ("h2d", "d2h", "d2d"):
         raise ValueError(f"dir={p.direction} is invalid; use h2d, d2h or d2d")
     SizeDist(p.size)  # validate now, in the parent
@@ -317,7 +319,9 @@ class Endpoint:
 class Checker:
     """Puts a request's pattern into its source and checks its destination, mapped or staged."""
 
-    def __init__(self, client: Client, cls: str, stats: WorkerStats, stage_in: Region | None, stage_out: Region | None) -> None:
+    def __init__(
+        self, client: Client, cls: str, stats: WorkerStats, stage_in: Region | None, stage_out: Region | None
+    ) -> None:
         self.client, self.cls, self.stats = client, cls, stats
         self.stage_in, self.stage_out = stage_in, stage_out
         self.scratch = np.empty(BLOCK_WORDS, dtype=np.uint64)
@@ -365,7 +369,9 @@ async def open_session(spec: dict[str, Any], prof: Profile, stats: WorkerStats, 
     """Connect, allocate the regions (and staging regions where an end is not mapped)."""
     staged = spec["verify"] == "staged"
     idx = spec["client"]
-    client = await Client.connect(spec["socket"], name=f"loadtest/{idx}/{prof.name}", wait_s=spec.get("connect_wait_s", 10.0))
+    client = await Client.connect(
+        spec["socket"], name=f"loadtest/{idx}/{prof.name}", wait_s=spec.get("connect_wait_s", 10.0)
+    )
     try:
         host = await client.alloc_host(total)
         dev = await client.alloc_device(total, prof.device)
@@ -405,7 +411,13 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
     session: Session | None = first
     try:
         stats.setup_s = time.perf_counter() - t0
-        _emit({"type": "ready", "client": idx, "verify": "staged" if (first.checker.stage_in or first.checker.stage_out) else "mapped"})
+        _emit(
+            {
+                "type": "ready",
+                "client": idx,
+                "verify": "staged" if (first.checker.stage_in or first.checker.stage_out) else "mapped",
+            }
+        )
         go = json.loads(await loop.run_in_executor(None, sys.stdin.readline) or "{}")
         if "start" not in go:
             return stats
@@ -451,7 +463,15 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
             started = time.perf_counter()
             outstanding[slot] = n
             try:
-                r = await ses.client.copy(ses.dst.region, ses.src.region, n, dst_offset=off, src_offset=off, priority=prof.cls, deadline_ms=prof.deadline_ms)
+                r = await ses.client.copy(
+                    ses.dst.region,
+                    ses.src.region,
+                    n,
+                    dst_offset=off,
+                    src_offset=off,
+                    priority=prof.cls,
+                    deadline_ms=prof.deadline_ms,
+                )
             except ConnectionClosed as exc:
                 broken = True
                 stats.error(type(exc).__name__, n, exc)
@@ -530,7 +550,17 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                 await asyncio.sleep(spec.get("progress_s", 1.0))
                 lat = stats.lat_us[sent:]
                 sent += len(lat)
-                _emit({"type": "progress", "client": idx, "ok": stats.ok, "bytes": stats.bytes, "errors": sum(stats.errors.values()), "bad": stats.bytes_corrupted, "lat_us": lat})
+                _emit(
+                    {
+                        "type": "progress",
+                        "client": idx,
+                        "ok": stats.ok,
+                        "bytes": stats.bytes,
+                        "errors": sum(stats.errors.values()),
+                        "bad": stats.bytes_corrupted,
+                        "lat_us": lat,
+                    }
+                )
 
         reporter = asyncio.ensure_future(progress())
         try:
@@ -544,7 +574,9 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                     stats.reconnects += 1
                 epoch_issued = 0
                 main: asyncio.Future[Any] = asyncio.ensure_future(
-                    open_loop(session) if prof.rate > 0 else asyncio.gather(*(closed_loop(session, s) for s in range(prof.slots)))
+                    open_loop(session)
+                    if prof.rate > 0
+                    else asyncio.gather(*(closed_loop(session, s) for s in range(prof.slots)))
                 )
                 remaining = end - time.perf_counter()
                 done, _ = await asyncio.wait({main}, timeout=max(0.0, remaining) + spec.get("drain_s", 30.0))
@@ -557,7 +589,12 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                     await asyncio.gather(main, return_exceptions=True)
                     break
                 main.result()
-                if not prof.churn or broken or time.perf_counter() >= end or (max_requests and stats.issued >= max_requests):
+                if (
+                    not prof.churn
+                    or broken
+                    or time.perf_counter() >= end
+                    or (max_requests and stats.issued >= max_requests)
+                ):
                     break
                 await session.client.close()
                 session = None
@@ -673,9 +710,21 @@ def aggregate(results: list[dict[str, Any]], elapsed: float) -> dict[str, dict[s
         c = classes.setdefault(
             r["cls"],
             {
-                "clients": 0, "lat": [], "daemon": [], "requests": 0, "bytes": 0, "express": 0, "errors": {},
-                "bytes_corrupted": 0, "copies_corrupted": 0, "bytes_lost": 0, "bytes_unverified": 0, "bytes_verified": 0,
-                "aux_bytes": 0, "late": 0, "directions": set(),
+                "clients": 0,
+                "lat": [],
+                "daemon": [],
+                "requests": 0,
+                "bytes": 0,
+                "express": 0,
+                "errors": {},
+                "bytes_corrupted": 0,
+                "copies_corrupted": 0,
+                "bytes_lost": 0,
+                "bytes_unverified": 0,
+                "bytes_verified": 0,
+                "aux_bytes": 0,
+                "late": 0,
+                "directions": set(),
             },
         )
         c["clients"] += 1
@@ -687,7 +736,15 @@ def aggregate(results: list[dict[str, Any]], elapsed: float) -> dict[str, dict[s
         c["express"] += r["express"]
         for k, v in r["errors"].items():
             c["errors"][k] = c["errors"].get(k, 0) + v
-        for k in ("bytes_corrupted", "copies_corrupted", "bytes_lost", "bytes_unverified", "bytes_verified", "aux_bytes", "late"):
+        for k in (
+            "bytes_corrupted",
+            "copies_corrupted",
+            "bytes_lost",
+            "bytes_unverified",
+            "bytes_verified",
+            "aux_bytes",
+            "late",
+        ):
             c[k] += r[k]
     out: dict[str, dict[str, Any]] = {}
     for name, c in classes.items():
@@ -723,7 +780,9 @@ def throughput_series(results: list[dict[str, Any]], elapsed: float, bin_s: floa
     return {"bin_s": bin_s, "gbps": {k: [round(b / bin_s / 1e9, 4) for b in v] for k, v in series.items()}}
 
 
-def window_latency(results: list[dict[str, Any]], elapsed: float, windows: int) -> dict[str, list[dict[str, float | None]]]:
+def window_latency(
+    results: list[dict[str, Any]], elapsed: float, windows: int
+) -> dict[str, list[dict[str, float | None]]]:
     """Per class: p50/p99 of client latency in each of ``windows`` equal slices of the run."""
     width = elapsed / windows if windows else elapsed
     out: dict[str, list[dict[str, float | None]]] = {}
@@ -733,7 +792,10 @@ def window_latency(results: list[dict[str, Any]], elapsed: float, windows: int) 
         for t, lat in zip(r["t_done"], r["lat_us"], strict=False):
             w[min(windows - 1, int(t / width))].append(lat)
     for cls, ws in per.items():
-        out[cls] = [{"t": round((i + 0.5) * width, 2), **summarize(v, ("n", "p50", "p99"), ndigits=1, empty=None)} for i, v in enumerate(ws)]
+        out[cls] = [
+            {"t": round((i + 0.5) * width, 2), **summarize(v, ("n", "p50", "p99"), ndigits=1, empty=None)}
+            for i, v in enumerate(ws)
+        ]
     return out
 
 
@@ -749,7 +811,9 @@ def slope_per_min(ts: list[float], ys: list[float]) -> float:
     return round(float(np.median((y[j] - y[i])[ok] / dt[ok])) * 60, 3)
 
 
-def soak_verdict(samples: list[dict[str, float]], windows: dict[str, list[dict[str, float | None]]], args: argparse.Namespace) -> dict[str, Any]:
+def soak_verdict(
+    samples: list[dict[str, float]], windows: dict[str, list[dict[str, float | None]]], args: argparse.Namespace
+) -> dict[str, Any]:
     """Do RSS, open fds and latency stay flat? First vs last window, after a warm-up, and slopes."""
     steady = [s for s in samples if s["t"] >= args.soak_warmup_s and "VmRSS" in s]
     problems: list[str] = []
@@ -780,7 +844,9 @@ def soak_verdict(samples: list[dict[str, float]], windows: dict[str, list[dict[s
     if "RssAnon" in out:
         allowed = max(args.soak_rss_mib, 0.05 * out["RssAnon"]["first"])
         if out["RssAnon"]["growth"] > allowed:
-            problems.append(f"anonymous RSS grew {out['RssAnon']['growth']} MiB first-to-last window (allowed {allowed:.1f})")
+            problems.append(
+                f"anonymous RSS grew {out['RssAnon']['growth']} MiB first-to-last window (allowed {allowed:.1f})"
+            )
     if "fds" in out and out["fds"]["growth"] > args.soak_fds:
         problems.append(f"open fds grew by {out['fds']['growth']} first-to-last window (allowed {args.soak_fds})")
     lat: dict[str, Any] = {}
@@ -860,7 +926,12 @@ def plot(report: dict[str, Any], results: list[dict[str, Any]], out_dir: str) ->
         axes[1].plot(ts, [s.get("fds", float("nan")) for s in samples])
         axes[1].set_ylabel("open fds")
         for cls, ws in sorted(report["latency_windows"].items()):
-            axes[2].plot([w["t"] for w in ws], [w["p50"] if w["p50"] is not None else float("nan") for w in ws], marker="o", label=f"{cls} p50")
+            axes[2].plot(
+                [w["t"] for w in ws],
+                [w["p50"] if w["p50"] is not None else float("nan") for w in ws],
+                marker="o",
+                label=f"{cls} p50",
+            )
         axes[2].set_yscale("log")
         axes[2].set_ylabel("latency (us)")
         axes[2].set_xlabel("time (s)")
@@ -928,7 +999,9 @@ def progress_line(t: float, duration: float, per_cls: dict[str, dict[str, Any]],
 def run(args: argparse.Namespace) -> int:
     clients = build_profiles(args)
     os.makedirs(args.out, exist_ok=True)
-    command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]) if sys.argv[0] else "scripts/loadtest.py", *sys.argv[1:]])
+    command = " ".join(
+        shlex.quote(a) for a in [os.path.relpath(sys.argv[0]) if sys.argv[0] else "scripts/loadtest.py", *sys.argv[1:]]
+    )
     print(
         f"loadtest: {len(clients)} clients, {args.duration:g} s"
         + (f", at most {args.requests} copies each" if args.requests else "")
@@ -957,11 +1030,24 @@ def run(args: argparse.Namespace) -> int:
         procs: list[subprocess.Popen[str]] = []
         for i, p in enumerate(clients):
             spec = {
-                "client": i, "profile": asdict(p), "socket": path, "seed": args.seed, "verify": args.verify,
-                "requests": args.requests, "progress_s": args.progress_s, "drain_s": args.drain_s, "loop": args.loop,
+                "client": i,
+                "profile": asdict(p),
+                "socket": path,
+                "seed": args.seed,
+                "verify": args.verify,
+                "requests": args.requests,
+                "progress_s": args.progress_s,
+                "drain_s": args.drain_s,
+                "loop": args.loop,
                 "result_path": os.path.join(args.out, f"client{i}.result.json"),
             }
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+            )
             procs.append(proc)
             threading.Thread(target=_reader, args=(i, proc.stdout, q), daemon=True).start()
         ready: dict[int, str] = {}
@@ -981,7 +1067,10 @@ def run(args: argparse.Namespace) -> int:
             elif msg["type"] == "fatal":
                 fatal[i] = msg["error"]
         if len(ready) < len(procs):
-            print(f"loadtest: only {len(ready)} of {len(procs)} clients got ready: {fatal or 'setup timed out'}", file=sys.stderr)
+            print(
+                f"loadtest: only {len(ready)} of {len(procs)} clients got ready: {fatal or 'setup timed out'}",
+                file=sys.stderr,
+            )
         start = time.time() + 0.3
         go = json.dumps({"start": start, "end": start + args.duration}) + "\n"
         for i, proc in enumerate(procs):
@@ -994,7 +1083,10 @@ def run(args: argparse.Namespace) -> int:
         verify_modes = sorted(set(ready.values()))
         per_cls: dict[str, dict[str, Any]] = {}
         for p in clients:
-            per_cls.setdefault(p.cls, {"ok": 0, "bytes": 0, "bytes_prev": 0, "errors": 0, "bad": 0, "recent": [], "dt": 1.0, "by_client": {}})
+            per_cls.setdefault(
+                p.cls,
+                {"ok": 0, "bytes": 0, "bytes_prev": 0, "errors": 0, "bad": 0, "recent": [], "dt": 1.0, "by_client": {}},
+            )
         hard_deadline = time.monotonic() + args.duration + args.drain_s + 60
         next_sample = time.time() + args.sample_s
         next_progress = time.time() + args.progress_s
@@ -1049,7 +1141,9 @@ def run(args: argparse.Namespace) -> int:
         # Every client is gone: the daemon should be back where it started.
         after = monitor.sample(time.time() - start)
         settle = time.monotonic() + 10
-        while time.monotonic() < settle and (after.get("fds", 0) > before.get("fds", 0) or after.get("clients", 0) > before.get("clients", 0)):
+        while time.monotonic() < settle and (
+            after.get("fds", 0) > before.get("fds", 0) or after.get("clients", 0) > before.get("clients", 0)
+        ):
             time.sleep(0.2)
             after = monitor.sample(time.time() - start)
         monitor.close()
@@ -1110,7 +1204,9 @@ def run(args: argparse.Namespace) -> int:
         "throughput_over_time": throughput_series(res, elapsed, bin_s),
         "latency_windows": windows,
         "daemon": {"pid": pid, "before": before, "after": after, "resources": leak, "samples": monitor.samples},
-        "clients": [{k: v for k, v in r.items() if k not in ("lat_us", "daemon_us", "t_done", "sizes", "type")} for r in res],
+        "clients": [
+            {k: v for k, v in r.items() if k not in ("lat_us", "daemon_us", "t_done", "sizes", "type")} for r in res
+        ],
         "failed_clients": fatal,
     }
     code = 1 if problems else 0
@@ -1134,8 +1230,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(report: dict[str, Any]) -> None:
-    print(f"\n{report['backend']} backend, {report['n_clients']} clients, {report['elapsed_s']:.1f} s, verify {'/'.join(report['verify'])}")
-    print(f"{'class':<8}{'dirs':<12}{'copies':>8}{'copies/s':>10}{'GB/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'max ms':>9}{'express':>9}  errors / corrupt / lost")
+    print(
+        f"\n{report['backend']} backend, {report['n_clients']} clients, {report['elapsed_s']:.1f} s, verify {'/'.join(report['verify'])}"
+    )
+    print(
+        f"{'class':<8}{'dirs':<12}{'copies':>8}{'copies/s':>10}{'GB/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'max ms':>9}{'express':>9}  errors / corrupt / lost"
+    )
     for cls, c in sorted(report["classes"].items()):
         lat = c["latency_us"]
 
@@ -1153,7 +1253,9 @@ def print_summary(report: dict[str, Any]) -> None:
         f"verified {t['bytes_verified'] / 1e9:.2f} GB, corrupted {t['bytes_corrupted']}, lost {t['bytes_lost']}"
     )
     res = report["daemon"]["resources"]
-    print(f"daemon: fds {res['fds_before']} -> {res['fds_after']}, clients {res['clients_before']} -> {res['clients_after']}")
+    print(
+        f"daemon: fds {res['fds_before']} -> {res['fds_after']}, clients {res['clients_before']} -> {res['clients_after']}"
+    )
     if "soak" in report:
         s = report["soak"]
         for key in ("VmRSS", "RssAnon", "fds"):
@@ -1166,35 +1268,80 @@ def print_summary(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--socket", help="the daemon's socket (default $PRIOD_SOCKET)")
-    where.add_argument("--spawn-daemon", action="store_true", help="start a daemon of our own for the run (priod.testing.daemon_process)")
-    ap.add_argument("--backend", choices=("sim", "cuda", "auto"), default="sim", help="engine of the spawned daemon (default sim)")
-    ap.add_argument("--daemon-env", action="append", default=[], metavar="PRIOD_X__Y=V", help="setting for the spawned daemon (repeatable)")
-    ap.add_argument("--daemon-log-level", default="warning", help="log level of the spawned daemon (info logs every copy)")
+    where.add_argument(
+        "--spawn-daemon",
+        action="store_true",
+        help="start a daemon of our own for the run (priod.testing.daemon_process)",
+    )
+    ap.add_argument(
+        "--backend", choices=("sim", "cuda", "auto"), default="sim", help="engine of the spawned daemon (default sim)"
+    )
+    ap.add_argument(
+        "--daemon-env",
+        action="append",
+        default=[],
+        metavar="PRIOD_X__Y=V",
+        help="setting for the spawned daemon (repeatable)",
+    )
+    ap.add_argument(
+        "--daemon-log-level", default="warning", help="log level of the spawned daemon (info logs every copy)"
+    )
     ap.add_argument("--client", action="append", metavar="SPEC", help="a client profile (repeatable); see below")
-    ap.add_argument("--clients", type=int, default=0, help="with the default mix: this many client processes (default 5)")
+    ap.add_argument(
+        "--clients", type=int, default=0, help="with the default mix: this many client processes (default 5)"
+    )
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20; soak: 120)")
-    ap.add_argument("--requests", type=int, default=0, help="each client stops after this many copies (default: no bound)")
-    ap.add_argument("--verify", choices=("auto", "staged"), default="auto", help="auto: read mapped regions directly; staged: go through host staging copies (the cuda path)")
+    ap.add_argument(
+        "--requests", type=int, default=0, help="each client stops after this many copies (default: no bound)"
+    )
+    ap.add_argument(
+        "--verify",
+        choices=("auto", "staged"),
+        default="auto",
+        help="auto: read mapped regions directly; staged: go through host staging copies (the cuda path)",
+    )
     ap.add_argument("--out", default="loadtest-out", help="directory for loadtest.json and the plots")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop of the client processes")
+    ap.add_argument(
+        "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop of the client processes"
+    )
     ap.add_argument("--progress-s", type=float, default=1.0, help="seconds between progress lines")
     ap.add_argument("--sample-s", type=float, default=1.0, help="seconds between daemon samples (RSS, fds, ping)")
-    ap.add_argument("--bin-s", type=float, default=0.0, help="throughput plot bin (default: duration/60, at least 0.25 s)")
+    ap.add_argument(
+        "--bin-s", type=float, default=0.0, help="throughput plot bin (default: duration/60, at least 0.25 s)"
+    )
     ap.add_argument("--windows", type=int, default=10, help="latency windows over the run (soak: first vs last)")
-    ap.add_argument("--drain-s", type=float, default=30.0, help="after the end, wait this long for outstanding replies; later ones count as lost")
+    ap.add_argument(
+        "--drain-s",
+        type=float,
+        default=30.0,
+        help="after the end, wait this long for outstanding replies; later ones count as lost",
+    )
     ap.add_argument("--setup-timeout-s", type=float, default=120.0)
     ap.add_argument("--max-errors", type=int, default=0, help="failed copies allowed before the run counts as failed")
     soak = ap.add_argument_group("soak")
     soak.add_argument("--soak", action="store_true", help="check that the daemon's RSS, fds and latency stay flat")
-    soak.add_argument("--soak-warmup-s", type=float, default=0.0, help="ignore samples before this (default: 20%% of the duration)")
-    soak.add_argument("--soak-rss-mib", type=float, default=16.0, help="anonymous RSS growth allowed, first to last window (or 5%%)")
+    soak.add_argument(
+        "--soak-warmup-s", type=float, default=0.0, help="ignore samples before this (default: 20%% of the duration)"
+    )
+    soak.add_argument(
+        "--soak-rss-mib", type=float, default=16.0, help="anonymous RSS growth allowed, first to last window (or 5%%)"
+    )
     soak.add_argument("--soak-fds", type=float, default=1.0, help="open fd growth allowed, first to last window")
-    soak.add_argument("--soak-latency-factor", type=float, default=3.0, help="last-window p50 may be this many times the first (+0.5 ms)")
+    soak.add_argument(
+        "--soak-latency-factor",
+        type=float,
+        default=3.0,
+        help="last-window p50 may be this many times the first (+0.5 ms)",
+    )
     args = ap.parse_args(argv)
     if args.soak and "--duration" not in (argv if argv is not None else sys.argv):
         args.duration = 120.0

@@ -209,7 +209,11 @@ def test_allow_lists_admit_by_uid_or_gid_and_refuse_others(open_daemon: DaemonPr
     """SO_PEERCRED decides: a uid in allow_uids and a gid in allow_gids get in, uid 0 always
     does, and any other uid is refused at connect with PermissionDenied saying what to change."""
     assert stat.S_IMODE(os.stat(open_daemon.socket_path).st_mode) == 0o666
-    assert users[NOBODY]("connect", open_daemon.socket_path) == {"pid": users[NOBODY].proc.pid, "uid": NOBODY, "gid": NOBODY}
+    assert users[NOBODY]("connect", open_daemon.socket_path) == {
+        "pid": users[NOBODY].proc.pid,
+        "uid": NOBODY,
+        "gid": NOBODY,
+    }
     assert users[OTHER]("connect", open_daemon.socket_path)["uid"] == OTHER
     with pytest.raises(
         priod.PermissionDenied,
@@ -243,9 +247,14 @@ def test_regions_and_copies_are_private_to_their_connection(open_daemon: DaemonP
     with pytest.raises(priod.PermissionDenied, match=not_owner.format(ad)):
         b("share", ad, OTHER)
     for target in pending:
-        with pytest.raises(priod.NotFound, match=rf"^no copy with id {target} is pending on this connection; it may have finished already$"):
+        with pytest.raises(
+            priod.NotFound,
+            match=rf"^no copy with id {target} is pending on this connection; it may have finished already$",
+        ):
             b("cancel_id", target)
-    with pytest.raises(priod.NotFound, match=r"^no region 999999; use an id returned by alloc_host, alloc_device or register_\*$"):
+    with pytest.raises(
+        priod.NotFound, match=r"^no region 999999; use an id returned by alloc_host, alloc_device or register_\*$"
+    ):
         b("copy", (999999, "device"), (bh, "host"), MiB)
     assert [a("wait", h) for h in pending] == [MiB] * 4  # none was cancelled
     assert b("values", bd) == [0]  # nothing of A's reached B
@@ -253,7 +262,10 @@ def test_regions_and_copies_are_private_to_their_connection(open_daemon: DaemonP
     a2 = User(NOBODY)  # the same uid on another connection is another owner
     try:
         a2("connect", open_daemon.socket_path)
-        with pytest.raises(priod.PermissionDenied, match=rf"^region {ad} belongs to another client and is not shared with uid {NOBODY}$"):
+        with pytest.raises(
+            priod.PermissionDenied,
+            match=rf"^region {ad} belongs to another client and is not shared with uid {NOBODY}$",
+        ):
             a2("copy", (ad, "device"), (ah, "host"), MiB)
         with pytest.raises(priod.PermissionDenied, match=not_owner.format(ah)):
             a2("free", ah)
@@ -262,7 +274,9 @@ def test_regions_and_copies_are_private_to_their_connection(open_daemon: DaemonP
     a("free", ah)  # the owner still can
 
 
-def test_share_lets_a_uid_copy_to_and_from_but_not_free_or_share(open_daemon: DaemonProcess, users: dict[int, User]) -> None:
+def test_share_lets_a_uid_copy_to_and_from_but_not_free_or_share(
+    open_daemon: DaemonProcess, users: dict[int, User]
+) -> None:
     """After share(region, uid) connections of that uid may name the region in copies both
     ways, but still not free or re-share it; when the owner leaves, their queued copies that
     name it end with NotFound and their connection carries on."""
@@ -288,7 +302,9 @@ def test_share_lets_a_uid_copy_to_and_from_but_not_free_or_share(open_daemon: Da
         b("share", ad, STRANGER)
     with priod.SyncClient(open_daemon.socket_path, timeout=30) as root:  # shared with OTHER only
         forged = Region(RegionReply(ah, MiB, "host"), [], 1)
-        with pytest.raises(priod.PermissionDenied, match=rf"^region {ah} belongs to another client and is not shared with uid 0$"):
+        with pytest.raises(
+            priod.PermissionDenied, match=rf"^region {ah} belongs to another client and is not shared with uid 0$"
+        ):
             root.copy(forged, forged, MiB)
 
     queued = [b("start_copy", (ad, "device"), (bh, "host"), MiB) for _ in range(8)]  # ~0.5 s
@@ -310,5 +326,8 @@ def test_default_socket_mode_keeps_other_users_out(users: dict[int, User]) -> No
     with daemon_process(socket_path=os.path.join(shared_socket_dir(), "priod.sock")) as d:
         st = os.stat(d.socket_path)
         assert stat.S_IMODE(st.st_mode) == 0o660 and (st.st_uid, st.st_gid) == (0, 0)
-        with pytest.raises(priod.PermissionDenied, match=r"^cannot connect to .*: permission denied by the socket's mode; ask an administrator"):
+        with pytest.raises(
+            priod.PermissionDenied,
+            match=r"^cannot connect to .*: permission denied by the socket's mode; ask an administrator",
+        ):
             users[NOBODY]("connect", d.socket_path)

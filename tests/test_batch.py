@@ -10,23 +10,22 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 import priod
-from priod.common.types import Direction, LaneInfo, LaneKey, Path
+from priod.common.types import Direction, LaneInfo, LaneKey
 from priod.daemon.config import load_config
-from priod.daemon.engines.base import Completion, Memory
+from priod.daemon.engines.base import ChunkJob, Completion
 from priod.daemon.engines.sim import SimEngine, SimSettings
 from priod.daemon.sched.policy import Policy
 from priod.daemon.sched.scheduler import Request, Scheduler
 from priod.daemon.server import Daemon
 from priod.errors import Cancelled, CopyTimeout, EngineError, InvalidRequest, LimitExceeded
 from priod.testing import DaemonProcess, daemon_process
-from priod.wire.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, URGENT_DMA_SEGMENTS, Cells, Segments, encode_segments
+from priod.wire.batch import MAX_SEGMENTS, SEGMENT_BYTES, SEGMENT_COST_S, URGENT_DMA_SEGMENTS, Segments, encode_segments
 
 BLOCK = 16 << 10
 
@@ -39,7 +38,13 @@ def scattered(n: int, block: int, slots: int, seed: int) -> npt.NDArray[np.int64
     return np.stack([dst, src, np.full(n, block)], axis=1).astype(np.int64)
 
 
-def expect(dst: npt.NDArray[np.uint8], before: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], segs: npt.NDArray[np.int64], upto: int | None = None) -> None:
+def expect(
+    dst: npt.NDArray[np.uint8],
+    before: npt.NDArray[np.uint8],
+    src: npt.NDArray[np.uint8],
+    segs: npt.NDArray[np.int64],
+    upto: int | None = None,
+) -> None:
     """``dst`` holds ``before`` except where the first ``upto`` segments put ``src``'s bytes."""
     want = before.copy()
     for d, s, n in segs[:upto]:
@@ -55,9 +60,15 @@ def expect(dst: npt.NDArray[np.uint8], before: npt.NDArray[np.uint8], src: npt.N
     [
         (b"", r"^segments is empty; a batch holds at least one segment$"),
         (bytes(25), r"^segments holds 25 bytes, not a multiple of 24"),
-        (np.array([[0, 0, 8], [8, 8, 0]], "<u8").tobytes(), r"^segment 1 has nbytes = 0; every segment copies at least 1 byte$"),
+        (
+            np.array([[0, 0, 8], [8, 8, 0]], "<u8").tobytes(),
+            r"^segment 1 has nbytes = 0; every segment copies at least 1 byte$",
+        ),
         (np.array([[1 << 63, 0, 8]], "<u8").tobytes(), r"^a segment's offset or size is 2\*\*62 or more"),
-        (bytes(SEGMENT_BYTES * (MAX_SEGMENTS + 1)), rf"^{MAX_SEGMENTS + 1} segments exceed the {MAX_SEGMENTS} one batch may hold; split them"),
+        (
+            bytes(SEGMENT_BYTES * (MAX_SEGMENTS + 1)),
+            rf"^{MAX_SEGMENTS + 1} segments exceed the {MAX_SEGMENTS} one batch may hold; split them",
+        ),
     ],
     ids=["empty", "ragged", "zero-size", "huge-offset", "too-many"],
 )
@@ -73,9 +84,13 @@ def test_bounds_and_overlaps_are_checked_as_a_unit() -> None:
     ok = Segments.decode(encode_segments([(0, 64, 64), (64, 128, 64), (1000, 0, 24)]))
     ok.check_regions(1024, 1024, None, 1, 2)
     assert ok.total == 152 and len(ok) == 3
-    with pytest.raises(InvalidRequest, match=r"^segment 2: dst_offset 1000 \+ nbytes 24 is outside region 1 of 1016 bytes"):
+    with pytest.raises(
+        InvalidRequest, match=r"^segment 2: dst_offset 1000 \+ nbytes 24 is outside region 1 of 1016 bytes"
+    ):
         ok.check_regions(1016, 1024, None, 1, 2)
-    with pytest.raises(InvalidRequest, match=r"^segment 1: src_offset 128 \+ nbytes 64 is outside region 2 of 191 bytes"):
+    with pytest.raises(
+        InvalidRequest, match=r"^segment 1: src_offset 128 \+ nbytes 64 is outside region 2 of 191 bytes"
+    ):
         ok.check_regions(1024, 191, None, 1, 2)
     two_writes = Segments.decode(encode_segments([(0, 0, 64), (500, 0, 8), (63, 0, 2)]))
     with pytest.raises(InvalidRequest, match=r"^destination segments 0 and 2 overlap"):
@@ -89,7 +104,9 @@ def test_bounds_and_overlaps_are_checked_as_a_unit() -> None:
     self_overlap.check_regions(1024, 1024, 36, 1, 2)
     with pytest.raises(InvalidRequest, match=r"^source segment 0 overlaps destination segment 1"):
         Segments.decode(encode_segments([(0, 200, 64), (256, 0, 64)])).check_regions(1024, 1024, 100, 1, 2)
-    Segments.decode(encode_segments([(0, 64, 64), (128, 192, 64)])).check_regions(1024, 1024, 0, 1, 1)  # interleaved, touching
+    Segments.decode(encode_segments([(0, 64, 64), (128, 192, 64)])).check_regions(
+        1024, 1024, 0, 1, 1
+    )  # interleaved, touching
 
 
 def test_destination_overlap_check_agrees_with_brute_force_for_blocks_of_one_size() -> None:
@@ -200,7 +217,9 @@ def test_a_whole_batch_is_one_piece_of_its_own_rows() -> None:
     whole = table.piece(0, table.total)
     assert whole is table.cells and whole.flags.c_contiguous and whole.tolist() == segs.tolist()
     head = table.piece(0, table.total - 1)
-    assert head[-1, 2] == 63 and not np.shares_memory(head, table.cells) and head[:, :2].tolist() == segs[:, :2].tolist()
+    assert (
+        head[-1, 2] == 63 and not np.shares_memory(head, table.cells) and head[:, :2].tolist() == segs[:, :2].tolist()
+    )
     tail = table.piece(10, table.total - 10)
     assert tail[0].tolist() == [segs[0, 0] + 10, segs[0, 1] + 10, 54] and tail[1:].tolist() == segs[1:].tolist()
     assert table.cells.tolist() == segs.tolist()  # trimming the pieces left the table as it came
@@ -338,7 +357,10 @@ async def test_hostile_batches_get_clear_errors_and_harm_no_one(daemon: DaemonPr
         honest_copy = honest.start_copy(hd, hh, priority="normal")
         base = {"op": "copy_batch", "dst": d.id, "src": h.id}
         cases = [
-            (encode_segments([(0, 0, 4096), ((1 << 20) - 10, 0, 11)]), r"segment 1: dst_offset 1048566 \+ nbytes 11 is outside region"),
+            (
+                encode_segments([(0, 0, 4096), ((1 << 20) - 10, 0, 11)]),
+                r"segment 1: dst_offset 1048566 \+ nbytes 11 is outside region",
+            ),
             (encode_segments([(0, 0, 4096), (4095, 8192, 2)]), r"destination segments 0 and 1 overlap"),
             (b"\x01" * 23, r"not a multiple of 24"),
             (np.array([[0, 0, 0]], "<u8").tobytes(), r"has nbytes = 0"),
@@ -369,7 +391,10 @@ async def test_segment_limit_refuses_at_once(daemon: DaemonProcess) -> None:
     async with priod.connect(daemon.socket_path) as c:
         h, d = await c.alloc_host(64 << 20), await c.alloc_device(64 << 20)
         big = c.start_copy_batch(d, h, scattered(30000, 1024, 65536, seed=3), priority="bulk")
-        with pytest.raises(LimitExceeded, match=r"^20000 more segments would exceed \[limits\] max_queued_segments = 40000 pending on this connection"):
+        with pytest.raises(
+            LimitExceeded,
+            match=r"^20000 more segments would exceed \[limits\] max_queued_segments = 40000 pending on this connection",
+        ):
             await c.copy_batch(d, h, scattered(20000, 1024, 65536, seed=4), priority="bulk")
         assert (await big).segments == 30000
 
@@ -509,9 +534,13 @@ async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonPr
             await honest.ping()
             rtts.append(time.perf_counter() - t0)
         errors = await flood
-        assert all(isinstance(e, InvalidRequest) and f"source segment {MAX_SEGMENTS - 1} overlaps" in str(e) for e in errors)
+        assert all(
+            isinstance(e, InvalidRequest) and f"source segment {MAX_SEGMENTS - 1} overlaps" in str(e) for e in errors
+        )
         assert len(rtts) >= 5, "the flood ended before the pings could measure anything"
-        print(f"pings during the flood: {len(rtts)}, worst {max(rtts) * 1e3:.1f} ms, median {statistics.median(rtts) * 1e3:.2f} ms; one batch alone {one * 1e3:.2f} ms")
+        print(
+            f"pings during the flood: {len(rtts)}, worst {max(rtts) * 1e3:.1f} ms, median {statistics.median(rtts) * 1e3:.2f} ms; one batch alone {one * 1e3:.2f} ms"
+        )
         # One batch's checks take a few ms, the whole flood ~100 ms of the loop: pings must get
         # through between batches, not after the flood. The bounds are 5 and 30 ms where one
         # batch's refusal takes up to 3.3 ms, and scale with it on a slower machine (a 2-core VM
@@ -519,7 +548,10 @@ async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonPr
         # (Percentiles, not the worst: this machine may be shared, and one descheduling is not
         # the daemon's doing.)
         rtts.sort()
-        assert statistics.median(rtts) < max(0.005, 1.5 * one) and rtts[int(len(rtts) * 0.9)] < max(0.03, 9 * one), (one, rtts)
+        assert statistics.median(rtts) < max(0.005, 1.5 * one) and rtts[int(len(rtts) * 0.9)] < max(0.03, 9 * one), (
+            one,
+            rtts,
+        )
 
 
 async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonProcess) -> None:
@@ -527,7 +559,10 @@ async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonPro
     before it) and segments_done (the segments those hold whole); those segments landed."""
     async with priod.connect(daemon.socket_path) as probe:
         lane = next(ln for ln in (await probe.status())["lanes"] if ln["lane"].endswith("h2d"))
-    chunk, cost = lane["chunk_bytes"], int(lane["bandwidth_gbps"] * 1e9 * SEGMENT_COST_S)  # 2 GB/s: exact; blocks this large keep max_block_us
+    chunk, cost = (
+        lane["chunk_bytes"],
+        int(lane["bandwidth_gbps"] * 1e9 * SEGMENT_COST_S),
+    )  # 2 GB/s: exact; blocks this large keep max_block_us
     big = chunk * 7 // 10
     segs = scattered(8, big, 16, seed=30)
     segs[:2, 2] = chunk * 3 // 10  # two small segments first: the first chunk ends inside the third
@@ -554,7 +589,9 @@ def test_a_bulk_batch_of_small_blocks_runs_under_batch_block_us_until_an_urgent_
     ``max_block_us``; once an urgent copy has come, the batch keeps to ``urgent_block_us`` like any bulk."""
     lane = LaneKey(0, Direction.H2D)
     info = LaneInfo(lane, bandwidth=1e9, express_min=0, express_max=0)
-    policy = Policy(min_chunk_bytes=4096, max_block_us=1000.0, batch_block_us=4000.0, urgent_block_us=100.0, urgent_window_ms=10.0)
+    policy = Policy(
+        min_chunk_bytes=4096, max_block_us=1000.0, batch_block_us=4000.0, urgent_block_us=100.0, urgent_window_ms=10.0
+    )
     table = Segments.decode(encode_segments(scattered(400, 64 << 10, 800, seed=3)))  # 26 MB, 26 ms at 1 GB/s
     s = Scheduler(policy, [info])
     p = s.lane_params(lane)
@@ -590,7 +627,9 @@ def test_an_urgent_batch_goes_by_dma_in_regular_chunks_of_at_most_256_segments()
     lane = LaneKey(0, Direction.H2D)
     info = LaneInfo(lane, bandwidth=50e9, express_min=0, express_max=0)  # DMA only
     block = 16 << 10
-    table = Segments.decode(encode_segments(scattered(URGENT_DMA_SEGMENTS + 44, block, 2 * URGENT_DMA_SEGMENTS + 88, seed=5)))
+    table = Segments.decode(
+        encode_segments(scattered(URGENT_DMA_SEGMENTS + 44, block, 2 * URGENT_DMA_SEGMENTS + 88, seed=5))
+    )
     s = Scheduler(Policy(min_chunk_bytes=4096), [info])
     short = s.lane_params(lane).urgent_chunk_bytes
     assert short < URGENT_DMA_SEGMENTS * block  # the batch's chunk is larger than the short bound's
@@ -631,9 +670,10 @@ class _PeaksSeen(SimEngine):
         super().__init__(cfg)
         self.chunks: list[tuple[int, tuple[int, int, int] | None]] = []
 
-    def submit_segments(self, lane: LaneKey, path: Path, dst: Memory, src: Memory, cells: Cells, **kw: Any) -> Completion:
-        self.chunks.append((len(cells), kw.get("peaks")))
-        return super().submit_segments(lane, path, dst, src, cells, **kw)
+    def submit(self, job: ChunkJob) -> Completion:
+        if job.cells is not None:
+            self.chunks.append((len(job.cells), job.peaks))
+        return super().submit(job)
 
 
 async def test_a_batch_in_one_chunk_brings_its_peaks_to_the_engine_and_a_piece_does_not() -> None:
@@ -670,7 +710,14 @@ def test_every_integer_form_of_a_table_encodes_to_the_same_wire_bytes() -> None:
     in an int64 table, sent as it is, it reads as 2**63 or more and the daemon's decode refuses it."""
     table = scattered(64, 4096, 200, seed=9)
     want = np.ascontiguousarray(table, dtype="<u8").tobytes()
-    forms = [table, table.astype(np.uint64), table.astype(np.int32), np.asfortranarray(table), np.repeat(table, 2, axis=0)[::2], table.tolist()]
+    forms = [
+        table,
+        table.astype(np.uint64),
+        table.astype(np.int32),
+        np.asfortranarray(table),
+        np.repeat(table, 2, axis=0)[::2],
+        table.tolist(),
+    ]
     assert all(encode_segments(form) == want for form in forms)
     assert Segments.decode(want).cells.tolist() == table.tolist()
     negative = table.copy()

@@ -35,8 +35,16 @@ def test_bulk_per_size_takes_each_size_apart_and_only_its_own_lane(bench: Any) -
     count = 100
     loaded = {
         "_lane_bytes": {
-            f"h2d/{64 * KiB}": ({"gpu0/h2d": 0, "gpu0/d2h": 0}, {"gpu0/h2d": 25_000_000_000 + 64 * KiB * count, "gpu0/d2h": 20_000_000_000}, 0.5),
-            f"h2d/{16 * MiB}": ({"gpu0/h2d": 0, "gpu0/d2h": 0}, {"gpu0/h2d": 23_000_000_000 + 16 * MiB * count, "gpu0/d2h": 24_000_000_000}, 0.5),
+            f"h2d/{64 * KiB}": (
+                {"gpu0/h2d": 0, "gpu0/d2h": 0},
+                {"gpu0/h2d": 25_000_000_000 + 64 * KiB * count, "gpu0/d2h": 20_000_000_000},
+                0.5,
+            ),
+            f"h2d/{16 * MiB}": (
+                {"gpu0/h2d": 0, "gpu0/d2h": 0},
+                {"gpu0/h2d": 23_000_000_000 + 16 * MiB * count, "gpu0/d2h": 24_000_000_000},
+                0.5,
+            ),
         }
     }
     through = bench.bulk_per_size(loaded, ("h2d", "d2h"), count, direct=False)

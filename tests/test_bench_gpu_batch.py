@@ -25,16 +25,30 @@ def lat(p50: float, p99: float) -> dict[str, float]:
     return {"p50": p50, "p99": p99, "n": 100}
 
 
-def cell(anchor_batch: tuple[float, float], direct: tuple[float, float], contiguous: tuple[float, float], kernel: int, dma: int) -> dict[str, Any]:
+def cell(
+    anchor_batch: tuple[float, float],
+    direct: tuple[float, float],
+    contiguous: tuple[float, float],
+    kernel: int,
+    dma: int,
+) -> dict[str, Any]:
     return {
-        "anchor": {"latency_us": {"contiguous": lat(450, 480), "batch": lat(*anchor_batch), "loop": lat(2000, 2100)}, "bulk_gbps": 52.0},
+        "anchor": {
+            "latency_us": {"contiguous": lat(450, 480), "batch": lat(*anchor_batch), "loop": lat(2000, 2100)},
+            "bulk_gbps": 52.0,
+        },
         "priod_bulk": {
             "latency_us": {"batch": lat(900, 1100), "contiguous": lat(600, 750)},
             "paths": {"batch": ["express"], "contiguous": ["express"]},
             "bulk_contiguous": {"gbps": 49.5},
         },
         "direct_bulk": {
-            "latency_us": {"batch": lat(*direct), "batch_kernel": lat(440, 500), "batch_dma": lat(600, 700), "contiguous": lat(*contiguous)},
+            "latency_us": {
+                "batch": lat(*direct),
+                "batch_kernel": lat(440, 500),
+                "batch_dma": lat(600, 700),
+                "contiguous": lat(*contiguous),
+            },
             "chosen": [{"express_chosen": kernel, "dma_chosen": dma}],
             "bulk_contiguous": {"gbps": 44.0},
         },
@@ -44,7 +58,11 @@ def cell(anchor_batch: tuple[float, float], direct: tuple[float, float], contigu
 
 def test_the_table_gives_ratios_to_the_anchor_path_counts_and_verdicts(bench: Any) -> None:
     results = {
-        "inprocess": {"latency_us": {"contiguous": lat(310, 320), "batch": lat(360, 400), "loop": lat(900, 950)}, "raw_gbps": 55.0, "batch_bulk_gbps": 52.0},
+        "inprocess": {
+            "latency_us": {"contiguous": lat(310, 320), "batch": lat(360, 400), "loop": lat(900, 950)},
+            "raw_gbps": 55.0,
+            "batch_bulk_gbps": 52.0,
+        },
         "cotenants": {
             "none": cell((1500, 1600), (450, 540), (400, 460), 104, 2),  # +80 over contiguous: met
             "gemm": cell((1500, 1600), (620, 1700), (400, 470), 2, 104),  # +1,230, and over the anchor's p99

@@ -24,7 +24,9 @@ from priod.testing import daemon_process
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("PRIOD_") and k != "XDG_RUNTIME_DIR"}
-    return subprocess.run([sys.executable, "-m", "priod", *args], capture_output=True, text=True, env={**base, **(env or {})}, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "priod", *args], capture_output=True, text=True, env={**base, **(env or {})}, timeout=60
+    )
 
 
 def test_priod_alone_prints_the_help_and_exits_2() -> None:
@@ -43,7 +45,10 @@ def test_candidates_in_order_skipping_unset_variables(tmp_path: Path) -> None:
     """$PRIOD_SOCKET, $XDG_RUNTIME_DIR/priod.sock, the system socket; the daemon binds the first."""
     env = {"PRIOD_SOCKET": "/x/s", "XDG_RUNTIME_DIR": "/r"}
     assert [p for _, p in socket_candidates(env)] == ["/x/s", "/r/priod.sock", SYSTEM_SOCKET]
-    assert [p for _, p in socket_candidates({"XDG_RUNTIME_DIR": "/r", "PRIOD_SOCKET": ""})] == ["/r/priod.sock", SYSTEM_SOCKET]
+    assert [p for _, p in socket_candidates({"XDG_RUNTIME_DIR": "/r", "PRIOD_SOCKET": ""})] == [
+        "/r/priod.sock",
+        SYSTEM_SOCKET,
+    ]
     assert default_socket_path(env) == "/x/s" and default_socket_path({}) == SYSTEM_SOCKET
 
 
@@ -56,8 +61,13 @@ def test_find_socket_takes_the_first_that_exists(tmp_path: Path, monkeypatch: py
     xdg.mkdir()
     env = {"PRIOD_SOCKET": str(tmp_path / "gone.sock"), "XDG_RUNTIME_DIR": str(xdg)}
     tried = f"{tmp_path}/gone.sock ($PRIOD_SOCKET), {xdg}/priod.sock ($XDG_RUNTIME_DIR/priod.sock), {system} (the system socket)"
-    fix = "Start the daemon (systemctl start priod.socket, or priod serve), or give its path (--socket, or PRIOD_SOCKET)"
-    with pytest.raises(priod.ConnectionClosed, match=rf"^no priod daemon socket found; tried {re.escape(tried)} and none exists\. {re.escape(fix)}$"):
+    fix = (
+        "Start the daemon (systemctl start priod.socket, or priod serve), or give its path (--socket, or PRIOD_SOCKET)"
+    )
+    with pytest.raises(
+        priod.ConnectionClosed,
+        match=rf"^no priod daemon socket found; tried {re.escape(tried)} and none exists\. {re.escape(fix)}$",
+    ):
         find_socket(env)
     system.parent.mkdir()
     system.touch()
@@ -68,7 +78,9 @@ def test_find_socket_takes_the_first_that_exists(tmp_path: Path, monkeypatch: py
     assert find_socket(env) == str(tmp_path / "gone.sock")
 
 
-@pytest.mark.skipif(os.path.exists(SYSTEM_SOCKET), reason=f"a daemon listens at {SYSTEM_SOCKET} here; the test needs it absent")
+@pytest.mark.skipif(
+    os.path.exists(SYSTEM_SOCKET), reason=f"a daemon listens at {SYSTEM_SOCKET} here; the test needs it absent"
+)
 def test_status_and_connect_fall_through_to_a_daemon_under_xdg_runtime_dir(tmp_path: Path) -> None:
     """With $PRIOD_SOCKET naming nothing, ``priod status`` reaches the daemon at
     $XDG_RUNTIME_DIR/priod.sock; with nothing anywhere it exits 1 listing all three paths."""
@@ -88,7 +100,9 @@ def test_status_and_connect_fall_through_to_a_daemon_under_xdg_runtime_dir(tmp_p
         assert f'"socket": "{d.socket_path}"' in found.stdout
 
 
-async def test_connect_without_a_path_waits_for_the_socket_to_appear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_connect_without_a_path_waits_for_the_socket_to_appear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``priod.connect()`` with ``wait_s`` keeps looking while no socket exists yet (a daemon
     starting), then connects to the one that appears."""
     xdg = tmp_path / "xdg"

@@ -45,7 +45,7 @@ def test_tuning_keys_under_scheduler_are_read_and_named_as_moved(tmp_path: Path)
     assert cfg.tuning.depth == 3 and cfg.tuning.explore_every == 50 and cfg.scheduler.max_block_us == 500.0
     assert cfg.policy().depth == 3
     assert cfg.moved == ("[scheduler] depth -> [tuning] depth", "[scheduler] explore_every -> [tuning] explore_every")
-    env = load_config(None, environ={"PRIOD_TUNING__DEPTH": "5"})
+    env = load_config(None, environ={"PRIOD_SCHEDULER__DEPTH": "5"})
     assert env.tuning.depth == 5 and env.moved == ("[scheduler] depth -> [tuning] depth",)
     both = tmp_path / "both.toml"
     both.write_text("[scheduler]\ndepth = 3\n[tuning]\ndepth = 4\n")
@@ -87,13 +87,22 @@ def test_classes_from_file(tmp_path: Path) -> None:
     [
         ('[scheduler]\nmode = "lifo"\n', r"^\[scheduler\] mode = 'lifo' is invalid; set it to one of 'priod', 'fifo'$"),
         ("[tuning]\ndepth = 0\n", r"^\[tuning\] depth = 0 is invalid; set 1 <= depth <= 64$"),
-        ("[scheduler]\nmax_block_us = -1\n", r"^\[scheduler\] max_block_us = -1.0 is invalid; set it > 0 \(microseconds\)$"),
+        (
+            "[scheduler]\nmax_block_us = -1\n",
+            r"^\[scheduler\] max_block_us = -1.0 is invalid; set it > 0 \(microseconds\)$",
+        ),
         ("[scheduler]\nchunk = 5\n", r"^unknown setting\(s\) \['chunk'\] in \[scheduler\]; known: "),
         ("[sched]\nmode = 1\n", r"^unknown config section\(s\) \['sched'\]"),
-        ('[limits]\nmax_queued_requests = "many"\n', r"^\[limits\] max_queued_requests = 'many' must be a whole number$"),
+        (
+            '[limits]\nmax_queued_requests = "many"\n',
+            r"^\[limits\] max_queued_requests = 'many' must be a whole number$",
+        ),
         ("[classes.a]\nstrict = true\n", r"^\[classes\] needs at least one class without strict = true"),
         ("[classes.a]\nweight = 0\n", r"^\[classes.a\] weight = 0 is invalid; set weight >= 1$"),
-        ("[tuning]\nmin_chunk_bytes = 1024\n", r"^\[tuning\] min_chunk_bytes = 1024 is invalid; set min_chunk_bytes >= 4096$"),
+        (
+            "[tuning]\nmin_chunk_bytes = 1024\n",
+            r"^\[tuning\] min_chunk_bytes = 1024 is invalid; set min_chunk_bytes >= 4096$",
+        ),
         ("[scheduler]\naging_ms = 0\n", r"^\[scheduler\] aging_ms = 0.0 is invalid; set it > 0$"),
     ],
 )
@@ -115,7 +124,10 @@ def test_not_toml(tmp_path: Path) -> None:
 
 def test_missing_file(tmp_path: Path) -> None:
     """A missing config file says so and how to fix it."""
-    with pytest.raises(ConfigError, match=r"^cannot read config file .*nope.toml: No such file or directory; pass an existing file with --config$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^cannot read config file .*nope.toml: No such file or directory; pass an existing file with --config$",
+    ):
         load_config(tmp_path / "nope.toml", environ={})
 
 

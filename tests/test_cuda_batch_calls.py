@@ -1,4 +1,4 @@
-"""The CUDA engine's batch calls against stand-in bindings, on any machine: which driver call a
+"""The CUDA engine's batch calls against the fake CUDA (`priod.testing.FakeCuda`), on any machine: which driver call a
 batch's chunk becomes (one cuMemcpyBatchAsync, or one cudaMemcpyAsync per segment, and why), and
 how the express kernel's table form packs segments into launches. Whether the bytes land is
 tests/test_gpu_batch.py's (marker gpu)."""
@@ -14,19 +14,24 @@ from typing import Any
 import numpy as np
 import pytest
 
-from priod.common.cuda import driver as _driver
 from priod.common.cuda.batched import CALL_SEGMENTS, BatchedDma
 from priod.common.cuda.express import TABLE_MAX, ExpressKernel
 from priod.errors import CudaError
-
-OK = object()
-
+from priod.testing import FakeCuda
 
 BATCH_PROTO = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
 )
 """cuMemcpyBatchAsync as CUDA 12.8 declares it: what `BatchedDma` calls through ctypes."""
-ERRORS = {0: OK, 801: "CUDA_ERROR_NOT_SUPPORTED", 700: "CUDA_ERROR_ILLEGAL_ADDRESS"}
 
 
 class Attributes:
@@ -41,58 +46,67 @@ class Attributes:
 
 
 class Bindings:
-    """Stand-ins for cuda.bindings' runtime and driver modules that record every call.
+    """The fake CUDA (`FakeCuda`) as far as the batch calls go, every copy and launch logged in
+    ``calls`` by a short name, beside the batched call's.
 
     The batched call is a real C entry point (a ctypes callback whose address
-    ``cuGetProcAddress`` hands out), so the test sees the C arrays the driver would read.
+    ``cuGetProcAddress`` hands out), so the test sees the C arrays the driver would read; the
+    int it returns becomes the fake's ``CUresult``, as the real one's does.
     """
 
     def __init__(self, version: int = 13000, batch: bool = True) -> None:
+        self.cuda = FakeCuda()
         self.calls: list[tuple[Any, ...]] = []
         self.batch_result = 0
-        self.rt = types.SimpleNamespace(cudaMemcpyAsync=self._call("memcpy"))
         self._entry = BATCH_PROTO(self._batch)  # kept alive while its address is out
         self.proc_lookups: list[tuple[bytes, int]] = []
-        drv: dict[str, Any] = {
-            "CUresult": ERRORS.__getitem__,
-            "cuDriverGetVersion": lambda: (OK, version),
-            "CUmemcpySrcAccessOrder": types.SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM="stream-order"),
-            "cuGetProcAddress": self._lookup,
-            "cuLaunchKernel": self._call("launch"),
-        }
+        self.rt, self.drv = self.cuda.runtime, self.cuda.driver
+        self.rt.script(cudaMemcpyAsync=self._call("memcpy"))
+        self.drv.script(
+            cuDriverGetVersion=self.drv.ok(version), cuGetProcAddress=self._lookup, cuLaunchKernel=self._call("launch")
+        )
+        self.drv.set(CUmemcpySrcAccessOrder=types.SimpleNamespace(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM="stream-order"))
         if batch:
-            drv["CUmemcpyAttributes"] = Attributes
-        self.drv = types.SimpleNamespace(**drv)
+            self.drv.set(CUmemcpyAttributes=Attributes)
 
     def _call(self, name: str) -> Any:
         def call(*args: Any) -> tuple[Any, ...]:
             self.calls.append((name, *args))
-            return (OK,)
+            return self.drv.ok()
 
         return call
 
     def _lookup(self, symbol: bytes, version: int, flags: int) -> tuple[Any, ...]:
         self.proc_lookups.append((symbol, version))
-        return (OK, ctypes.cast(self._entry, ctypes.c_void_p).value, "found")
+        return self.drv.ok(ctypes.cast(self._entry, ctypes.c_void_p).value, "found")
 
-    def _batch(self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, idxs: int, nattrs: int, fail: int, stream: int) -> int:
+    def _batch(
+        self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, idxs: int, nattrs: int, fail: int, stream: int
+    ) -> int:
         def read(address: int, n: int) -> list[int]:
             return list((ctypes.c_uint64 * n).from_address(address))
 
-        self.calls.append(("batch", read(dsts, count), read(srcs, count), read(sizes, count), count, attrs, read(idxs, nattrs), nattrs, stream))
+        self.calls.append(
+            (
+                "batch",
+                read(dsts, count),
+                read(srcs, count),
+                read(sizes, count),
+                count,
+                attrs,
+                read(idxs, nattrs),
+                nattrs,
+                stream,
+            )
+        )
         return self.batch_result
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bindings]:
+def fake() -> Iterator[Bindings]:
     b = Bindings()
-    _install(monkeypatch, b)
-    yield b
-
-
-def _install(monkeypatch: pytest.MonkeyPatch, b: Bindings) -> None:
-    for name, value in (("_rt", b.rt), ("_drv", b.drv), ("_RT_OK", OK), ("_DRV_OK", OK)):
-        monkeypatch.setattr(_driver, name, value)
+    with b.cuda:
+        yield b
 
 
 def u64(*values: int) -> Any:
@@ -107,7 +121,16 @@ def test_a_chunk_is_one_batched_call_with_stream_ordered_sources(fake: Bindings)
     assert fake.proc_lookups == [(b"cuMemcpyBatchAsync", 12080)]  # the 12.8 ABI, the one BATCH_PROTO declares
     dma.copy(1000, 5000, u64(0, 64), u64(8, 200), u64(16, 32), "h2d", 77)
     name, dsts, srcs, sizes, count, attrs, idxs, nattrs, stream = fake.calls[-1]
-    assert (name, dsts, srcs, sizes, count, idxs, nattrs, stream) == ("batch", [1000, 1064], [5008, 5200], [16, 32], 2, [0], 1, 77)
+    assert (name, dsts, srcs, sizes, count, idxs, nattrs, stream) == (
+        "batch",
+        [1000, 1064],
+        [5008, 5200],
+        [16, 32],
+        2,
+        [0],
+        1,
+        77,
+    )
     assert attrs == dma._attrs.getPtr() and dma._attrs.srcAccessOrder == "stream-order"
     # offsets that are strided views (columns of an (N, 3) table) reach the driver as the right values
     table = np.array([[0, 8, 16], [64, 200, 32]], dtype=np.uint64)
@@ -144,8 +167,17 @@ def test_a_gated_chunk_waits_on_its_gate_before_every_call(fake: Bindings) -> No
         fake.calls.append(("wait",))
 
     offsets = np.arange(n, dtype=np.uint64) * np.uint64(65536)
-    dma.copy(0, 1 << 30, offsets, offsets, np.full(n, 65536, dtype=np.uint64), "h2d", 5, each_call=wait, call_segments=128)
-    assert [(c[0], c[4]) if c[0] == "batch" else (c[0],) for c in fake.calls] == [("wait",), ("batch", 128), ("wait",), ("batch", 128), ("wait",), ("batch", 44)]
+    dma.copy(
+        0, 1 << 30, offsets, offsets, np.full(n, 65536, dtype=np.uint64), "h2d", 5, each_call=wait, call_segments=128
+    )
+    assert [(c[0], c[4]) if c[0] == "batch" else (c[0],) for c in fake.calls] == [
+        ("wait",),
+        ("batch", 128),
+        ("wait",),
+        ("batch", 128),
+        ("wait",),
+        ("batch", 44),
+    ]
     fake.calls.clear()
     dma.error = "no batched call here"
     dma.copy(0, 1 << 30, u64(0, 4096), u64(0, 4096), u64(16, 16), "h2d", 5, each_call=wait)
@@ -154,17 +186,20 @@ def test_a_gated_chunk_waits_on_its_gate_before_every_call(fake: Bindings) -> No
 
 @pytest.mark.parametrize(
     ("version", "batch", "why"),
-    [(12060, True, r"driver supports CUDA 12\.6; cuMemcpyBatchAsync needs 12\.8"), (13000, False, r"cuda-bindings has no cuMemcpyBatchAsync .*>= 12\.8")],
+    [
+        (12060, True, r"driver supports CUDA 12\.6; cuMemcpyBatchAsync needs 12\.8"),
+        (13000, False, r"cuda-bindings has no cuMemcpyBatchAsync .*>= 12\.8"),
+    ],
     ids=["old-driver", "old-bindings"],
 )
-def test_without_the_api_each_segment_is_one_copy_and_it_says_why(monkeypatch: pytest.MonkeyPatch, version: int, batch: bool, why: str) -> None:
+def test_without_the_api_each_segment_is_one_copy_and_it_says_why(version: int, batch: bool, why: str) -> None:
     """An old driver or old bindings: the same bytes go as one cudaMemcpyAsync per segment, and
     `error` names what to upgrade."""
     b = Bindings(version, batch)
-    _install(monkeypatch, b)
-    dma = BatchedDma()
-    assert dma.error is not None and re.search(why, dma.error)
-    dma.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", "s")
+    with b.cuda:
+        dma = BatchedDma()
+        assert dma.error is not None and re.search(why, dma.error)
+        dma.copy(0, 100, u64(0, 50), u64(1, 2), u64(3, 4), "k", "s")
     assert b.calls == [("memcpy", 0, 101, 3, "k", "s"), ("memcpy", 50, 102, 4, "k", "s")]
 
 
@@ -204,7 +239,7 @@ def test_express_table_launches_hold_256_segments_each(fake: Bindings) -> None:
 
     kernel._cu_launch = launch
     cells = np.stack((u64(*range(0, n * 100, 100)), u64(*range(0, n * 7, 7)), u64(*([70_000] * n))), axis=1)
-    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream")  # type: ignore[arg-type]
+    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream")
     launches = [c for c in fake.calls if c[0] == "launch"]
     assert [c[3] for c in launches] == [256, 256, 88]  # grid y: one row per segment
     # 70,000 bytes a row: 1,094 threads of four 16-byte steps, two 1024-thread blocks a row,
@@ -219,13 +254,13 @@ def test_express_table_launches_hold_256_segments_each(fake: Bindings) -> None:
     # With a side stream, every other launch goes there (two tables at once); same tables.
     fake.calls.clear()
     seen.clear()
-    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream", "side")  # type: ignore[arg-type]
+    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream", "side")
     assert [c[9] for c in fake.calls if c[0] == "launch"] == ["stream", "side", "stream"]
     assert seen[2][2 : 2 + 3 * 88].reshape(88, 3)[-1].tolist() == [599 * 100, 599 * 7, 70_000]
 
     # A caller that knows the largest segment passes it: it sizes the grid, as the rows would.
     fake.calls.clear()
-    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream", largest=4096)  # type: ignore[arg-type]
+    kernel.launch_table(dev, 1 << 40, 1 << 41, cells, "stream", largest=4096)
     assert {c[5] for c in fake.calls if c[0] == "launch"} == {64}  # 4 KiB: 64 threads of four 16-byte steps
 
 
@@ -233,7 +268,7 @@ def test_express_without_the_table_kernel_launches_per_segment(fake: Bindings) -
     """A module without priod_copy_table (an older PTX): one priod_copy launch per segment."""
     kernel = ExpressKernel()
     dev = types.SimpleNamespace(table_function=None, function="one", sm_count=132)
-    kernel.launch_table(dev, 1000, 2000, np.stack((u64(0, 10), u64(5, 6), u64(3, 4)), axis=1), "s")  # type: ignore[arg-type]
+    kernel.launch_table(dev, 1000, 2000, np.stack((u64(0, 10), u64(5, 6), u64(3, 4)), axis=1), "s")
     assert [(c[0], c[1]) for c in fake.calls] == [("launch", "one"), ("launch", "one")]
 
 
@@ -245,7 +280,7 @@ def test_a_direct_table_the_kernel_checks_rides_whole_in_its_parameters(fake: Bi
     from priod.client.direct import FAULT_WORDS, _BatchKernel, direct_rows
     from priod.common.cuda.express import CHECKED_TABLE_HEADER
 
-    fake.drv.CUstream = lambda handle: ("cu", handle)
+    fake.drv.set(CUstream=lambda handle: ("cu", handle))
     kernel = _BatchKernel(0, 132)
     kernel.checked_function = "checked"
     words = (ctypes.c_uint64 * FAULT_WORDS)()
@@ -262,7 +297,13 @@ def test_a_direct_table_the_kernel_checks_rides_whole_in_its_parameters(fake: Bi
     word = kernel.launch_checked(1 << 40, 1 << 41, direct_rows(table), 5000, 6000, 77)
     assert word is not None and word not in kernel._free_faults
     head, rows = seen[0][:CHECKED_TABLE_HEADER], seen[0][CHECKED_TABLE_HEADER : CHECKED_TABLE_HEADER + 6]
-    assert head.tolist() == [1 << 41, 1 << 40, 6000, 5000, (1 << 44) + 8 * word]  # src, dst, src_bytes, dst_bytes, fault
+    assert head.tolist() == [
+        1 << 41,
+        1 << 40,
+        6000,
+        5000,
+        (1 << 44) + 8 * word,
+    ]  # src, dst, src_bytes, dst_bytes, fault
     assert rows.tolist() == [0, 64, 4096, 8192, 2**64 - 16, 4096]
     _, function, per_row, grid_rows, _, threads, _, _, _, stream, _, _ = fake.calls[-1]
     # 4 KiB rows: 64 threads of four 16-byte steps, one block a row, a row per segment.

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from priod.client.cuda_ipc import export_cuda_array, open_device_export
-from priod.common.cuda.driver import gpu_available
+from priod.common.cuda.driver import gpu_available, use_bindings
 from priod.common.cuda.express import EXPRESS_MAX, EXPRESS_MIN_H2D
 from priod.common.types import LOCAL_DIRECTIONS, Direction, LaneKey, Path
-from priod.daemon.engines.base import Completion, DeviceMemory, HostMemory
+from priod.daemon.engines.base import ChunkJob, Completion, DeviceMemory, HostMemory
 from priod.daemon.engines.cuda.engine import CudaEngine
 from priod.errors import CudaError, EngineError, InvalidRequest
 
@@ -78,13 +78,14 @@ def device_view(mem: DeviceMemory) -> Any:
 def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without cuda-bindings, constructing the engine says which extra to install for which
     driver, and names --backend sim."""
-    from priod.common.cuda import driver as _driver
-
-    monkeypatch.setattr(_driver, "_rt", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(EngineError, match=r"pip install 'priod\[cuda13\]' \(NVIDIA driver >= 580\) or 'priod\[cuda12\]' \(driver >= 525\); --backend sim runs without a GPU$"):
-        CudaEngine()
-    assert _driver.gpu_available() is False
+    with use_bindings(None, None):  # none loaded yet: the first call imports them
+        with pytest.raises(
+            EngineError,
+            match=r"pip install 'priod\[cuda13\]' \(NVIDIA driver >= 580\) or 'priod\[cuda12\]' \(driver >= 525\); --backend sim runs without a GPU$",
+        ):
+            CudaEngine()
+        assert gpu_available() is False
 
 
 def test_client_helpers_do_not_import_the_engine() -> None:
@@ -93,7 +94,9 @@ def test_client_helpers_do_not_import_the_engine() -> None:
     code = "import sys, priod.client.cuda_ipc; print(' '.join(sorted(m for m in sys.modules if m.startswith(('priod', 'cuda')))))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert "priod.common.cuda.driver" in loaded
-    assert not [m for m in loaded if m.startswith(("cuda", "priod.daemon.engines.cuda.")) and m != "priod.common.cuda.driver"], loaded
+    assert not [
+        m for m in loaded if m.startswith(("cuda", "priod.daemon.engines.cuda.")) and m != "priod.common.cuda.driver"
+    ], loaded
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="a GPU is present: this tests the machine without one")
@@ -222,7 +225,9 @@ def _gpu_count() -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAVE_GPU or _gpu_count() < 2, reason="needs two NVIDIA GPUs (never run yet: no machine with two was lent)")
+@pytest.mark.skipif(
+    not HAVE_GPU or _gpu_count() < 2, reason="needs two NVIDIA GPUs (never run yet: no machine with two was lent)"
+)
 def test_peer_lane_copies_between_two_gpus_exactly() -> None:
     """Two GPUs: a peer lane each way, calibrated; bytes put on GPU 0 (h2d), copied to GPU 1 on
     the peer lane at odd offsets (plain and strict stream), and read back (d2h) are exact."""
@@ -236,12 +241,37 @@ def test_peer_lane_copies_between_two_gpus_exactly() -> None:
         a, b = eng.alloc_device(REGION, 0), eng.alloc_device(REGION, 1)
         client.view[:] = np.random.default_rng(3).integers(0, 256, REGION, dtype=np.uint8)
         expected = client.view.copy()
-        wait(eng.submit(LaneKey(0, Direction.H2D), Path.DMA, a, 0, host, 0, REGION))
+        wait(
+            eng.submit(
+                ChunkJob(LaneKey(0, Direction.H2D), Path.DMA, a, host, dst_offset=0, src_offset=0, nbytes=REGION)
+            )
+        )
         half = REGION // 2
-        wait(eng.submit(LaneKey(0, Direction.PEER, 1), Path.DMA, b, 5, a, 11, half - 16))
-        wait(eng.submit(LaneKey(0, Direction.PEER, 1), Path.DMA, b, half + 5, a, half + 11, half - 16, strict=True))
+        wait(
+            eng.submit(
+                ChunkJob(LaneKey(0, Direction.PEER, 1), Path.DMA, b, a, dst_offset=5, src_offset=11, nbytes=half - 16)
+            )
+        )
+        wait(
+            eng.submit(
+                ChunkJob(
+                    LaneKey(0, Direction.PEER, 1),
+                    Path.DMA,
+                    b,
+                    a,
+                    dst_offset=half + 5,
+                    src_offset=half + 11,
+                    nbytes=half - 16,
+                    strict=True,
+                )
+            )
+        )
         client.view[:] = 0
-        wait(eng.submit(LaneKey(1, Direction.D2H), Path.DMA, host, 0, b, 0, REGION))
+        wait(
+            eng.submit(
+                ChunkJob(LaneKey(1, Direction.D2H), Path.DMA, host, b, dst_offset=0, src_offset=0, nbytes=REGION)
+            )
+        )
         assert np.array_equal(client.view[5 : half - 11], expected[11 : half - 5])
         assert np.array_equal(client.view[half + 5 : REGION - 11], expected[half + 11 : REGION - 5])
         print(eng.statistics()["lanes"])
@@ -269,7 +299,9 @@ class TestOnGpu:
         rng = np.random.default_rng(7)
         client: HostRegion = regions["client"]
         host, dev_a, dev_b = regions["host"], regions["a"], regions["b"]
-        src, dst = {Direction.H2D: (host, dev_a), Direction.D2H: (dev_a, host), Direction.D2D: (dev_a, dev_b)}[direction]
+        src, dst = {Direction.H2D: (host, dev_a), Direction.D2H: (dev_a, host), Direction.D2D: (dev_a, dev_b)}[
+            direction
+        ]
         lane = LaneKey(0, direction)
         for size in SIZES:
             for src_off, dst_off in OFFSETS:
@@ -277,7 +309,13 @@ class TestOnGpu:
                 canary = np.full(size + 2 * GUARD, 0xA5, dtype=np.uint8)
                 self._fill(client, src, src_off, pattern)
                 self._fill(client, dst, dst_off, canary)
-                wait(engine.submit(lane, path, dst, dst_off + GUARD, src, src_off + GUARD, size))
+                wait(
+                    engine.submit(
+                        ChunkJob(
+                            lane, path, dst, src, dst_offset=dst_off + GUARD, src_offset=src_off + GUARD, nbytes=size
+                        )
+                    )
+                )
                 got = self._read(client, dst, dst_off, size + 2 * GUARD)
                 where = f"{direction.value} {path.value} size {size} src+{src_off} dst+{dst_off}"
                 assert np.array_equal(got[GUARD:-GUARD], pattern[GUARD:-GUARD]), where
@@ -310,11 +348,28 @@ class TestOnGpu:
         client.view[:] = np.random.default_rng(1).integers(0, 256, REGION, dtype=np.uint8)
         chunk = REGION // 256
         lane = LaneKey(0, Direction.H2D)
-        done = [engine.submit(lane, Path.DMA, dev, i * chunk, host, i * chunk, chunk, strict=i % 7 == 0) for i in range(256)]
+        done = [
+            engine.submit(
+                ChunkJob(
+                    lane,
+                    Path.DMA,
+                    dev,
+                    host,
+                    dst_offset=i * chunk,
+                    src_offset=i * chunk,
+                    nbytes=chunk,
+                    strict=i % 7 == 0,
+                )
+            )
+            for i in range(256)
+        ]
         for completion in done:
             wait(completion)
         assert np.array_equal(device_view(dev).get(), client.view)
-        again = [engine.submit(lane, Path.DMA, dev, 0, host, 0, 4096) for _ in range(8)]
+        again = [
+            engine.submit(ChunkJob(lane, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=4096))
+            for _ in range(8)
+        ]
         for completion in again:
             wait(completion)
 
@@ -348,7 +403,17 @@ class TestOnGpu:
         assert isinstance(lane_stats, dict) and set(lane_stats) == {"gpu0/h2d", "gpu0/d2h", "gpu0/d2d"}
         assert not any("peer_access" in figures for figures in lane_stats.values())
         with pytest.raises(InvalidRequest, match=r"^this engine has no lane gpu0/peer/gpu1$"):
-            engine.submit(LaneKey(0, Direction.PEER, 1), Path.DMA, regions["b"], 0, regions["a"], 0, 4096)
+            engine.submit(
+                ChunkJob(
+                    LaneKey(0, Direction.PEER, 1),
+                    Path.DMA,
+                    regions["b"],
+                    regions["a"],
+                    dst_offset=0,
+                    src_offset=0,
+                    nbytes=4096,
+                )
+            )
 
     def test_each_gpu_is_known_by_its_uuid(self, engine: CudaEngine) -> None:
         """The engine reports each GPU's UUID as nvidia-smi prints it (``GPU-`` and 8-4-4-4-12
@@ -364,19 +429,32 @@ class TestOnGpu:
             assert engine.device_ordinal(text.upper()) == ordinal == local_ordinal(text)
         devices = engine.statistics()["devices"]
         assert isinstance(devices, list) and [d["uuid"] for d in devices] == [uuids[d["index"]] for d in devices]
-        with pytest.raises(InvalidRequest, match=r"^this daemon serves no GPU GPU-00000000-0000-0000-0000-000000000000; it serves gpu0=GPU-"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^this daemon serves no GPU GPU-00000000-0000-0000-0000-000000000000; it serves gpu0=GPU-",
+        ):
             engine.device_ordinal("GPU-00000000-0000-0000-0000-000000000000")
 
     def test_bad_submissions_are_refused(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
         """Mismatched directions, ranges past the end and foreign memory raise InvalidRequest."""
         host, dev = regions["host"], regions["a"]
         with pytest.raises(InvalidRequest):
-            engine.submit(LaneKey(0, Direction.H2D), Path.DMA, host, 0, dev, 0, 16)
+            engine.submit(
+                ChunkJob(LaneKey(0, Direction.H2D), Path.DMA, host, dev, dst_offset=0, src_offset=0, nbytes=16)
+            )
         with pytest.raises(InvalidRequest):
-            engine.submit(LaneKey(0, Direction.H2D), Path.DMA, dev, REGION - 8, host, 0, 16)
+            engine.submit(
+                ChunkJob(LaneKey(0, Direction.H2D), Path.DMA, dev, host, dst_offset=REGION - 8, src_offset=0, nbytes=16)
+            )
         with pytest.raises(InvalidRequest):
-            engine.submit(LaneKey(0, Direction.D2D), Path.DMA, dev, 0, DeviceMemory(), 0, 16)
-        assert engine.submit(LaneKey(0, Direction.H2D), Path.EXPRESS, dev, 0, host, 0, 0).done()
+            engine.submit(
+                ChunkJob(
+                    LaneKey(0, Direction.D2D), Path.DMA, dev, DeviceMemory(), dst_offset=0, src_offset=0, nbytes=16
+                )
+            )
+        assert engine.submit(
+            ChunkJob(LaneKey(0, Direction.H2D), Path.EXPRESS, dev, host, dst_offset=0, src_offset=0, nbytes=0)
+        ).done()
 
     def test_express_off_and_close(self) -> None:
         """express=False gives lanes without express and refuses express chunks; close() is
@@ -388,8 +466,16 @@ class TestOnGpu:
             host = eng.map_host(client.fd, 4096)
             dev = eng.alloc_device(4096, 0)
             with pytest.raises(EngineError, match="no express path"):
-                eng.submit(LaneKey(0, Direction.H2D), Path.EXPRESS, dev, 0, host, 0, 4096)
-            wait(eng.submit(LaneKey(0, Direction.H2D), Path.DMA, dev, 0, host, 0, 4096))
+                eng.submit(
+                    ChunkJob(
+                        LaneKey(0, Direction.H2D), Path.EXPRESS, dev, host, dst_offset=0, src_offset=0, nbytes=4096
+                    )
+                )
+            wait(
+                eng.submit(
+                    ChunkJob(LaneKey(0, Direction.H2D), Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=4096)
+                )
+            )
         finally:
             eng.close()
             eng.close()
@@ -418,9 +504,13 @@ class TestOnGpu:
             client.view[: n1 + n2] = rng.integers(0, 256, n1 + n2, dtype=np.uint8)
             lane = LaneKey(0, Direction.H2D)
             half = n1 // 2
-            wait(engine.submit(lane, Path.DMA, imported[0], 0, host, 0, half))
-            wait(engine.submit(lane, Path.EXPRESS, imported[0], half, host, half, n1 - half))
-            wait(engine.submit(lane, Path.EXPRESS, imported[1], 0, host, n1, n2))
+            wait(engine.submit(ChunkJob(lane, Path.DMA, imported[0], host, dst_offset=0, src_offset=0, nbytes=half)))
+            wait(
+                engine.submit(
+                    ChunkJob(lane, Path.EXPRESS, imported[0], host, dst_offset=half, src_offset=half, nbytes=n1 - half)
+                )
+            )
+            wait(engine.submit(ChunkJob(lane, Path.EXPRESS, imported[1], host, dst_offset=0, src_offset=n1, nbytes=n2)))
             conn.send([client.view[:n1].copy(), client.view[n1 : n1 + n2].copy()])
             assert conn.poll(60)
             assert conn.recv() == [True, True]
@@ -430,14 +520,26 @@ class TestOnGpu:
             mine = engine.alloc_device(1 << 20, 0)
             assert mine.export is not None and mine.export.ipc_handle is not None
             client.view[: 1 << 20] = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-            wait(engine.submit(lane, Path.DMA, mine, 0, host, 0, 1 << 20))
+            wait(engine.submit(ChunkJob(lane, Path.DMA, mine, host, dst_offset=0, src_offset=0, nbytes=1 << 20)))
             offset = 4099
             conn.send((mine.export.ipc_handle, offset, (1 << 20) - offset, 0))
             conn.send(client.view[offset : 1 << 20].copy())
             assert conn.poll(60)
             assert conn.recv() is True
             client.view[: 1 << 20] = 0
-            wait(engine.submit(LaneKey(0, Direction.D2H), Path.EXPRESS, host, 0, mine, offset, (1 << 20) - offset))
+            wait(
+                engine.submit(
+                    ChunkJob(
+                        LaneKey(0, Direction.D2H),
+                        Path.EXPRESS,
+                        host,
+                        mine,
+                        dst_offset=0,
+                        src_offset=offset,
+                        nbytes=(1 << 20) - offset,
+                    )
+                )
+            )
             expected = np.arange((1 << 20) - offset, dtype=np.uint32).astype(np.uint8)[::-1]
             assert np.array_equal(client.view[: (1 << 20) - offset], expected)
             conn.send("done")

@@ -1,4 +1,4 @@
-"""The client's CUDA IPC export (priod.client.cuda_ipc) against a fake driver, so it runs without a GPU:
+"""The client's CUDA IPC export (priod.client.cuda_ipc) against the fake CUDA (`priod.testing.FakeCuda`), so it runs without a GPU:
 a caching allocator's piece of a segment is named by the segment's handle and its offset,
 cuMemCreate memory (PyTorch's expandable segments) by a POSIX fd of its allocation, a shareable
 stream-ordered pool's memory by the pool's POSIX fd and the allocation's export data, and memory
@@ -8,8 +8,8 @@ imports, and the undo on each error."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -19,24 +19,14 @@ import priod.client.cuda_ipc as cuda_ipc
 from priod.client.cuda_ipc import POOL_HINT, VMM_HINT, _unshareable, export_device_buffer
 from priod.daemon.engines.cuda import memory
 from priod.errors import CudaError, EngineError, InvalidRequest
+from priod.testing import DriverStatus, FakeCuda, FakeHandle, RuntimeStatus
 
-
-class _FakeDriver:
-    """cuPointerGetAttribute answers as a driver would for one kind of memory."""
-
-    def __init__(self, capable: bool, pool: int | None) -> None:
-        self.CUpointer_attribute = SimpleNamespace(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE="ipc", CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE="pool")
-        self.capable, self.pool = capable, pool
-
-    def cuPointerGetAttribute(self, attr: str, pointer: int) -> tuple[Any, Any]:
-        from priod.common.cuda import driver as _driver
-
-        ok = _driver._DRV_OK
-        if attr == "ipc":
-            return (ok, self.capable)
-        if self.pool is None:
-            raise CudaError("CUDA_ERROR_INVALID_VALUE", "not a pool allocation")
-        return (ok, self.pool)
+POINTER_ATTRIBUTES = SimpleNamespace(
+    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL="ordinal",
+    CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE="ipc",
+    CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE="pool",
+)
+"""The driver's CUpointer_attribute, as far as cuda_ipc asks, named by what each answers."""
 
 
 @pytest.mark.parametrize(
@@ -44,29 +34,35 @@ class _FakeDriver:
     [(True, None, None), (False, 0xABC, POOL_HINT), (False, 0, VMM_HINT), (False, None, VMM_HINT)],
     ids=["cudaMalloc", "cudaMallocAsync-pool", "cuMemCreate", "cuMemCreate-no-pool-attribute"],
 )
-def test_unshareable_memory_names_the_setting_to_change(monkeypatch: pytest.MonkeyPatch, capable: bool, pool: int | None, hint: str | None) -> None:
+def test_unshareable_memory_names_the_setting_to_change(capable: bool, pool: int | None, hint: str | None) -> None:
     """Memory CUDA IPC cannot share is told apart before the handle call: pools point at
     PyTorch's allocator backend, cuMemCreate memory at expandable_segments:False."""
-    from priod.common.cuda import driver as _driver
+    with FakeCuda() as cuda:
+        drv = cuda.driver
 
-    monkeypatch.setattr(_driver, "_DRV_OK", object())
-    monkeypatch.setattr(_driver, "_RT_OK", object())
-    assert _unshareable(_FakeDriver(capable, pool), 0x1000) == hint
-    assert "expandable_segments:False" in VMM_HINT and "backend:cudaMallocAsync" in POOL_HINT and "Region.torch()" in VMM_HINT
+        def attribute(attr: str, pointer: int) -> tuple[Any, ...]:
+            """cuPointerGetAttribute as a driver answers for one kind of memory (no pool: not a pool allocation)."""
+            if attr == "ipc":
+                return drv.ok(capable)
+            return (DriverStatus.CUDA_ERROR_INVALID_VALUE, None) if pool is None else drv.ok(pool)
+
+        drv.set(CUpointer_attribute=POINTER_ATTRIBUTES)
+        drv.script(cuPointerGetAttribute=attribute)
+        assert _unshareable(drv, 0x1000) == hint
+    assert (
+        "expandable_segments:False" in VMM_HINT
+        and "backend:cudaMallocAsync" in POOL_HINT
+        and "Region.torch()" in VMM_HINT
+    )
 
 
-class _FakeCuda:
-    """Runtime and driver as a caching allocator's segment looks to them: ``base`` .. ``base +
-    size``, IPC-capable or not, and a handle call that may fail."""
-
-    OK = object()
-    BAD = SimpleNamespace(name="cudaErrorInvalidValue")
+class _Segment:
+    """A caching allocator's segment as the fake CUDA (`cuda`, a `FakeCuda`) shows it: ``base``
+    .. ``base + size``, IPC-capable or not, and a handle call that may fail; `_vmm` makes it
+    cuMemCreate pages, `_pool` a stream-ordered pool's allocation."""
 
     def __init__(self, base: int, size: int, capable: bool, handle_ok: bool = True) -> None:
         self.base, self.size, self.capable, self.handle_ok = base, size, capable, handle_ok
-        self.CUpointer_attribute = SimpleNamespace(
-            CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL="ordinal", CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE="ipc", CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE="pool"
-        )
         self.handle_of: int | None = None
         self.pages: dict[tuple[int, int], int] = {}
         """(start, size) -> handle of each cuMemMap-ed page."""
@@ -79,67 +75,85 @@ class _FakeCuda:
         self.pool = 0
         """The buffer's pool (set up by `_pool`); 0: not pool memory."""
         self.pool_shareable = self.pointer_ok = True
+        self.cuda = FakeCuda()
+        rt, self.drv = self.cuda.runtime, self.cuda.driver
+        rt.script(cudaIpcGetMemHandle=self.cudaIpcGetMemHandle)
+        self.drv.set(
+            CUpointer_attribute=POINTER_ATTRIBUTES,
+            CUmemAllocationHandleType=SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1),
+            CUmemAllocationGranularity_flags=SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0),
+        )
+        self.drv.script(
+            cuPointerGetAttribute=self.cuPointerGetAttribute,
+            cuMemGetAddressRange=self.cuMemGetAddressRange,
+            cuMemRetainAllocationHandle=self.cuMemRetainAllocationHandle,
+            cuMemRelease=self.cuMemRelease,
+            cuMemGetAllocationPropertiesFromHandle=self.cuMemGetAllocationPropertiesFromHandle,
+            cuMemGetAllocationGranularity=self.drv.ok(2 << 20),
+            cuMemExportToShareableHandle=self.cuMemExportToShareableHandle,
+            cuMemPoolExportToShareableHandle=self.cuMemPoolExportToShareableHandle,
+            cuMemPoolExportPointer=self.cuMemPoolExportPointer,
+        )
 
-    def cuInit(self, flags: int) -> tuple[Any]:
-        return (self.OK,)
-
-    def cuPointerGetAttribute(self, attr: str, pointer: int) -> tuple[Any, Any]:
+    def cuPointerGetAttribute(self, attr: str, pointer: int) -> tuple[Any, ...]:
         assert self.base <= pointer < self.base + self.size
-        return (self.OK, {"ordinal": 0, "ipc": self.capable, "pool": self.pool}[attr])
+        return self.drv.ok({"ordinal": 0, "ipc": self.capable, "pool": self.pool}[attr])
 
-    def cuMemGetAddressRange(self, pointer: int) -> tuple[Any, int, int]:
-        return (self.OK, self.base, self.size)
+    def cuMemGetAddressRange(self, pointer: int) -> tuple[Any, ...]:
+        if not self.pages:
+            return self.drv.ok(self.base, self.size)
+        page = self._page(pointer)
+        assert page is not None
+        return self.drv.ok(self.base, self.size) if self.range_is_segment else self.drv.ok(*page)
 
-    def cudaIpcGetMemHandle(self, base: int) -> tuple[Any, Any]:
+    def cudaIpcGetMemHandle(self, base: int) -> tuple[Any, ...]:
         self.handle_of = base
-        return (self.OK, b"h" * 64) if self.handle_ok else (self.BAD, None)
+        return (
+            self.cuda.runtime.ok(FakeHandle(b"h" * 64))
+            if self.handle_ok
+            else (RuntimeStatus.cudaErrorInvalidValue, None)
+        )
 
     # -- cuMemCreate memory (set up by `_vmm`), as expandable segments map it
-    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
-    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
-
     def _page(self, address: int) -> tuple[int, int] | None:
         return next((p for p in self.pages if p[0] <= address < p[0] + p[1]), None)
 
-    def cuMemRetainAllocationHandle(self, address: int) -> tuple[Any, Any]:
+    def cuMemRetainAllocationHandle(self, address: int) -> tuple[Any, ...]:
         page = self._page(address)
         if page is None:
-            return (self.BAD, None)
+            return (DriverStatus.CUDA_ERROR_INVALID_VALUE, None)
         self.retains += 1
-        return (self.OK, self.pages[page])
+        return self.drv.ok(self.pages[page])
 
-    def cuMemRelease(self, handle: int) -> tuple[Any]:
+    def cuMemRelease(self, handle: int) -> tuple[Any, ...]:
         self.releases += 1
-        return (self.OK,)
+        return self.drv.ok()
 
-    def cuMemGetAllocationPropertiesFromHandle(self, handle: int) -> tuple[Any, Any]:
-        return (self.OK, SimpleNamespace(requestedHandleTypes=self.handle_types))
+    def cuMemGetAllocationPropertiesFromHandle(self, handle: int) -> tuple[Any, ...]:
+        return self.drv.ok(SimpleNamespace(requestedHandleTypes=self.handle_types))
 
-    def cuMemGetAllocationGranularity(self, prop: Any, option: int) -> tuple[Any, int]:
-        return (self.OK, 2 << 20)
-
-    def cuMemExportToShareableHandle(self, handle: int, kind: int, flags: int) -> tuple[Any, int]:
+    def cuMemExportToShareableHandle(self, handle: int, kind: int, flags: int) -> tuple[Any, ...]:
         assert kind == 1 and flags == 0
         self.exported.append(handle)
         self.fds.append(os.open(os.devnull, os.O_RDONLY))
-        return (self.OK, self.fds[-1])
+        return self.drv.ok(self.fds[-1])
 
     # -- a stream-ordered pool's allocation (set up by `_pool`): ``base`` .. ``base + size``
-    def cuMemPoolExportToShareableHandle(self, pool: int, kind: int, flags: int) -> tuple[Any, int | None]:
+    def cuMemPoolExportToShareableHandle(self, pool: int, kind: int, flags: int) -> tuple[Any, ...]:
         assert pool == self.pool and kind == 1 and flags == 0
         if not self.pool_shareable:  # a pool made without handle types: a device's default pool
-            return (self.BAD, None)
+            return (DriverStatus.CUDA_ERROR_INVALID_VALUE, None)
         self.fds.append(os.open(os.devnull, os.O_RDONLY))
-        return (self.OK, self.fds[-1])
+        return self.drv.ok(self.fds[-1])
 
-    def cuMemPoolExportPointer(self, pointer: int) -> tuple[Any, bytes | None]:
+    def cuMemPoolExportPointer(self, pointer: int) -> tuple[Any, ...]:
         self.exported.append(pointer)
-        return (self.OK, b"e" * 64) if self.pointer_ok else (self.BAD, None)
+        return self.drv.ok(FakeHandle(b"e" * 64)) if self.pointer_ok else (DriverStatus.CUDA_ERROR_INVALID_VALUE, None)
 
 
-def _vmm(fake: _FakeCuda, pages: list[int], range_is_segment: bool = False) -> None:
+def _vmm(fake: _Segment, pages: list[int], range_is_segment: bool = False) -> None:
     """Make ``fake``'s segment cuMemCreate memory: pages of these sizes side by side from its
-    base, handles 100, 101, ..."""
+    base, handles 100, 101, ...; cuMemGetAddressRange answers a page (or the segment)."""
     fake.capable, fake.range_is_segment, fake.exported, fake.fds = False, range_is_segment, [], []
     fake.pages, start = {}, fake.base
     for i, size in enumerate(pages):
@@ -147,40 +161,33 @@ def _vmm(fake: _FakeCuda, pages: list[int], range_is_segment: bool = False) -> N
         start += size
     fake.size = start
 
-    def address_range(pointer: int) -> tuple[Any, int, int]:
-        page = fake._page(pointer)
-        assert page is not None
-        return (fake.OK, fake.base, fake.size) if fake.range_is_segment else (fake.OK, *page)
 
-    fake.cuMemGetAddressRange = address_range  # type: ignore[method-assign]
-
-
-def _pool(fake: _FakeCuda, size: int = 2 << 20) -> None:
+def _pool(fake: _Segment, size: int = 2 << 20) -> None:
     """Make ``fake``'s segment an allocation of ``size`` bytes from a stream-ordered pool."""
     fake.capable, fake.pool, fake.size, fake.exported, fake.fds = False, 0xABC, size, [], []
 
 
 class _Cai:
     def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """cuda_ipc's driver calls answered by a `_FakeCuda` (set its fields in the test)."""
-    from priod.common.cuda import driver as _driver
-
-    fake = _FakeCuda(0x7F0000000000, 2 << 20, True)
-    monkeypatch.setattr(_driver, "_RT_OK", fake.OK)
-    monkeypatch.setattr(_driver, "_DRV_OK", fake.OK)
-    monkeypatch.setattr(_driver, "_rt", SimpleNamespace(cudaError_t=type(None)))
-    monkeypatch.setattr(cuda_ipc, "bindings", lambda: (fake, fake))
-    monkeypatch.setattr(cuda_ipc, "DeviceScope", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(cuda_ipc, "handle_to_bytes", lambda handle: bytes(handle))
-    return fake
+def fake_cuda() -> Iterator[_Segment]:
+    """cuda_ipc's CUDA calls answered by a `_Segment`'s fake CUDA, one GPU visible (set its
+    fields in the test)."""
+    fake = _Segment(0x7F0000000000, 2 << 20, True)
+    with fake.cuda:
+        yield fake
 
 
-def test_a_buffer_inside_a_segment_exports_the_segment_handle_and_its_offset(fake_cuda: Any) -> None:
+def test_a_buffer_inside_a_segment_exports_the_segment_handle_and_its_offset(fake_cuda: _Segment) -> None:
     """A caching allocator's piece of a segment is described by the segment base's handle and
     the piece's offset in it (what the daemon opens once per segment)."""
     buf = export_device_buffer(_Cai(fake_cuda.base + 12288, 4096))
@@ -188,15 +195,21 @@ def test_a_buffer_inside_a_segment_exports_the_segment_handle_and_its_offset(fak
     assert buf[:5] == (b"h" * 64, 12288, 4096, 0, fake_cuda.base + 12288) and buf.kind == "cuda_ipc" and buf.fd == -1
 
 
-def test_memory_ipc_cannot_share_fails_before_the_handle_call(fake_cuda: Any) -> None:
+def test_memory_ipc_cannot_share_fails_before_the_handle_call(fake_cuda: _Segment) -> None:
     """Memory the driver calls not IPC-capable is refused with the setting to change, without
     asking for a handle; a handle call that fails anyway names both PyTorch settings."""
     fake_cuda.capable = False  # and not cuMemMap-ed either (no pages): the driver does not say why
-    with pytest.raises(EngineError, match=r"^this buffer's memory cannot be registered with priod: it was mapped with cuMemCreate .*expandable_segments:False"):
+    with pytest.raises(
+        EngineError,
+        match=r"^this buffer's memory cannot be registered with priod: it was mapped with cuMemCreate .*expandable_segments:False",
+    ):
         export_device_buffer(_Cai(fake_cuda.base, 4096))
     assert fake_cuda.handle_of is None
     fake_cuda.capable, fake_cuda.handle_ok = True, False
-    with pytest.raises(EngineError, match=r"^this buffer's memory cannot be registered with priod: cudaIpcGetMemHandle refused it .*expandable_segments:False.*backend:native"):
+    with pytest.raises(
+        EngineError,
+        match=r"^this buffer's memory cannot be registered with priod: cudaIpcGetMemHandle refused it .*expandable_segments:False.*backend:native",
+    ):
         export_device_buffer(_Cai(fake_cuda.base, 4096))
 
 
@@ -204,7 +217,7 @@ MiB = 1 << 20
 
 
 @pytest.mark.parametrize("range_is_segment", [False, True], ids=["range-is-the-page", "range-is-the-segment"])
-def test_a_buffer_in_cumemcreate_memory_exports_its_allocation_fd(fake_cuda: Any, range_is_segment: bool) -> None:
+def test_a_buffer_in_cumemcreate_memory_exports_its_allocation_fd(fake_cuda: _Segment, range_is_segment: bool) -> None:
     """A buffer in an expandable segment's second 20 MiB page is named by that page's POSIX fd,
     its offset in the page and the page's size, whether the driver's address range is the page
     or the whole segment (then the page is found by its handle, 2 MiB at a time); every
@@ -213,14 +226,21 @@ def test_a_buffer_in_cumemcreate_memory_exports_its_allocation_fd(fake_cuda: Any
     pointer = fake_cuda.base + 20 * MiB + 3 * MiB
     buf = export_device_buffer(_Cai(pointer, 4 * MiB))
     try:
-        assert (buf.kind, buf.handle, buf.offset, buf.nbytes, buf.size, buf.pointer) == ("vmm_fd", b"", 3 * MiB, 4 * MiB, 20 * MiB, pointer)
+        assert (buf.kind, buf.handle, buf.offset, buf.nbytes, buf.size, buf.pointer) == (
+            "vmm_fd",
+            b"",
+            3 * MiB,
+            4 * MiB,
+            20 * MiB,
+            pointer,
+        )
         assert fake_cuda.exported == [101] and os.fstat(buf.fd)
     finally:
         os.close(buf.fd)
     assert fake_cuda.retains == fake_cuda.releases > 0
 
 
-def test_cumemcreate_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -> None:
+def test_cumemcreate_memory_that_cannot_be_exported_is_refused(fake_cuda: _Segment) -> None:
     """A buffer over two pages (two allocations) is refused naming the page sizes; an allocation
     made without a POSIX fd handle type (fabric only) names the setting; no fd is made for
     either and every retained handle is released."""
@@ -233,8 +253,12 @@ def test_cumemcreate_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -
     assert fake_cuda.exported == [] and fake_cuda.retains == fake_cuda.releases > 0
 
 
-@pytest.mark.parametrize(("kind", "handle", "memory"), [("vmm_fd", b"", "cuMemCreate"), ("pool_fd", b"e" * 64, "stream-ordered pool")])
-def test_register_request_of_fd_memory_carries_the_fd(fake_cuda: Any, monkeypatch: pytest.MonkeyPatch, kind: str, handle: bytes, memory: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "handle", "memory"), [("vmm_fd", b"", "cuMemCreate"), ("pool_fd", b"e" * 64, "stream-ordered pool")]
+)
+def test_register_request_of_fd_memory_carries_the_fd(
+    fake_cuda: _Segment, monkeypatch: pytest.MonkeyPatch, kind: str, handle: bytes, memory: str
+) -> None:
     """register_device of cuMemCreate memory: kind vmm_fd, the allocation's size, and its fd to
     send beside the frame; of a pool's memory: kind pool_fd, the allocation's export data as its
     handle and size, and the pool's fd. export_cuda_array (IPC handles only) refuses either and
@@ -248,24 +272,41 @@ def test_register_request_of_fd_memory_carries_the_fd(fake_cuda: Any, monkeypatc
         _pool(fake_cuda, 2 * MiB)
     req, fds = cuda_register_request(_Cai(fake_cuda.base + 4096, 8192))
     try:
-        assert (req.kind, req.size, req.offset, req.nbytes, req.handle, len(fds)) == (kind, 2 * MiB, 4096, 8192, handle, 1)
+        assert (req.kind, req.size, req.offset, req.nbytes, req.handle, len(fds)) == (
+            kind,
+            2 * MiB,
+            4096,
+            8192,
+            handle,
+            1,
+        )
         req.check()
     finally:
         os.close(fds[0])
-    with pytest.raises(EngineError, match=rf"^this buffer is {memory} memory, which has no CUDA IPC handle: use export_device_buffer \(its kind '{kind}'"):
+    with pytest.raises(
+        EngineError,
+        match=rf"^this buffer is {memory} memory, which has no CUDA IPC handle: use export_device_buffer \(its kind '{kind}'",
+    ):
         cuda_ipc.export_cuda_array(_Cai(fake_cuda.base, 4096))
     with pytest.raises(OSError):
         os.fstat(fake_cuda.fds[-1])  # the fd it was given is closed
 
 
-def test_a_buffer_in_a_shareable_pool_exports_the_pool_fd_and_its_allocation(fake_cuda: Any) -> None:
+def test_a_buffer_in_a_shareable_pool_exports_the_pool_fd_and_its_allocation(fake_cuda: _Segment) -> None:
     """A buffer inside a pool allocation is named by the pool's POSIX fd, the export data of the
     allocation's base (cuMemGetAddressRange's, not the buffer's address) and its offset there."""
     _pool(fake_cuda, 3 * MiB)
     pointer = fake_cuda.base + 12288
     buf = export_device_buffer(_Cai(pointer, 4096))
     try:
-        assert (buf.kind, buf.handle, buf.offset, buf.nbytes, buf.size, buf.pointer) == ("pool_fd", b"e" * 64, 12288, 4096, 3 * MiB, pointer)
+        assert (buf.kind, buf.handle, buf.offset, buf.nbytes, buf.size, buf.pointer) == (
+            "pool_fd",
+            b"e" * 64,
+            12288,
+            4096,
+            3 * MiB,
+            pointer,
+        )
         assert fake_cuda.exported == [fake_cuda.base] and os.fstat(buf.fd)
     finally:
         os.close(buf.fd)
@@ -283,7 +324,7 @@ def test_pool_export_data_travels_as_its_64_bytes() -> None:
         pool_export_from_bytes(data[:63])
 
 
-def test_pool_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -> None:
+def test_pool_memory_that_cannot_be_exported_is_refused(fake_cuda: _Segment) -> None:
     """A pool made without a POSIX fd handle type (a device's default pool, which PyTorch's
     backend:cudaMallocAsync uses) is refused naming how to make one that shares and the other
     ways out; a buffer past its allocation's end, and export data the driver refuses, too; the
@@ -292,17 +333,22 @@ def test_pool_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -> None:
     fake_cuda.pool_shareable = False
     with pytest.raises(
         EngineError,
-        match=r"^this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool \(cudaErrorInvalidValue\); "
+        match=r"^this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool \(CUDA_ERROR_INVALID_VALUE\); "
         r"it comes from a stream-ordered pool .*backend:cudaMallocAsync.*cudaMemPoolCreate with handleTypes = cudaMemHandleTypePosixFileDescriptor.*"
         r"backend:native.*alloc_device and view it with Region.torch\(\)$",
     ):
         export_device_buffer(_Cai(fake_cuda.base, 4096))
     assert fake_cuda.fds == [] and fake_cuda.exported == []
     fake_cuda.pool_shareable = True
-    with pytest.raises(EngineError, match=r"runs past the end of its pool allocation .*register the part within each allocation separately"):
+    with pytest.raises(
+        EngineError,
+        match=r"runs past the end of its pool allocation .*register the part within each allocation separately",
+    ):
         export_device_buffer(_Cai(fake_cuda.base + fake_cuda.size - 4096, 8192))
     fake_cuda.pointer_ok = False
-    with pytest.raises(EngineError, match=r"cuMemPoolExportPointer refused its allocation .*cudaMemHandleTypePosixFileDescriptor"):
+    with pytest.raises(
+        EngineError, match=r"cuMemPoolExportPointer refused its allocation .*cudaMemHandleTypePosixFileDescriptor"
+    ):
         export_device_buffer(_Cai(fake_cuda.base, 4096))
     assert len(fake_cuda.fds) == 2
     for fd in fake_cuda.fds:
@@ -314,22 +360,39 @@ def test_pool_memory_that_cannot_be_exported_is_refused(fake_cuda: Any) -> None:
 
 
 class _FakeVmmDriver:
-    """The driver calls of a cuMemCreate import, logged in order; ``fail`` names one that errs."""
+    """The driver calls of a cuMemCreate import, logged in order by a short name; ``fail`` names
+    one that errs. `attach` makes them the fake CUDA's answers."""
 
-    OK = object()
-    BAD = SimpleNamespace(name="CUDA_ERROR_INVALID_VALUE")
+    OK, BAD = DriverStatus.CUDA_SUCCESS, DriverStatus.CUDA_ERROR_INVALID_VALUE
 
     def __init__(self, fail: str = "", granularity: int = 2 * MiB) -> None:
         self.fail, self.granularity = fail, granularity
         self.calls: list[tuple[Any, ...]] = []
         self.access: list[Any] = []
-        self.CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR="posix_fd")
-        self.CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM="minimum")
-        self.CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE="device")
-        self.CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw")
 
-    def CUmemAccessDesc(self) -> Any:
-        return SimpleNamespace(location=SimpleNamespace(type=None, id=None), flags=None)
+    def attach(self, cuda: FakeCuda) -> None:
+        cuda.driver.set(
+            CUmemAllocationHandleType=SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR="posix_fd"),
+            CUmemAllocationGranularity_flags=SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM="minimum"),
+            CUmemLocationType=SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE="device"),
+            CUmemAccess_flags=SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw"),
+            CUmemAccessDesc=lambda: SimpleNamespace(location=SimpleNamespace(type=None, id=None), flags=None),
+        )
+        cuda.driver.script(
+            cuMemImportFromShareableHandle=lambda fd, kind: self._call("import", fd, kind, value=77),
+            cuMemGetAllocationPropertiesFromHandle=lambda handle: self._call("props", handle, value="prop"),
+            cuMemGetAllocationGranularity=lambda prop, option: self._call(
+                "granularity", prop, option, value=self.granularity
+            ),
+            cuMemAddressReserve=lambda size, alignment, addr, flags: self._call(
+                "reserve", size, alignment, addr, flags, value=0x7000_0000_0000
+            ),
+            cuMemMap=lambda ptr, size, offset, handle, flags: self._call("map", ptr, size, offset, handle, flags),
+            cuMemSetAccess=self.cuMemSetAccess,
+            cuMemUnmap=lambda ptr, size: self._call("unmap", ptr, size),
+            cuMemAddressFree=lambda ptr, size: self._call("free", ptr, size),
+            cuMemRelease=lambda handle: self._call("release", handle),
+        )
 
     def _call(self, name: str, *args: Any, value: Any = None) -> tuple[Any, ...]:
         self.calls.append((name, *args))
@@ -337,52 +400,26 @@ class _FakeVmmDriver:
             return (self.BAD,) if value is None else (self.BAD, None)
         return (self.OK,) if value is None else (self.OK, value)
 
-    def cuMemImportFromShareableHandle(self, fd: int, kind: str) -> tuple[Any, ...]:
-        return self._call("import", fd, kind, value=77)
-
-    def cuMemGetAllocationPropertiesFromHandle(self, handle: int) -> tuple[Any, ...]:
-        return self._call("props", handle, value="prop")
-
-    def cuMemGetAllocationGranularity(self, prop: str, option: str) -> tuple[Any, ...]:
-        return self._call("granularity", prop, option, value=self.granularity)
-
-    def cuMemAddressReserve(self, size: int, alignment: int, addr: int, flags: int) -> tuple[Any, ...]:
-        return self._call("reserve", size, alignment, addr, flags, value=0x7000_0000_0000)
-
-    def cuMemMap(self, ptr: int, size: int, offset: int, handle: int, flags: int) -> tuple[Any, ...]:
-        return self._call("map", ptr, size, offset, handle, flags)
-
     def cuMemSetAccess(self, ptr: int, size: int, desc: list[Any], count: int) -> tuple[Any, ...]:
         self.access = [(d.location.type, d.location.id, d.flags) for d in desc]
         return self._call("access", ptr, size, count)
 
-    def cuMemUnmap(self, ptr: int, size: int) -> tuple[Any, ...]:
-        return self._call("unmap", ptr, size)
-
-    def cuMemAddressFree(self, ptr: int, size: int) -> tuple[Any, ...]:
-        return self._call("free", ptr, size)
-
-    def cuMemRelease(self, handle: int) -> tuple[Any, ...]:
-        return self._call("release", handle)
-
 
 @pytest.fixture
-def daemon_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """memory.py's driver calls answered by a `_FakeVmmDriver` (replace it with ``.use(...)``)."""
-    from priod.common.cuda import driver as _driver
-
-    holder = SimpleNamespace(drv=_FakeVmmDriver())
-    monkeypatch.setattr(_driver, "_DRV_OK", _FakeVmmDriver.OK)
-    monkeypatch.setattr(_driver, "_RT_OK", object())
-    monkeypatch.setattr(_driver, "_rt", SimpleNamespace(cudaError_t=type(None)))
-    monkeypatch.setattr(memory, "bindings", lambda: (None, holder.drv))
+def daemon_driver() -> Iterator[Any]:
+    """memory.py's driver calls answered through the fake CUDA by a `_FakeVmmDriver` (replace it
+    with ``.use(...)``)."""
+    cuda = FakeCuda()
 
     def use(drv: _FakeVmmDriver) -> _FakeVmmDriver:
+        drv.attach(cuda)
         holder.drv = drv
         return drv
 
-    holder.use = use
-    return holder
+    holder = SimpleNamespace(use=use)
+    use(_FakeVmmDriver())
+    with cuda:
+        yield holder
 
 
 BASE = 0x7000_0000_0000
@@ -428,7 +465,9 @@ def test_daemon_maps_an_imported_allocation_whole_and_unmaps_it(daemon_driver: A
     ],
     ids=["not-a-cuda-fd", "size-off-granularity", "size-too-large", "access-refused"],
 )
-def test_daemon_import_errors_undo_what_was_done(daemon_driver: Any, fail: str, granularity: int, error: type[Exception], undo: list[tuple[Any, ...]]) -> None:
+def test_daemon_import_errors_undo_what_was_done(
+    daemon_driver: Any, fail: str, granularity: int, error: type[Exception], undo: list[tuple[Any, ...]]
+) -> None:
     """A fd that does not import, or a size that does not map, is the client's mistake
     (InvalidRequest: bad_request, naming what to send); whatever fails, what was done is undone
     in reverse and nothing is left registered."""
@@ -452,12 +491,26 @@ class _FakePoolDriver(_FakeVmmDriver):
     its two allocations are named by their export data."""
 
     POOL = 900
-    ALLOCATIONS: ClassVar[dict[bytes, tuple[int, int]]] = {b"a" * 64: (0x7100_0000_0000, 4 * MiB), b"b" * 64: (0x7200_0000_0000, 2 * MiB)}
+    ALLOCATIONS: ClassVar[dict[bytes, tuple[int, int]]] = {
+        b"a" * 64: (0x7100_0000_0000, 4 * MiB),
+        b"b" * 64: (0x7200_0000_0000, 2 * MiB),
+    }
 
     def __init__(self, fail: str = "") -> None:
         super().__init__(fail)
         self.imports = 0
         """Imports of the pool not destroyed yet."""
+
+    def attach(self, cuda: FakeCuda) -> None:
+        super().attach(cuda)
+        cuda.driver.script(
+            cuMemPoolImportFromShareableHandle=self.cuMemPoolImportFromShareableHandle,
+            cuMemPoolSetAccess=self.cuMemPoolSetAccess,
+            cuMemPoolImportPointer=self.cuMemPoolImportPointer,
+            cuMemGetAddressRange=self.cuMemGetAddressRange,
+            cuMemFree=lambda pointer: self._call("free_pointer", pointer),
+            cuMemPoolDestroy=self.cuMemPoolDestroy,
+        )
 
     def cuMemPoolImportFromShareableHandle(self, fd: int, kind: str, flags: int) -> tuple[Any, ...]:
         result = self._call("import_pool", fd, kind, flags, value=self.POOL)
@@ -468,7 +521,8 @@ class _FakePoolDriver(_FakeVmmDriver):
         self.access = [(d.location.type, d.location.id, d.flags) for d in desc]
         return self._call("pool_access", pool, count)
 
-    def cuMemPoolImportPointer(self, pool: int, data: bytes) -> tuple[Any, ...]:
+    def cuMemPoolImportPointer(self, pool: int, export: FakeHandle) -> tuple[Any, ...]:
+        data = bytes(export)  # the CUmemPoolPtrExportData that memory.py made of the bytes it got
         if data not in self.ALLOCATIONS:
             self.calls.append(("import_pointer", pool, data))
             return (self.BAD, None)
@@ -478,12 +532,11 @@ class _FakePoolDriver(_FakeVmmDriver):
         self.calls.append(("range", pointer))
         return (self.OK, pointer, next(size for address, size in self.ALLOCATIONS.values() if address == pointer))
 
-    def cuMemFree(self, pointer: int) -> tuple[Any, ...]:
-        return self._call("free_pointer", pointer)
-
     def cuMemPoolDestroy(self, pool: int) -> tuple[Any, ...]:
         self.imports -= 1
-        assert self.imports >= 0, "the pool was destroyed more often than imported: the process would crash on its next use"
+        assert self.imports >= 0, (
+            "the pool was destroyed more often than imported: the process would crash on its next use"
+        )
         return self._call("destroy_pool", pool)
 
 
@@ -492,10 +545,8 @@ ADDRESS_A, ADDRESS_B = _FakePoolDriver.ALLOCATIONS[A][0], _FakePoolDriver.ALLOCA
 
 
 @pytest.fixture
-def pool_driver(daemon_driver: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """memory.py's pool calls answered by a `_FakePoolDriver` (replace it with ``.use(...)``);
-    export data stays bytes."""
-    monkeypatch.setattr(memory, "pool_export_from_bytes", bytes)
+def pool_driver(daemon_driver: Any) -> Any:
+    """memory.py's pool calls answered by a `_FakePoolDriver` (replace it with ``.use(...)``)."""
     daemon_driver.use(_FakePoolDriver())
     return daemon_driver
 
@@ -511,7 +562,11 @@ def test_daemon_imports_each_allocation_once_and_each_pool_import_goes_with_its_
     first = regions.import_device_pool(5, A, 4096, 8192, 1, [0])  # gpu0 reaches gpu1 by a peer lane
     again = regions.import_device_pool(6, A, 0, 4096, 1, [0])
     other = regions.import_device_pool(7, B, 100, 1000, 1, [0])
-    assert used == [1, 1, 1] and (first.pointer, again.pointer, other.pointer) == (ADDRESS_A + 4096, ADDRESS_A, ADDRESS_B + 100)
+    assert used == [1, 1, 1] and (first.pointer, again.pointer, other.pointer) == (
+        ADDRESS_A + 4096,
+        ADDRESS_A,
+        ADDRESS_B + 100,
+    )
     assert (first.nbytes, first.device, first.owned) == (8192, 1, False)
     assert [c[1] for c in drv.calls if c[0] == "import_pool"] == [5, 6, 7]
     assert [c for c in drv.calls if c[0] != "import_pool"] == [
@@ -528,7 +583,13 @@ def test_daemon_imports_each_allocation_once_and_each_pool_import_goes_with_its_
     regions.release_device(other)
     regions.release_device(again)
     regions.release_device(again)  # idempotent
-    assert drv.calls == [("destroy_pool", 900), ("free_pointer", ADDRESS_B), ("destroy_pool", 900), ("free_pointer", ADDRESS_A), ("destroy_pool", 900)]
+    assert drv.calls == [
+        ("destroy_pool", 900),
+        ("free_pointer", ADDRESS_B),
+        ("destroy_pool", 900),
+        ("free_pointer", ADDRESS_A),
+        ("destroy_pool", 900),
+    ]
     assert regions.device_mems == {} and len(regions.pools) == 0 and drv.imports == 0
 
 

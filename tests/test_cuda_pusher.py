@@ -18,6 +18,7 @@ from test_cuda_peer_calls import Runtime, _dev, _engine
 
 from priod.common.cuda.batched import GATED_CALL_SEGMENTS
 from priod.common.types import Direction, LaneKey, Path
+from priod.daemon.engines.base import ChunkJob
 from priod.daemon.engines.cuda.events import CudaIpcEvent, EventCompletion
 from priod.daemon.engines.cuda.pusher import Pusher
 from priod.errors import CudaError, EngineError
@@ -59,6 +60,7 @@ def test_close_runs_what_is_queued_first() -> None:
     pusher = Pusher("test-pusher")
     gate = threading.Event()
     ran: list[int] = []
+
     def first() -> None:
         gate.wait(10)
         ran.append(0)
@@ -109,7 +111,9 @@ def _submit(eng: Any, strict: bool = False) -> Any:
     """A chunk of two segments on gpu0/d2d (the calls recorded so far cleared first)."""
     eng._rt.calls.clear()
     cells = np.array([[0, 0, 16], [64, 64, 32]], np.uint64)
-    return eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), _dev(9000, 0), cells, strict=strict)
+    return eng.submit(
+        ChunkJob(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), _dev(9000, 0), cells=cells, strict=strict)
+    )
 
 
 def test_a_bulk_batch_chunk_is_enqueued_by_the_pusher_and_not_done_before(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,7 +132,9 @@ def test_a_bulk_batch_chunk_is_enqueued_by_the_pusher_and_not_done_before(monkey
     assert blocked.threads == ["priod-cuda-pusher"]
     assert [c[-1] for c in rt.calls if c[1] in ("batched", "record")] == ["bulk-stream", "bulk-stream"]
 
-    eng._batched = types.SimpleNamespace(copy=lambda *a: rt.calls.append((rt.current, "urgent_batched", threading.current_thread().name)))
+    eng._batched = types.SimpleNamespace(
+        copy=lambda *a: rt.calls.append((rt.current, "urgent_batched", threading.current_thread().name))
+    )
     urgent = _submit(eng, strict=True)
     assert [c for c in rt.calls if c[1] == "urgent_batched"] == [(0, "urgent_batched", threading.current_thread().name)]
     assert isinstance(urgent, EventCompletion) and not urgent.pending
@@ -180,7 +186,11 @@ def test_an_event_closed_while_its_record_waits_is_destroyed_after_it(monkeypatc
     assert not [c for c in rt.calls if c[1] in ("record", "destroy")]
     blocked.release.set()
     _wait(lambda: eng._pusher.pending == 0)
-    assert [c[1:3] for c in rt.calls if c[1] in ("batched", "record", "destroy")][1:] == [("record", "chunk-event"), ("record", "client-event"), ("destroy", "client-event")]
+    assert [c[1:3] for c in rt.calls if c[1] in ("batched", "record", "destroy")][1:] == [
+        ("record", "chunk-event"),
+        ("record", "client-event"),
+        ("destroy", "client-event"),
+    ]
     rt.calls.clear()
     idle = CudaIpcEvent("idle-event", 0, eng._devices[0].events, eng._close_event)
     idle.close()
@@ -188,7 +198,9 @@ def test_an_event_closed_while_its_record_waits_is_destroyed_after_it(monkeypatc
     eng._pusher.close()
 
 
-def test_a_gated_bulk_batch_chunk_waits_on_its_gate_first_on_the_pushers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gated_bulk_batch_chunk_waits_on_its_gate_first_on_the_pushers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A gated bulk chunk (`Engine.set_gates`): the wait on the lane's gate word goes on the
     lane's bulk stream right before each batched call (calls of `GATED_CALL_SEGMENTS`), all on
     the pusher's thread; a chunk not gated, or a lane without a gate, enqueues no wait and goes
@@ -208,7 +220,9 @@ def test_a_gated_bulk_batch_chunk_waits_on_its_gate_first_on_the_pushers_thread(
     for gated, gate in ((True, "gate-word"), (False, "gate-word"), (True, None)):
         lane.gate = gate
         rt.calls.clear()
-        c = eng.submit_segments(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), _dev(9000, 0), cells, gated=gated)
+        c = eng.submit(
+            ChunkJob(LaneKey(0, Direction.D2D), Path.DMA, _dev(5000, 0), _dev(9000, 0), cells=cells, gated=gated)
+        )
         _wait(lambda c=c: not c.pending)
         kinds = [call[1] for call in rt.calls if call[1] in ("wait", "batched", "record")]
         if gated and gate is not None:

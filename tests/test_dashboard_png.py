@@ -71,7 +71,9 @@ def test_short_run_fills_every_main_panel(dp: ModuleType, tmp_path: Path) -> Non
     metrics: urgent latency on the GPU (by UUID), bulk bytes both ways, the urgent path counts, limit
     refusals, missed deadlines of the normal class; the PNG is written."""
     out = tmp_path / "dash.png"
-    args = dp.argparse.Namespace(duration=6.0, scrape_s=0.5, window_s=2.0, h2d_gbps=0.5, refuse_every_s=0.25, dpi=40, out=str(out))
+    args = dp.argparse.Namespace(
+        duration=6.0, scrape_s=0.5, window_s=2.0, h2d_gbps=0.5, refuse_every_s=0.25, dpi=40, out=str(out)
+    )
     result = dp.run(args)
     panels = {p.title: p.series for p in result["panels"]}
     assert all(panels.values()), [t for t, s in panels.items() if not s]

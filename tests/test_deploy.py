@@ -30,6 +30,7 @@ import yaml
 from jsonschema import Draft7Validator
 
 import priod
+from priod.cli import DAEMON_MODULES
 from priod.daemon.config import load_config
 from priod.testing import daemon_process
 from priod.testing.scrape import Samples, Scraper, free_port
@@ -66,12 +67,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
 # v0.8x) define them, written out by hand (the CRDs' own schemas are not vendored here), with
 # unknown fields refused as the API server's structural pruning would drop them silently.
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
 _LABEL_NAME = {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}
 _METADATA = {
     "type": "object",
     "required": ["name", "namespace"],
-    "properties": {"name": {"type": "string"}, "namespace": {"type": "string"}, "labels": _STR_MAP, "annotations": _STR_MAP},
+    "properties": {
+        "name": {"type": "string"},
+        "namespace": {"type": "string"},
+        "labels": _STR_MAP,
+        "annotations": _STR_MAP,
+    },
     "additionalProperties": False,
 }
 
@@ -81,7 +90,15 @@ def _object(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, 
 
 
 def _resource(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return _object({"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": kind}, "metadata": _METADATA, "spec": spec}, ("apiVersion", "kind", "metadata", "spec"))
+    return _object(
+        {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": _METADATA,
+            "spec": spec,
+        },
+        ("apiVersion", "kind", "metadata", "spec"),
+    )
 
 
 CRD_SCHEMAS: dict[str, dict[str, Any]] = {
@@ -91,7 +108,9 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
             {
                 "jobLabel": {"type": "string"},
                 "selector": _object({"matchLabels": _STR_MAP, "matchExpressions": {"type": "array"}}),
-                "namespaceSelector": _object({"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}),
+                "namespaceSelector": _object(
+                    {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}
+                ),
                 "endpoints": {
                     "type": "array",
                     "minItems": 1,
@@ -201,10 +220,20 @@ def test_rendered_chart_is_valid_kubernetes(rendered: dict[str, list[dict[str, A
                 try:
                     kubernetes_validate.validate(doc, version, strict=True)
                 except kubernetes_validate.ValidationError as exc:
-                    pytest.fail(f"{variant}: {doc['kind']}/{doc['metadata']['name']} is invalid on Kubernetes {version}: {exc.message} at {list(exc.path)}")
+                    pytest.fail(
+                        f"{variant}: {doc['kind']}/{doc['metadata']['name']} is invalid on Kubernetes {version}: {exc.message} at {list(exc.path)}"
+                    )
                 checked += 1
     kinds = {d["kind"] for docs in rendered.values() for d in docs}
-    assert {"DaemonSet", "Service", "ConfigMap", "Namespace", "PriorityClass", "ServiceMonitor", "PrometheusRule"} <= kinds
+    assert {
+        "DaemonSet",
+        "Service",
+        "ConfigMap",
+        "Namespace",
+        "PriorityClass",
+        "ServiceMonitor",
+        "PrometheusRule",
+    } <= kinds
     assert checked >= 2 * 12
 
 
@@ -227,18 +256,24 @@ def test_plain_manifests_are_the_chart_rendered() -> None:
     expected = manifests.plain_texts()
     assert sorted(p.name for p in (DEPLOY / "kubernetes").glob("*.yaml")) == sorted(expected)
     for name, text in expected.items():
-        assert (DEPLOY / "kubernetes" / name).read_text() == text, f"deploy/kubernetes/{name} is stale: run python scripts/deploy_manifests.py"
+        assert (DEPLOY / "kubernetes" / name).read_text() == text, (
+            f"deploy/kubernetes/{name} is stale: run python scripts/deploy_manifests.py"
+        )
     docs = [d for name in expected for d in yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text()) if d]
     assert [d["kind"] for d in docs if d["kind"] in CRD_MODELS] == ["ServiceMonitor", "PrometheusRule"]
     for doc in docs:
         if doc["kind"] not in CRD_MODELS:
             kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
     # Monitoring objects apart, so a cluster without the operator's CRDs can apply the rest.
-    assert not any(d["kind"] in CRD_MODELS for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "priod.yaml").read_text()) if d)
+    assert not any(
+        d["kind"] in CRD_MODELS for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "priod.yaml").read_text()) if d
+    )
     assert all("helm.sh/chart" not in d["metadata"].get("labels", {}) for d in docs)
 
 
-def test_daemonset_is_what_a_gpu_node_daemon_needs(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_daemonset_is_what_a_gpu_node_daemon_needs(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The DaemonSet runs on GPU nodes under the nvidia runtime with every GPU visible and none
     claimed, binds its socket in a hostPath directory, runs as the image's non-root user with
     nothing it does not need, is probed through `priod status` on the socket it serves, shares
@@ -251,8 +286,12 @@ def test_daemonset_is_what_a_gpu_node_daemon_needs(rendered: dict[str, list[dict
     assert pod["hostPID"] is True and pod["automountServiceAccountToken"] is False
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
-    assert "nvidia.com/gpu" not in json.dumps(pod["containers"] + pod["initContainers"]).replace('"nvidia.com/gpu.present"', "")
-    assert "nvidia.com/gpu" not in json.dumps([x.get("resources", {}) for x in pod["containers"] + pod["initContainers"]])
+    assert "nvidia.com/gpu" not in json.dumps(pod["containers"] + pod["initContainers"]).replace(
+        '"nvidia.com/gpu.present"', ""
+    )
+    assert "nvidia.com/gpu" not in json.dumps(
+        [x.get("resources", {}) for x in pod["containers"] + pod["initContainers"]]
+    )
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
 
     socket_dir = next(v for v in pod["volumes"] if v["name"] == "socket-dir")
@@ -264,10 +303,17 @@ def test_daemonset_is_what_a_gpu_node_daemon_needs(rendered: dict[str, list[dict
         assert c[probe]["exec"]["command"] == ["priod", "status", "--socket", sock], probe
 
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
-    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     (init,) = pod["initContainers"]  # root, but only to chown the socket directory
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
-    assert f"chown {pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']} /run/priod" in init["command"][-1]
+    assert (
+        f"chown {pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']} /run/priod"
+        in init["command"][-1]
+    )
 
     # The daemon's config serves metrics on the port the container, the Service and the
     # ServiceMonitor name.
@@ -289,7 +335,10 @@ def test_daemonset_is_what_a_gpu_node_daemon_needs(rendered: dict[str, list[dict
     assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "priod"  # job="priod" in rules and dashboard
 
     other = rendered["own-priority-class-no-hostpid-no-monitoring"]
-    assert one(other, "DaemonSet")["spec"]["template"]["spec"]["priorityClassName"] == one(other, "PriorityClass")["metadata"]["name"]
+    assert (
+        one(other, "DaemonSet")["spec"]["template"]["spec"]["priorityClassName"]
+        == one(other, "PriorityClass")["metadata"]["name"]
+    )
     assert one(other, "DaemonSet")["spec"]["template"]["spec"]["hostPID"] is False
     assert not by_kind(other, "ServiceMonitor") and not by_kind(other, "PrometheusRule")
 
@@ -339,7 +388,13 @@ def test_prometheus_rule_carries_the_rule_file(rendered: dict[str, list[dict[str
     rules = yaml.safe_load(RULES.read_text())
     assert one(rendered["defaults"], "PrometheusRule")["spec"] == rules
     alerts = [r["alert"] for g in rules["groups"] for r in g["rules"]]
-    assert alerts == ["PriodDown", "PriodUrgentLatencyHigh", "PriodDeadlineMissesRising", "PriodRefusalsRising", "PriodSimEngineOnGpuNode"]
+    assert alerts == [
+        "PriodDown",
+        "PriodUrgentLatencyHigh",
+        "PriodDeadlineMissesRising",
+        "PriodRefusalsRising",
+        "PriodSimEngineOnGpuNode",
+    ]
 
 
 def _promtool() -> str:
@@ -369,6 +424,22 @@ def _instructions(text: str) -> list[tuple[str, str]]:
     return [(m[1].upper(), m[2].strip()) for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", joined, re.M)]
 
 
+def _image_installs_what_serve_imports(run: str) -> None:
+    """The extras the image's pip line installs (its ARG defaults filled in) pull every module
+    `priod serve` needs beyond the client's (cli.DAEMON_MODULES), by pyproject.toml's own lists:
+    an image without them would crash-loop every DaemonSet pod."""
+    found = re.search(r'pip install --no-cache-dir "/src\[([^\]]*)\]"', run)
+    assert found, run
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S*)$", CONTAINERFILE.read_text(), re.M))
+    extras = [re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], e).strip() for e in found.group(1).split(",")]
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pulled = {
+        re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower().replace("_", "-") for e in extras for req in optional[e]
+    }
+    needed = {m.replace("_", "-") for m in DAEMON_MODULES}
+    assert needed <= pulled, f"the image installs extras {extras}, which miss {sorted(needed - pulled)}"
+
+
 def test_containerfile_lints_clean_and_fits_the_chart(rendered: dict[str, list[dict[str, Any]]]) -> None:
     """hadolint finds nothing; the image is built on an NVIDIA CUDA runtime base, installs
     priod from the checkout with its cuda extra, and runs as the uid and gid the chart declares
@@ -383,8 +454,8 @@ def test_containerfile_lints_clean_and_fits_the_chart(rendered: dict[str, list[d
     assert re.fullmatch(r"BASE=nvidia/cuda:[0-9.]+-runtime-ubuntu[0-9.]+", base), base
     assert [a for i, a in ins if i == "FROM"] == ["${BASE} AS build", "${BASE}"]
     run = " ".join(a for i, a in ins if i == "RUN")
-    assert re.search(r'pip install --no-cache-dir "/src\[\$\{CUDA_EXTRA\}\]"', run)
     assert "ARG CUDA_EXTRA=cuda" in CONTAINERFILE.read_text()
+    _image_installs_what_serve_imports(run)
     users = [a for i, a in ins if i == "USER"]
     pod = one(rendered["defaults"], "DaemonSet")["spec"]["template"]["spec"]
     assert users == [f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"]
@@ -429,12 +500,20 @@ def test_promql_selectors_finds_names_and_labels() -> None:
     functions, grouping labels, durations, numbers or Grafana variables."""
     expr = (
         'histogram_quantile(0.99, sum by (gpu, le) (rate(priod_request_duration_seconds_bucket{job="priod", gpu=~"$gpu", priority="urgent"}[$__rate_interval])))'
-        ' > 1e-3 and ignoring (engine) priod_nvidia_device_nodes > 0 or vector(0) / up'
+        " > 1e-3 and ignoring (engine) priod_nvidia_device_nodes > 0 or vector(0) / up"
     )
-    assert promql_selectors(expr) == {"priod_request_duration_seconds_bucket": {"job", "gpu", "priority"}, "priod_nvidia_device_nodes": set(), "up": set()}
+    assert promql_selectors(expr) == {
+        "priod_request_duration_seconds_bucket": {"job", "gpu", "priority"},
+        "priod_nvidia_device_nodes": set(),
+        "up": set(),
+    }
     assert promql_selectors('label_values(priod_build_info{job="priod"}, node)') == {"priod_build_info": {"job"}}
-    assert promql_selectors('process_resident_memory_bytes{job="priod"} / 2^30') == {"process_resident_memory_bytes": {"job"}}
-    assert promql_selectors('rate(priod_copied_bytes_total{code!~"a,b}"}[5m:1m])') == {"priod_copied_bytes_total": {"code"}}
+    assert promql_selectors('process_resident_memory_bytes{job="priod"} / 2^30') == {
+        "process_resident_memory_bytes": {"job"}
+    }
+    assert promql_selectors('rate(priod_copied_bytes_total{code!~"a,b}"}[5m:1m])') == {
+        "priod_copied_bytes_total": {"code"}
+    }
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -476,7 +555,9 @@ def test_dashboard_has_the_panels_an_operator_needs() -> None:
         cells |= mine
     for p in panels:
         assert p["targets"] and all(t["expr"] for t in p["targets"]), p["title"]
-        assert p["datasource"]["uid"] == "${datasource}" and all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+        assert p["datasource"]["uid"] == "${datasource}" and all(
+            t["datasource"]["uid"] == "${datasource}" for t in p["targets"]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -551,4 +632,6 @@ def test_the_live_check_catches_an_old_name(live_scrape: Samples) -> None:
     served = {name for name, _ in live_scrape}
     assert "priod_bytes_copied_total" not in served and "priod_copied_bytes_total" in served
     lane_labels = {k for name, ls in live_scrape if name == "priod_queued_requests" for k, _ in ls}
-    assert promql_selectors('sum(priod_queued_requests{lane="gpu0/h2d"})')["priod_queued_requests"] - lane_labels == {"lane"}
+    assert promql_selectors('sum(priod_queued_requests{lane="gpu0/h2d"})')["priod_queued_requests"] - lane_labels == {
+        "lane"
+    }

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -35,7 +36,7 @@ from priod.daemon.pump import Pump
 from priod.daemon.sched.policy import Policy
 from priod.daemon.sched.scheduler import Request, Scheduler
 from priod.errors import InvalidRequest
-from priod.testing import ManualEngine, daemon_process, wait_until
+from priod.testing import FakeCuda, ManualEngine, daemon_process, wait_until
 from priod.wire.hold_page import PAGE_BYTES
 
 H2D = LaneKey(0, Direction.H2D)
@@ -201,7 +202,10 @@ def test_counters_written_while_the_daemon_scans_never_read_as_copies_not_announ
     page = holds.open(1, 1000, [H2D, D2H], 0.0)
     copies = 200_000
     writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(page.fd), str(copies)], pass_fds=[page.fd], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        [sys.executable, "-c", WRITER, str(page.fd), str(copies)],
+        pass_fds=[page.fd],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     scans = 0
     while writer.poll() is None:
@@ -265,8 +269,18 @@ def test_a_direct_batch_table_is_checked_before_anything_moves_and_its_hold_ends
     pair = DirectPair(cast(DirectCopies, owner), 1 << 40, 4096, 1 << 41, 8192, 0, slot)
     now = 0.0
     shape = r"\(N, 3\) integer array"
-    bad_shape = [([[0, 0]], shape), ([], shape), (np.zeros((2, 3), dtype=np.float32), shape), (np.zeros((2, 3, 1), dtype=np.int64), shape)]
-    bad_figures = [([[0, 0, 8192]], "does not fit"), ([[0, 4096, 4097]], "does not fit"), ([[0, 0, 0]], "nbytes >= 1"), ([[-1, 0, 16]], "offsets >= 0")]
+    bad_shape = [
+        ([[0, 0]], shape),
+        ([], shape),
+        (np.zeros((2, 3), dtype=np.float32), shape),
+        (np.zeros((2, 3, 1), dtype=np.int64), shape),
+    ]
+    bad_figures = [
+        ([[0, 0, 8192]], "does not fit"),
+        ([[0, 4096, 4097]], "does not fit"),
+        ([[0, 0, 0]], "nbytes >= 1"),
+        ([[-1, 0, 16]], "offsets >= 0"),
+    ]
     for bad, why in bad_shape + bad_figures:
         with pytest.raises(InvalidRequest, match=why):
             pair.copy_batch(bad)
@@ -288,14 +302,32 @@ def test_direct_rows_takes_a_c_ordered_8_byte_table_as_it_is() -> None:
     for table in (rows, rows.astype(np.uint64)):
         seen: object = direct_rows(table).obj
         assert seen is table
-    for other in (rows.astype(np.int32), rows.astype(">i8"), np.asfortranarray(rows), rows[:, [0, 1, 2]], rows.tolist()):
+    for other in (
+        rows.astype(np.int32),
+        rows.astype(">i8"),
+        np.asfortranarray(rows),
+        rows[:, [0, 1, 2]],
+        rows.tolist(),
+    ):
         view = direct_rows(other)
         assert view.c_contiguous and view.itemsize == 8 and view.shape == (2, 3)
         assert np.asarray(view).tolist() == rows.tolist() and view[1, 0] == 8192
     assert np.asarray(direct_rows([[0, -16, 8]])).view(np.uint64).tolist() == [[0, 2**64 - 16, 8]]
     assert np.asarray(direct_rows(np.array([[0, -16, 8]], dtype=np.int32))).tolist() == [[0, 2**64 - 16, 8]]
-    odd_types = (np.zeros((2, 3), dtype=np.float32), np.zeros((2, 3), dtype="M8[s]"), np.zeros((2, 3), dtype=object), np.zeros((2, 3), dtype=[("a", "i8")]))
-    for bad in ([[0, 0]], [], [[0, 0, 8], [0, 8]], np.zeros((2, 3, 1), dtype=np.int64), np.zeros((0, 3), dtype=np.int64), *odd_types):
+    odd_types = (
+        np.zeros((2, 3), dtype=np.float32),
+        np.zeros((2, 3), dtype="M8[s]"),
+        np.zeros((2, 3), dtype=object),
+        np.zeros((2, 3), dtype=[("a", "i8")]),
+    )
+    for bad in (
+        [[0, 0]],
+        [],
+        [[0, 0, 8], [0, 8]],
+        np.zeros((2, 3, 1), dtype=np.int64),
+        np.zeros((0, 3), dtype=np.int64),
+        *odd_types,
+    ):
         with pytest.raises(InvalidRequest, match=r"\(N, 3\) integer array"):
             direct_rows(bad)
 
@@ -312,7 +344,9 @@ def test_a_direct_batch_for_batched_dma_is_checked_as_the_host_checks_it() -> No
     for trial in range(400):
         n = int(rng.integers(1, 40))
         sizes = np.full(n, 4096) if trial % 2 else rng.integers(1, 9000, n)
-        table = np.stack([rng.integers(0, dst_bytes - 9000, n), rng.integers(0, src_bytes - 9000, n), sizes], axis=1).astype(np.int64)
+        table = np.stack(
+            [rng.integers(0, dst_bytes - 9000, n), rng.integers(0, src_bytes - 9000, n), sizes], axis=1
+        ).astype(np.int64)
         if trial % 4 >= 2:  # one bad row
             row, column = int(rng.integers(0, n)), int(rng.integers(0, 3))
             end, base = (dst_bytes, dst) if column == 0 else (src_bytes, src)
@@ -331,16 +365,18 @@ def test_a_direct_batch_for_batched_dma_is_checked_as_the_host_checks_it() -> No
     assert 150 < refused <= 200  # the bad rows, all but a few that land inside by chance
 
 
+@pytest.fixture
+def fake_cuda() -> Iterator[FakeCuda]:
+    """The fake CUDA in place of cuda.bindings, one GPU visible: what `DirectCopies` asks."""
+    with FakeCuda(device_count=1) as cuda:
+        yield cuda
+
+
+@pytest.mark.usefixtures("fake_cuda")
 def test_a_direct_batch_by_dma_hands_the_driver_absolute_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batched DMA gets each block's absolute destination and source address and its size (the
     pair's buffers plus the table's offsets), and the batch returns its bytes; a bad table
     reaches no driver call. The driver here is a stand-in that records what it was given."""
-    from priod.common.cuda import driver as _driver
-
-    rt = types.SimpleNamespace(cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDefault="default"))
-    for name, value in (("_rt", rt), ("_drv", types.SimpleNamespace()), ("_RT_OK", "ok"), ("_NOT_READY", "not ready")):
-        monkeypatch.setattr(_driver, name, value)
-    monkeypatch.setattr("priod.client.direct.one_gpu", lambda: True)
     given: list[list[list[int]]] = []
     c = DirectCopies(cast(HoldPage, None), batch_path="dma")
     c._streams[0] = "stream"
@@ -355,6 +391,7 @@ def test_a_direct_batch_by_dma_hands_the_driver_absolute_addresses(monkeypatch: 
     assert len(given) == 1
 
 
+@pytest.mark.usefixtures("fake_cuda")
 def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks that either the copy kernel or batched DMA can carry go by the one whose recent
     batches of that size were faster: the kernel first, DMA once to compare, then the faster,
@@ -364,12 +401,6 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
     The paths here are stand-ins that take a set time on a clock of the test's own (a loaded
     host's sleeps overshoot by more than the paths' difference); the real ones run in
     tests/test_gpu_direct.py."""
-    from priod.common.cuda import driver as _driver
-
-    rt = types.SimpleNamespace(cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyDefault="default"))
-    for name, value in (("_rt", rt), ("_drv", types.SimpleNamespace()), ("_RT_OK", "ok"), ("_NOT_READY", "not ready")):
-        monkeypatch.setattr(_driver, name, value)
-    monkeypatch.setattr("priod.client.direct.one_gpu", lambda: True)
     clock = [1000.0]
     monkeypatch.setattr("priod.client.direct.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     taken: list[str] = []
@@ -397,7 +428,12 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
         c._run_batch(pair, rows)
     assert taken == ["kernel", "dma", "dma", "dma", "dma", "dma"]
     (est,) = c.path_estimates()
-    assert est.lane == str(H2D) and est.express_us is not None and est.dma_us is not None and est.express_us > 2 * est.dma_us
+    assert (
+        est.lane == str(H2D)
+        and est.express_us is not None
+        and est.dma_us is not None
+        and est.express_us > 2 * est.dma_us
+    )
     clock[0] += 0.25
     took_s["kernel"] = 0.0001  # the GEMMs stopped
     taken.clear()
@@ -418,7 +454,9 @@ def test_a_direct_batch_takes_the_path_that_was_faster_of_late(monkeypatch: pyte
         fixed = copies(batch_path=only)
         taken.clear()
         for _ in range(3):
-            fixed._run_batch(DirectPair(fixed, 1 << 40, 1 << 20, 1 << 41, 1 << 20, 0, 0, on_device=(1 << 40, 1 << 42)), rows)
+            fixed._run_batch(
+                DirectPair(fixed, 1 << 40, 1 << 20, 1 << 41, 1 << 20, 0, 0, on_device=(1 << 40, 1 << 42)), rows
+            )
         assert taken == [only] * 3 and fixed.path_estimates() == []
     with pytest.raises(ValueError, match="'fastest', 'kernel' or 'dma'"):
         copies(batch_path="sm")
@@ -464,7 +502,9 @@ def test_bulk_chunks_are_gated_under_the_short_bound_only() -> None:
     (`Engine.set_gates`): bulk DMA under the short bound, never outside it, never a strict
     chunk, and none with ``gate_bulk`` off."""
     for gate_bulk in (True, False):
-        sched = Scheduler(Policy(urgent_block_us=100.0, urgent_window_ms=10.0, gate_bulk=gate_bulk), [LaneInfo(H2D, 2e9, 0, 0)])
+        sched = Scheduler(
+            Policy(urgent_block_us=100.0, urgent_window_ms=10.0, gate_bulk=gate_bulk), [LaneInfo(H2D, 2e9, 0, 0)]
+        )
         sched.enqueue(Request(1, "c", H2D, "bulk", 64 * MiB, 0.0), 0.0)
         before = sched.next_chunks(0.0)
         assert before and not any(c.gated for c in before)  # no urgent copy seen yet: long bound
@@ -613,7 +653,9 @@ async def test_bulk_waits_while_a_direct_copy_is_announced_and_lands_whole_after
         raw[2 * slot : 2 * slot + 2] = 0
         small_host, small_dev = urgent.alloc_host(4096), urgent.alloc_device(4096)
         urgent.copy(small_dev, small_host, priority="urgent")
-        full = wait_until(lambda: (s := urgent.status())["direct"]["stepped_back"] and s, 10, "the step back to be seen")
+        full = wait_until(
+            lambda: (s := urgent.status())["direct"]["stepped_back"] and s, 10, "the step back to be seen"
+        )
         assert full["direct"]["stepped_back"] == {"gpu0/h2d": 1} and full["direct"]["copies"] == {"gpu0/h2d": 1}
         assert "counters read stepping back (no copy counted): gpu0/h2d=1" in format_status(full)
         del raw
@@ -630,7 +672,9 @@ async def test_a_client_announcing_copies_fast_under_bulk_is_counted_exactly() -
         async with await priod.connect(d.socket_path) as bulk:
             host, dev = await bulk.alloc_host(4 * MiB), await bulk.alloc_device(4 * MiB)
             streaming = [asyncio.ensure_future(bulk.copy(dev, host, priority="bulk")) for _ in range(4)]
-            writer = await asyncio.create_subprocess_exec(sys.executable, "-c", ANNOUNCER, d.socket_path, str(announced), stdout=subprocess.PIPE)
+            writer = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", ANNOUNCER, d.socket_path, str(announced), stdout=subprocess.PIPE
+            )
             out, _ = await asyncio.wait_for(writer.communicate(), 60)
             await asyncio.wait_for(asyncio.gather(*streaming), 30)
         assert writer.returncode == 0 and out.split() == [b"done"]

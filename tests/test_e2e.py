@@ -24,7 +24,9 @@ CLIENT = str(Path(__file__).with_name("clientproc.py"))
 
 
 def _client(daemon: DaemonProcess, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, CLIENT, daemon.socket_path, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, CLIENT, daemon.socket_path, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 async def _wait_for(predicate: object, timeout: float = 20.0) -> None:
@@ -94,7 +96,9 @@ async def test_errors_are_clear_and_connection_survives(daemon: DaemonProcess) -
     """Bad requests get errors that say what to do; the same connection then copies fine."""
     async with priod.connect(daemon.socket_path) as c:
         h, d = await c.alloc_host(4096), await c.alloc_device(4096)
-        with pytest.raises(priod.InvalidRequest, match=r"^dst_offset 1 \+ nbytes 4096 is outside region \d+ of 4096 bytes"):
+        with pytest.raises(
+            priod.InvalidRequest, match=r"^dst_offset 1 \+ nbytes 4096 is outside region \d+ of 4096 bytes"
+        ):
             await c.copy(d, h, 4096, dst_offset=1)
         with pytest.raises(priod.InvalidRequest, match=r"^nbytes = 0 is invalid; copy at least 1 byte$"):
             await c.copy(d, h, 0)
@@ -147,7 +151,9 @@ async def test_register_host_memfd(daemon: DaemonProcess) -> None:
     ("kind", "handle", "memory"),
     [("vmm_fd", b"", "cuMemCreate memory"), ("pool_fd", b"e" * 64, "stream-ordered pool memory")],
 )
-def test_register_device_by_fd_on_sim_is_refused_and_its_fd_closed(daemon: DaemonProcess, kind: str, handle: bytes, memory: str) -> None:
+def test_register_device_by_fd_on_sim_is_refused_and_its_fd_closed(
+    daemon: DaemonProcess, kind: str, handle: bytes, memory: str
+) -> None:
     """cuMemCreate memory by fd (kind vmm_fd) and pool memory by the pool's fd (kind pool_fd)
     need the cuda engine: the sim refuses them with bad_request naming the alternative, and the
     fd that came with the request is closed in the daemon."""
@@ -157,7 +163,10 @@ def test_register_device_by_fd_on_sim_is_refused_and_its_fd_closed(daemon: Daemo
     fd = os.memfd_create(name)
     try:
         with priod.SyncClient(daemon.socket_path) as c:
-            with pytest.raises(priod.InvalidRequest, match=rf"^register_device of {memory} \(kind '{kind}'\) needs the cuda engine; .*alloc_device"):
+            with pytest.raises(
+                priod.InvalidRequest,
+                match=rf"^register_device of {memory} \(kind '{kind}'\) needs the cuda engine; .*alloc_device",
+            ):
                 c._request(RegisterDevice(handle, 4096, 0, kind=kind, size=2 << 20), (fd,))
             c.ping()
     finally:

@@ -112,7 +112,9 @@ def request(rid: int, owner: Hashable, cls: str, nbytes: int, now: float, deadli
         (SIM_EXPRESS_LANE, "urgent", "urgent"),
     ],
 )
-def test_tiny_copy_flood_delays_another_client_by_one_round_at_most(lane: LaneInfo, flood_cls: str, victim_cls: str) -> None:
+def test_tiny_copy_flood_delays_another_client_by_one_round_at_most(
+    lane: LaneInfo, flood_cls: str, victim_cls: str
+) -> None:
     """Owner A queues 5,000 one-byte copies (4 KiB ones where urgent copies go express); owner
     B then sends one 1 MiB copy. Between B's arrival and its completion, A's chunks that
     complete are at most what A had in flight (``depth`` per path) plus one per chunk of B's
@@ -277,7 +279,12 @@ def test_a_tiny_urgent_copy_costs_a_short_chunk_only_while_there_is_bulk_to_hold
 def test_budget_is_per_tenant_and_refills() -> None:
     """A's budget does not touch B's; A's bucket refills at the lane's rate: after a quiet
     spell long enough, A's next urgent copy is strict again."""
-    policy = Policy(urgent_budget_bytes_per_s=1e9, urgent_budget_share=1.0, urgent_burst_bytes=8 * MiB, urgent_inflight_bytes=8 * MiB)
+    policy = Policy(
+        urgent_budget_bytes_per_s=1e9,
+        urgent_budget_share=1.0,
+        urgent_burst_bytes=8 * MiB,
+        urgent_inflight_bytes=8 * MiB,
+    )
     s = Scheduler(policy, [SIM_LANE])
     m = Model(s, [SIM_LANE])
     m.enqueue(request(1, "A", "urgent", 8 * MiB, 0.0))
@@ -316,11 +323,23 @@ def test_a_reload_applies_its_budget_at_once() -> None:
 @pytest.mark.parametrize(
     ("settings_", "message"),
     [
-        ({"urgent_budget_bytes_per_s": 0.0}, r"^\[scheduler\] urgent_budget_bytes_per_s = 0.0 is invalid; set a finite number of bytes per second > 0$"),
+        (
+            {"urgent_budget_bytes_per_s": 0.0},
+            r"^\[scheduler\] urgent_budget_bytes_per_s = 0.0 is invalid; set a finite number of bytes per second > 0$",
+        ),
         ({"urgent_budget_bytes_per_s": float("inf")}, r"^\[scheduler\] urgent_budget_bytes_per_s = inf is invalid"),
-        ({"urgent_budget_share": 1.5}, r"^\[scheduler\] urgent_budget_share = 1.5 is invalid; set 0 < urgent_budget_share <= 1"),
-        ({"urgent_burst_bytes": 100}, r"^\[scheduler\] urgent_burst_bytes = 100 is invalid; set urgent_burst_bytes >= 4096$"),
-        ({"urgent_inflight_bytes": 0}, r"^\[scheduler\] urgent_inflight_bytes = 0 is invalid; set urgent_inflight_bytes >= 4096$"),
+        (
+            {"urgent_budget_share": 1.5},
+            r"^\[scheduler\] urgent_budget_share = 1.5 is invalid; set 0 < urgent_budget_share <= 1",
+        ),
+        (
+            {"urgent_burst_bytes": 100},
+            r"^\[scheduler\] urgent_burst_bytes = 100 is invalid; set urgent_burst_bytes >= 4096$",
+        ),
+        (
+            {"urgent_inflight_bytes": 0},
+            r"^\[tuning\] urgent_inflight_bytes = 0 is invalid; set urgent_inflight_bytes >= 4096$",
+        ),
     ],
 )
 def test_budget_settings_are_validated(settings_: dict[str, Any], message: str) -> None:
@@ -338,7 +357,10 @@ def test_budget_settings_are_validated(settings_: dict[str, Any], message: str) 
 def test_a_deadline_outside_zero_to_one_hour_is_refused(deadline_ms: float) -> None:
     """Copy.check refuses a negative or huge deadline with bad_request, naming the range."""
     msg = {"id": 1, "op": "copy", "dst": 1, "src": 2, "nbytes": 4, "deadline_ms": deadline_ms}
-    with pytest.raises(InvalidRequest, match=r"^deadline_ms = .* is invalid; give 0 <= deadline_ms <= 3600000 \(milliseconds from now\)") as exc:
+    with pytest.raises(
+        InvalidRequest,
+        match=r"^deadline_ms = .* is invalid; give 0 <= deadline_ms <= 3600000 \(milliseconds from now\)",
+    ) as exc:
         decode_request(msg)
     assert exc.value.code == "bad_request"
     for ok in (0.0, 5.0, 3_600_000.0):
@@ -365,6 +387,7 @@ def test_deadlines_order_only_a_connections_own_copies() -> None:
 
 # --- who may use a class -----------------------------------------------------------------------
 
+
 def guarded() -> tuple[ClassSpec, ...]:
     return (ClassSpec("urgent", strict=True, uids=(1000,), gids=(50,)), ClassSpec("high", 8), ClassSpec("bulk", 1))
 
@@ -388,7 +411,10 @@ def test_class_permission(uid: int | None, gid: int | None, groups: tuple[int, .
     if allowed:
         s.enqueue(r, 0.0)
     else:
-        with pytest.raises(PermissionDenied, match=r"^uid 2000 \(gid 2000\) may not use class 'urgent': \[classes.urgent\] uids = \[1000\], gids = \[50\]; ") as exc:
+        with pytest.raises(
+            PermissionDenied,
+            match=r"^uid 2000 \(gid 2000\) may not use class 'urgent': \[classes.urgent\] uids = \[1000\], gids = \[50\]; ",
+        ) as exc:
             s.enqueue(r, 0.0)
         assert exc.value.code == "permission"
         assert s.get(1) is None and s.idle
@@ -397,7 +423,12 @@ def test_class_permission(uid: int | None, gid: int | None, groups: tuple[int, .
 
 def test_class_permission_from_config() -> None:
     """uids and gids are read from [classes.NAME], survive replace(), and are validated."""
-    env = {"PRIOD_CLASSES__URGENT__STRICT": "true", "PRIOD_CLASSES__URGENT__UIDS": "[1000, 1001]", "PRIOD_CLASSES__URGENT__GIDS": "[50]", "PRIOD_CLASSES__BULK__WEIGHT": "1"}
+    env = {
+        "PRIOD_CLASSES__URGENT__STRICT": "true",
+        "PRIOD_CLASSES__URGENT__UIDS": "[1000, 1001]",
+        "PRIOD_CLASSES__URGENT__GIDS": "[50]",
+        "PRIOD_CLASSES__BULK__WEIGHT": "1",
+    }
     cfg = load_config(None, environ=env)
     assert cfg.classes == (ClassSpec("urgent", 1, True, (1000, 1001), (50,)), ClassSpec("bulk", 1))
     assert cfg.replace(server={"max_clients": 9}).classes == cfg.classes
@@ -405,7 +436,10 @@ def test_class_permission_from_config() -> None:
         load_config(None, environ={**env, "PRIOD_CLASSES__URGENT__UIDS": '"x"'})
     with pytest.raises(ConfigError, match=r"^\[classes.urgent\] gids = \[-1\] is invalid; list whole numbers >= 0"):
         load_config(None, environ={**env, "PRIOD_CLASSES__URGENT__GIDS": "[-1]"})
-    with pytest.raises(ConfigError, match=r"^unknown setting\(s\) \['users'\] in \[classes.urgent\]; known: \['gids', 'strict', 'uids', 'weight'\]$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown setting\(s\) \['users'\] in \[classes.urgent\]; known: \['gids', 'strict', 'uids', 'weight'\]$",
+    ):
         load_config(None, environ={**env, "PRIOD_CLASSES__URGENT__USERS": "[1]"})
 
 
@@ -429,7 +463,13 @@ def test_tenant_state_stays_bounded() -> None:
 
 def small_budget(classes: tuple[ClassSpec, ...] | None = None) -> Policy:
     """A budget that runs out within a few copies."""
-    p = Policy(min_chunk_bytes=4096, urgent_block_us=0, urgent_budget_bytes_per_s=1e6, urgent_burst_bytes=16384, urgent_inflight_bytes=16384)
+    p = Policy(
+        min_chunk_bytes=4096,
+        urgent_block_us=0,
+        urgent_budget_bytes_per_s=1e6,
+        urgent_burst_bytes=16384,
+        urgent_inflight_bytes=16384,
+    )
     return p if classes is None else dataclasses.replace(p, classes=classes)
 
 
@@ -437,7 +477,13 @@ SMALL = LaneInfo(LANE, bandwidth=16_384_000, express_min=512, express_max=4096)
 """16 KiB in flight as two 8 KiB chunks."""
 
 op = st.one_of(
-    st.tuples(st.just("enq"), st.sampled_from(("urgent", "high", "normal", "bulk")), st.integers(1, 40_000), st.integers(0, 5), st.booleans()),
+    st.tuples(
+        st.just("enq"),
+        st.sampled_from(("urgent", "high", "normal", "bulk")),
+        st.integers(1, 40_000),
+        st.integers(0, 5),
+        st.booleans(),
+    ),
     st.tuples(st.just("done"), st.booleans()),
     st.tuples(st.just("fail")),
     st.tuples(st.just("cancel"), st.integers(0, 60)),
@@ -474,7 +520,9 @@ def test_random_traffic_from_many_tenants_keeps_the_promise(ops: list[tuple[obje
             _, cls, nbytes, conn, has_deadline = o
             assert isinstance(cls, str) and isinstance(nbytes, int) and isinstance(conn, int)
             rid = len(ids) + 1
-            s.enqueue(Request(rid, conn, LANE, cls, nbytes, now, now + 0.01 if has_deadline else None, uid=uid_of[conn]), now)
+            s.enqueue(
+                Request(rid, conn, LANE, cls, nbytes, now, now + 0.01 if has_deadline else None, uid=uid_of[conn]), now
+            )
             ids.append(rid)
         elif kind == "done":
             q = express if o[1] else dma
@@ -501,7 +549,12 @@ def test_random_traffic_from_many_tenants_keeps_the_promise(ops: list[tuple[obje
         elif kind == "reload":
             w = o[1]
             assert isinstance(w, int)
-            classes = (ClassSpec("urgent", strict=True), ClassSpec("high", 8 * w), ClassSpec("normal", 4), ClassSpec("bulk"))
+            classes = (
+                ClassSpec("urgent", strict=True),
+                ClassSpec("high", 8 * w),
+                ClassSpec("normal", 4),
+                ClassSpec("bulk"),
+            )
             s.set_policy(small_budget(classes))
         pump()
         assert sum(c.nbytes for c in dma if not c.strict) <= 16384

@@ -139,7 +139,9 @@ async def verified_copies(
         out.latencies.append(time.perf_counter() - t0)
         out.daemon_queued_us.append(r.queued_us)
         assert r.nbytes == n
-        assert np.array_equal(dst.array[:n], data), f"copy {i} of {n} bytes reported success but its destination differs"
+        assert np.array_equal(dst.array[:n], data), (
+            f"copy {i} of {n} bytes reported success but its destination differs"
+        )
         out.done += 1
         out.bytes += n
     return out
@@ -193,8 +195,12 @@ async def test_sigkill_client_mid_transfer_releases_everything(faulty: DaemonPro
         stop = asyncio.Event()
         bulk, urgent = Load(), Load()
         loads = [
-            asyncio.ensure_future(verified_copies(other, bulk_d, bulk_h, [8 * MiB, 3 * MiB + 5], stop, priority="bulk", seed=1, out=bulk)),
-            asyncio.ensure_future(verified_copies(other, urg_h, urg_d, [MiB, 65536, 4099], stop, priority="urgent", seed=2, out=urgent)),
+            asyncio.ensure_future(
+                verified_copies(other, bulk_d, bulk_h, [8 * MiB, 3 * MiB + 5], stop, priority="bulk", seed=1, out=bulk)
+            ),
+            asyncio.ensure_future(
+                verified_copies(other, urg_h, urg_d, [MiB, 65536, 4099], stop, priority="urgent", seed=2, out=urgent)
+            ),
         ]
 
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, faulty.socket_path], stdout=subprocess.PIPE, text=True)
@@ -235,12 +241,19 @@ async def test_sigkill_client_mid_transfer_releases_everything(faulty: DaemonPro
         async def back_to_base() -> dict[str, Any] | None:
             st = await watcher.status()
             idle = st["inflight_chunks"] == 0 and all(not any(ln["queued_requests"].values()) for ln in st["lanes"])
-            if idle and len(st["clients"]) == len(base["clients"]) and daemon_fds(pid) == base_fds and daemon_memfd_maps(pid) == base_maps:
+            if (
+                idle
+                and len(st["clients"]) == len(base["clients"])
+                and daemon_fds(pid) == base_fds
+                and daemon_memfd_maps(pid) == base_maps
+            ):
                 return st
             return None
 
         st = await until(back_to_base, f"daemon back to {base_fds} fds and {base_maps} memfd mappings")
-        assert [(cl["pinned_bytes"], cl["device_bytes"], cl["regions"], cl["pending"]) for cl in st["clients"]] == [(0, 0, 0, 0)] * len(base["clients"])
+        assert [(cl["pinned_bytes"], cl["device_bytes"], cl["regions"], cl["pending"]) for cl in st["clients"]] == [
+            (0, 0, 0, 0)
+        ] * len(base["clients"])
         assert st["inflight_bytes"] == {}
 
 
@@ -317,7 +330,10 @@ async def test_client_that_never_reads_is_bounded_and_others_keep_their_promise(
     flood (generous bound), every copy verifies, and once the flooder reads, each of its
     complete requests has exactly one reply."""
     attacker_pinned = 3 * MiB + 4096  # tells its entry in status() apart
-    async with priod.connect(faulty.socket_path, name="bulk") as bulk_c, priod.connect(faulty.socket_path, name="urgent") as urg_c:
+    async with (
+        priod.connect(faulty.socket_path, name="bulk") as bulk_c,
+        priod.connect(faulty.socket_path, name="urgent") as urg_c,
+    ):
         bh, bd = await bulk_c.alloc_host(16 * MiB), await bulk_c.alloc_device(16 * MiB)
         uh, ud = await urg_c.alloc_host(MiB), await urg_c.alloc_device(MiB)
         stop_bulk = asyncio.Event()
@@ -359,7 +375,10 @@ async def test_client_that_never_reads_is_bounded_and_others_keep_their_promise(
             for s in samples:
                 assert 0 < s["output_buffered"] <= MAX_OUTPUT + status_frame + 256, s
             # Stopped reading: nothing more of the flooder's requests is answered or refused.
-            assert samples[-1]["refused"] == samples[1]["refused"] and samples[-1]["output_buffered"] == samples[1]["output_buffered"]
+            assert (
+                samples[-1]["refused"] == samples[1]["refused"]
+                and samples[-1]["output_buffered"] == samples[1]["output_buffered"]
+            )
             assert fl.complete_frames() < len(frames), "the kernel and the daemon took the whole flood: make it larger"
 
             replies = await asyncio.get_running_loop().run_in_executor(None, fl.drain, fl.complete_frames())
@@ -373,7 +392,9 @@ async def test_client_that_never_reads_is_bounded_and_others_keep_their_promise(
     assert before.errors == [] and flooded.errors == [] and bulk_load.errors == []
     assert bulk_load.done > 0
     p50_before, p50_during = float(np.median(before.latencies)), float(np.median(flooded.latencies))
-    assert p50_during <= 3 * p50_before + 0.005, f"urgent p50 {p50_before * 1e3:.2f} ms before the flood, {p50_during * 1e3:.2f} ms during it"
+    assert p50_during <= 3 * p50_before + 0.005, (
+        f"urgent p50 {p50_before * 1e3:.2f} ms before the flood, {p50_during * 1e3:.2f} ms during it"
+    )
 
 
 # -- an engine error on one chunk ------------------------------------------------------------
@@ -406,7 +427,9 @@ async def test_engine_error_fails_only_that_request(faulty: DaemonProcess) -> No
             if size == FAULT_NBYTES:
                 size += 1
             dst, src = [(d, h), (h, d), (d2, d)][i % 3]
-            jobs.append((f"good-{i}", dst, src, size, base + i * 256 * 1024, ["urgent", "high", "normal", "bulk"][i % 4]))
+            jobs.append(
+                (f"good-{i}", dst, src, size, base + i * 256 * 1024, ["urgent", "high", "normal", "bulk"][i % 4])
+            )
         h.array[:] = pattern(8, n)
         d.array[base:] = pattern(9, n - base)
         expected = {}
@@ -427,7 +450,10 @@ async def test_engine_error_fails_only_that_request(faulty: DaemonProcess) -> No
                 r"\(\[sim\] fault_on_nbytes\); the copy did not complete$",
             ):
                 raise exc
-        with pytest.raises(priod.EngineError, match=rf"^copy failed after {chunk} of {chunk + FAULT_NBYTES} bytes: injected engine fault on a chunk of {FAULT_NBYTES} bytes"):
+        with pytest.raises(
+            priod.EngineError,
+            match=rf"^copy failed after {chunk} of {chunk + FAULT_NBYTES} bytes: injected engine fault on a chunk of {FAULT_NBYTES} bytes",
+        ):
             raise by_name["fault-last-chunk"]  # type: ignore[misc]
         for name, dst, _src, k, off, _ in jobs:
             r = by_name[name]
@@ -470,7 +496,11 @@ async def test_daemon_restart_under_load_fails_clearly_and_reconnects(how: str) 
             for i, direction, sizes, prio in plans:
                 h, d = regions[i]
                 dst, src = (d, h) if direction == "h2d" else (h, d)
-                tasks.append(asyncio.ensure_future(verified_copies(clients[i], dst, src, sizes, stop, priority=prio, seed=10 + i, out=loads[i])))
+                tasks.append(
+                    asyncio.ensure_future(
+                        verified_copies(clients[i], dst, src, sizes, stop, priority=prio, seed=10 + i, out=loads[i])
+                    )
+                )
 
             async def all_copying() -> bool:
                 return all(ld.done >= 2 for ld in loads)
@@ -535,12 +565,18 @@ async def test_overload_is_refused_at_once_never_hangs() -> None:
         good = await priod.connect(d.socket_path, name="good")
         flooders = [await priod.connect(d.socket_path, name=f"flood{i}") for i in range(3)]
         try:
-            with pytest.raises(priod.LimitExceeded, match=r"^the daemon already serves 4 clients \(\[server\] max_clients\); retry later$"):
+            with pytest.raises(
+                priod.LimitExceeded,
+                match=r"^the daemon already serves 4 clients \(\[server\] max_clients\); retry later$",
+            ):
                 await asyncio.wait_for(Client.connect(d.socket_path, name="one-too-many"), 30)
 
             async def flood(c: Client) -> list[tuple[str, float]]:
                 h, dv = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
-                with pytest.raises(priod.LimitExceeded, match=r"^this connection holds 4 regions \(\[limits\] max_regions = 4\); free some first$"):
+                with pytest.raises(
+                    priod.LimitExceeded,
+                    match=r"^this connection holds 4 regions \(\[limits\] max_regions = 4\); free some first$",
+                ):
                     for _ in range(3):
                         await c.alloc_host(4096)
                 handles = [c.start_copy(dv, h, priority="bulk") for _ in range(50)]
@@ -551,7 +587,9 @@ async def test_overload_is_refused_at_once_never_hangs() -> None:
                         await hd
                         order.append(("done", time.perf_counter()))
                     except priod.LimitExceeded as exc:
-                        assert str(exc).startswith("this connection has 8 copies pending ([limits] max_queued_requests = 8)"), exc
+                        assert str(exc).startswith(
+                            "this connection has 8 copies pending ([limits] max_queued_requests = 8)"
+                        ), exc
                         order.append(("refused", time.perf_counter()))
 
                 await asyncio.wait_for(asyncio.gather(*map(one, handles)), 60)

@@ -33,8 +33,14 @@ from priod.wire.frames import HEADER, OPS, FrameDecoder, encode
 from priod.wire.transport import MAX_FDS_PER_FRAME
 
 SCALE = max(1, int(os.environ.get("PRIOD_FUZZ_SCALE", "1")))
-FAST = settings(max_examples=150 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-LIVE = settings(max_examples=120 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FAST = settings(
+    max_examples=150 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+LIVE = settings(
+    max_examples=120 * SCALE,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 
 ERROR_CODES = {"bad_frame", "bad_request", "not_found", "permission", "limit", "cancelled", "engine", "shutting_down"}
 """Every code a bad request may get. ``internal`` (an unexpected exception in the daemon) is a bug."""
@@ -51,7 +57,11 @@ SCALARS = st.one_of(
     st.text(max_size=12),
     st.binary(max_size=12),
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 REGION_REFS = st.sampled_from(["$own_host", "$own_dev", "$victim_host", "$victim_dev", "$victim_canary"])
 """Placeholders, replaced at send time by the ids the daemon gave (the attacker's own, or another client's)."""
 SIZES = st.one_of(st.integers(-8, 70_000), st.sampled_from(EDGE_INTS))
@@ -96,7 +106,9 @@ def near_valid(draw: st.DrawFn) -> dict[str, Any]:
     """A request that mostly passes the checks, so the deeper paths run: copies between real
     regions (one's own or another client's) with odd sizes, offsets and deadlines, cancels,
     frees while copies are queued, shares, allocations."""
-    op = draw(st.sampled_from(["copy"] * 5 + ["cancel", "free", "share", "status", "ping", "alloc_host", "alloc_device"]))
+    op = draw(
+        st.sampled_from(["copy"] * 5 + ["cancel", "free", "share", "status", "ping", "alloc_host", "alloc_device"])
+    )
     msg: dict[str, Any] = {"id": draw(st.integers(4, 40)), "op": op}
     refs = st.sampled_from(["$own_host", "$own_dev"] * 4 + ["$victim_host", "$victim_dev", "$victim_canary"])
     small = st.one_of(st.integers(1, 4096), st.integers(0, 9000), SIZES)
@@ -104,7 +116,9 @@ def near_valid(draw: st.DrawFn) -> dict[str, Any]:
         msg.update(dst=draw(refs), src=draw(refs), nbytes=draw(small), dst_offset=draw(small), src_offset=draw(small))
         msg["priority"] = draw(st.sampled_from(["urgent", "high", "normal", "bulk"]))
         if draw(st.booleans()):
-            msg["deadline_ms"] = draw(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**6), st.none()))
+            msg["deadline_ms"] = draw(
+                st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10**6), st.none())
+            )
     elif op == "cancel":
         msg["target"] = draw(st.integers(1, 40))
     elif op in ("free", "share"):
@@ -126,7 +140,11 @@ def _pack(value: Any) -> bytes:
 @st.composite
 def actions(draw: st.DrawFn) -> tuple[str, Any]:
     """One thing the attacker sends; see `send_action`."""
-    kind = draw(st.sampled_from(["valid", "valid", "valid", "frame", "frame", "mutated", "raw", "truncated", "oversize", "non_map", "fds"]))
+    kind = draw(
+        st.sampled_from(
+            ["valid", "valid", "valid", "frame", "frame", "mutated", "raw", "truncated", "oversize", "non_map", "fds"]
+        )
+    )
     if kind == "valid":
         return "frame", draw(near_valid())
     if kind == "frame":
@@ -187,7 +205,11 @@ def test_decoder_round_trips_any_split(msgs: list[dict[str, Any]], cuts: list[in
 
 
 @FAST
-@given(requests(), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=6), st.integers(1, 64))
+@given(
+    requests(),
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=6),
+    st.integers(1, 64),
+)
 def test_decoder_mutated_frames(msg: dict[str, Any], flips: list[tuple[int, int]], step: int) -> None:
     """A valid frame with bytes overwritten, fed a few bytes at a time: maps or ProtocolError only."""
     frame = bytearray(encode(msg))
@@ -206,7 +228,10 @@ def test_decoder_mutated_frames(msg: dict[str, Any], flips: list[tuple[int, int]
 def test_decoder_refuses_oversize_from_the_header(length: int, tail: bytes) -> None:
     """A header announcing more than max_frame bytes is refused before any of the body is kept."""
     decoder = FrameDecoder(max_frame=4096)
-    with pytest.raises(ProtocolError, match=rf"^frame of {length} bytes exceeds max_frame_bytes=4096; requests name memory regions and never carry data, so keep frames small$"):
+    with pytest.raises(
+        ProtocolError,
+        match=rf"^frame of {length} bytes exceeds max_frame_bytes=4096; requests name memory regions and never carry data, so keep frames small$",
+    ):
         decoder.feed(HEADER.pack(length) + tail)
 
 
@@ -253,7 +278,9 @@ class WellBehaved:
         self.host.array[:] = data
         r = self.c.copy(self.dev, self.host, priority=["urgent", "bulk"][self.n % 2])
         assert r.nbytes == 65536 and np.array_equal(self.dev.array, data)
-        assert np.array_equal(self.canary.array, self.canary_bytes), "another client's requests changed this client's region"
+        assert np.array_equal(self.canary.array, self.canary_bytes), (
+            "another client's requests changed this client's region"
+        )
 
     def close(self) -> None:
         self.c.close()
@@ -322,7 +349,9 @@ def check_reply(msg: Any) -> None:
         assert isinstance(err.get("message"), str) and err["message"], msg
 
 
-def attack(path: str, greet: bool, setup: bool, acts: list[tuple[str, Any]], victim: dict[str, int], linger: bool = False) -> list[dict[str, Any]]:
+def attack(
+    path: str, greet: bool, setup: bool, acts: list[tuple[str, Any]], victim: dict[str, int], linger: bool = False
+) -> list[dict[str, Any]]:
     """One attacker connection: maybe hello and own regions, then ``acts``; then end our side of
     the stream and read every reply until the daemon closes (a hang fails the test).
 
@@ -431,7 +460,6 @@ def test_live_daemon_survives_fuzzed_frames(target: DaemonProcess) -> None:
     base_fds = settled_fds(good.c, pid)
     tried = {"cases": 0, "actions": 0, "replies": 0, "errors": 0, "copies_done": 0}
     try:
-
         mostly = st.integers(0, 3).map(bool)
 
         @LIVE
@@ -491,7 +519,11 @@ def test_live_daemon_survives_fuzzed_requests(target: DaemonProcess) -> None:
 
 
 @settings(max_examples=40 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(op=st.sampled_from(sorted(OPS - {"register_host"})), count=st.integers(1, MAX_FDS_PER_FRAME), fd_kind=st.sampled_from(["memfd", "sealed_memfd", "pipe"]))
+@given(
+    op=st.sampled_from(sorted(OPS - {"register_host"})),
+    count=st.integers(1, MAX_FDS_PER_FRAME),
+    fd_kind=st.sampled_from(["memfd", "sealed_memfd", "pipe"]),
+)
 def test_fds_where_none_belong_are_refused_and_closed(target: DaemonProcess, op: str, count: int, fd_kind: str) -> None:
     """A memfd (or a pipe) sent with any frame but register_host is refused with a message saying
     it was closed, the connection goes on, and the daemon does not keep the fd."""
@@ -519,7 +551,14 @@ def test_fds_where_none_belong_are_refused_and_closed(target: DaemonProcess, op:
                 os.close(fd)
         reply, got = framed.receive()
         assert got == []
-        assert reply == {"id": 2, "ok": False, "error": {"code": "bad_request", "message": f"'{op}' takes no file descriptors, but {count} came with it; they were closed"}}
+        assert reply == {
+            "id": 2,
+            "ok": False,
+            "error": {
+                "code": "bad_request",
+                "message": f"'{op}' takes no file descriptors, but {count} came with it; they were closed",
+            },
+        }
         framed.send({"id": 3, "op": "ping"})
         assert framed.receive()[0] == {"id": 3, "ok": True}
         assert wait_fds(pid, before) <= before

@@ -1,5 +1,5 @@
 """Batched copies on a real GPU (marker ``gpu``; skipped where there is none): the CUDA engine's
-``submit_segments`` by ``cuMemcpyBatchAsync``, by its per-segment fallback and by the express
+``submit`` of a batch chunk by ``cuMemcpyBatchAsync``, by its per-segment fallback and by the express
 kernel's table form, each direction, odd offsets and sizes, bytes checked; and copy_batch
 through a cuda daemon."""
 
@@ -17,7 +17,7 @@ import pytest
 
 import priod
 from priod.common.types import LOCAL_DIRECTIONS, Direction, LaneKey, Path
-from priod.daemon.engines.base import Completion, Memory
+from priod.daemon.engines.base import ChunkJob, Completion, Memory
 from priod.errors import InvalidRequest
 from priod.testing import DaemonProcess
 from priod.wire.batch import Segments, encode_segments
@@ -91,17 +91,32 @@ def test_engine_segments_are_exact(engine: Any, direction: Direction, mode: str,
         h2d, d2h = LaneKey(0, Direction.H2D), LaneKey(0, Direction.D2H)
 
         def whole(lane: LaneKey, dst: Memory, src: Memory) -> None:
-            _wait(engine.submit(lane, Path.DMA, dst, 0, src, 0, REGION))
+            _wait(engine.submit(ChunkJob(lane, Path.DMA, dst, src, dst_offset=0, src_offset=0, nbytes=REGION)))
 
         # Put the source and the destination's old bytes where the direction wants them.
-        src, dst = {Direction.H2D: (src_h.mem, dev_a), Direction.D2H: (dev_a, dst_h.mem), Direction.D2D: (dev_a, dev_b)}[direction]
+        src, dst = {
+            Direction.H2D: (src_h.mem, dev_a),
+            Direction.D2H: (dev_a, dst_h.mem),
+            Direction.D2D: (dev_a, dev_b),
+        }[direction]
         want = dst_h.view.copy()
         if direction is not Direction.H2D:
             whole(h2d, dev_a, src_h.mem)
         if direction is not Direction.D2H:
             whole(h2d, dst, dst_h.mem)
         path = Path.EXPRESS if mode == "express" else Path.DMA
-        _wait(engine.submit_segments(LaneKey(0, direction), path, dst, src, table.cells, peaks=table.peaks if peaks == "given" else None))
+        _wait(
+            engine.submit(
+                ChunkJob(
+                    LaneKey(0, direction),
+                    path,
+                    dst,
+                    src,
+                    cells=table.cells,
+                    peaks=table.peaks if peaks == "given" else None,
+                )
+            )
+        )
         if mode == "batched":
             # A batched call that failed on first use falls back to the loop silently (and says
             # so in status): here that must fail the test, or it would pass without the API.
@@ -130,7 +145,11 @@ def test_engine_refuses_a_row_outside_its_region_with_or_without_peaks(engine: A
         table = Segments.decode(np.array([[0, 0, 4096], [REGION - 4096, 8192, 8192]], "<u8").tobytes())
         for peaks in (table.peaks, None):
             with pytest.raises(InvalidRequest, match="falls outside its region"):
-                engine.submit_segments(LaneKey(0, Direction.H2D), path, dev, src_h.mem, table.cells, strict=True, peaks=peaks)
+                engine.submit(
+                    ChunkJob(
+                        LaneKey(0, Direction.H2D), path, dev, src_h.mem, cells=table.cells, strict=True, peaks=peaks
+                    )
+                )
     finally:
         engine.release_device(dev)
         src_h.close(engine)
@@ -152,10 +171,21 @@ def test_copy_batch_through_the_daemon(gpu_daemon: DaemonProcess, priority: str)
 
         def blocks(seed: int) -> npt.NDArray[np.int64]:
             r = np.random.default_rng(seed)
-            return np.stack([r.choice(2 * n, n, replace=False) * block, r.choice(2 * n, n, replace=False) * block, np.full(n, block)], axis=1)
+            return np.stack(
+                [
+                    r.choice(2 * n, n, replace=False) * block,
+                    r.choice(2 * n, n, replace=False) * block,
+                    np.full(n, block),
+                ],
+                axis=1,
+            )
 
         a, b, z = blocks(4), blocks(5), blocks(6)
-        results = [c.copy_batch(d1, h, a, priority=priority), c.copy_batch(d2, d1, b, priority=priority), c.copy_batch(back, d2, z, priority=priority)]
+        results = [
+            c.copy_batch(d1, h, a, priority=priority),
+            c.copy_batch(d2, d1, b, priority=priority),
+            c.copy_batch(back, d2, z, priority=priority),
+        ]
         assert all(r.segments == n and r.nbytes == n * block for r in results)
         engine = c.status()["engine"]
         assert engine["batch_dma"] == "cuMemcpyBatchAsync", engine.get("batch_dma_error")

@@ -106,7 +106,14 @@ def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: Daemo
     host[:] = rng.integers(0, 256, n, dtype=np.uint8)
     dev = cp.zeros(n, dtype=cp.uint8)
     cp.cuda.Device().synchronize()  # the zeros go on CuPy's stream, not ordered before a direct copy's
-    table = np.stack([rng.choice(2 * blocks, blocks, replace=False) * block, rng.choice(2 * blocks, blocks, replace=False) * block, np.full(blocks, block)], axis=1)
+    table = np.stack(
+        [
+            rng.choice(2 * blocks, blocks, replace=False) * block,
+            rng.choice(2 * blocks, blocks, replace=False) * block,
+            np.full(blocks, block),
+        ],
+        axis=1,
+    )
     with priod.SyncClient(gpu_daemon.socket_path) as c:
         direct = DirectCopies(c.hold_page(), batch_path=batch_path)
         assert direct.pair(dev, host).copy_batch(table) == blocks * block
@@ -129,7 +136,11 @@ def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: Daemo
         # whole (by the copy kernel's own check, or the host's) and not one block lands.
         host[:] = rng.integers(0, 256, n, dtype=np.uint8)
         before = cp.asnumpy(dev)
-        for row, column, value, why in ((255, 0, n - block // 2, "does not fit"), (0, 1, -block, "offsets >= 0"), (128, 2, 0, "nbytes >= 1")):
+        for row, column, value, why in (
+            (255, 0, n - block // 2, "does not fit"),
+            (0, 1, -block, "offsets >= 0"),
+            (128, 2, 0, "nbytes >= 1"),
+        ):
             bad = table.copy()
             bad[row, column] = value
             with pytest.raises(InvalidRequest, match=why):
@@ -140,8 +151,14 @@ def test_a_direct_batch_lands_every_block_where_its_table_says(gpu_daemon: Daemo
         direct.close()
 
 
-@pytest.mark.parametrize(("batch_path", "per_call"), [("kernel", 300), ("kernel", 150), ("dma", 300)], ids=["kernel-host-checked", "kernel-checked", "dma"])
-def test_a_direct_batch_of_odd_blocks_at_odd_offsets_is_exact(gpu_daemon: DaemonProcess, batch_path: str, per_call: int) -> None:
+@pytest.mark.parametrize(
+    ("batch_path", "per_call"),
+    [("kernel", 300), ("kernel", 150), ("dma", 300)],
+    ids=["kernel-host-checked", "kernel-checked", "dma"],
+)
+def test_a_direct_batch_of_odd_blocks_at_odd_offsets_is_exact(
+    gpu_daemon: DaemonProcess, batch_path: str, per_call: int
+) -> None:
     """Blocks of 1 byte to 100 KB at unaligned offsets, each in its own 128 KiB slot, both ways:
     every byte of every block lands, and nothing around them changes. 300 rows in one call go
     past one kernel launch (checked on the host, two tables); 150 a call, the kernel checks them."""
@@ -219,7 +236,14 @@ def test_pin_host_lets_a_direct_copy_use_a_host_region_the_daemon_holds(gpu_daem
         h.array[:] = rng.integers(0, 256, n, dtype=np.uint8)
         dev = cp.zeros(n, dtype=cp.uint8)
         cp.cuda.Device().synchronize()  # as above: CuPy's zeros are not ordered before a direct copy
-        table = np.stack([rng.choice(2 * blocks, blocks, replace=False) * block, rng.choice(2 * blocks, blocks, replace=False) * block, np.full(blocks, block)], axis=1)
+        table = np.stack(
+            [
+                rng.choice(2 * blocks, blocks, replace=False) * block,
+                rng.choice(2 * blocks, blocks, replace=False) * block,
+                np.full(blocks, block),
+            ],
+            axis=1,
+        )
         direct = DirectCopies(c.hold_page())
         with pin_host(h):
             with pytest.raises(InvalidRequest, match="pinned here already"):

@@ -47,7 +47,9 @@ def test_every_direction_bytes_checked(gpu_daemon: DaemonProcess, priority: str)
                     assert np.array_equal(got, src.array[so : so + n]), f"h2d {n} @ {so}->{do}"
                     r2 = c.copy(d2, d1, n, dst_offset=so, src_offset=do, priority=priority)
                     r3 = c.copy(back, d2, n, dst_offset=do, src_offset=so, priority=priority)
-                    assert np.array_equal(back.array[do : do + n], src.array[so : so + n]), f"round trip {n} @ {so}->{do}"
+                    assert np.array_equal(back.array[do : do + n], src.array[so : so + n]), (
+                        f"round trip {n} @ {so}->{do}"
+                    )
                     paths |= {r1.path, r2.path, r3.path}
             assert paths == ({"dma"} if priority == "normal" else {"dma", "express"})
             cp.cuda.runtime.deviceSynchronize()
@@ -123,7 +125,10 @@ def test_bulk_and_urgent_together_in_each_poll_mode(bulk_poll: str) -> None:
 
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SERVER__BULK_POLL": f'"{bulk_poll}"'}
     errors: list[str] = []
-    with daemon_process(env, backend="cuda", start_timeout=120) as dmn, priod.SyncClient(dmn.socket_path, name="urgent") as c:
+    with (
+        daemon_process(env, backend="cuda", start_timeout=120) as dmn,
+        priod.SyncClient(dmn.socket_path, name="urgent") as c,
+    ):
         n = 16 << 20
         usrc, uback, ud = c.alloc_host(n), c.alloc_host(n), c.alloc_device(n)
         assert usrc.array is not None and uback.array is not None
@@ -169,15 +174,23 @@ def _pod_client(path: str, expect_uuid: str, q: mp.Queue[str]) -> None:
             cp.cuda.runtime.deviceSynchronize()
             view = theirs.cuda()  # opened on this process's ordinal of the UUID, not the daemon's
             try:
-                same = np.array_equal(cp.asnumpy(buf), host.array) and np.array_equal(cp.asnumpy(cp.asarray(view)), host.array)
+                same = np.array_equal(cp.asnumpy(buf), host.array) and np.array_equal(
+                    cp.asnumpy(cp.asarray(view)), host.array
+                )
             finally:
                 view.close()
-            q.put(json.dumps({"same": same, "own": [own.device, own.device_uuid], "theirs": [theirs.device, theirs.device_uuid]}))
+            q.put(
+                json.dumps(
+                    {"same": same, "own": [own.device, own.device_uuid], "theirs": [theirs.device, theirs.device_uuid]}
+                )
+            )
     except Exception as exc:
         q.put(f"{type(exc).__name__}: {exc}")
 
 
-def test_a_pod_with_one_visible_gpu_names_it_by_uuid(gpu_daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pod_with_one_visible_gpu_names_it_by_uuid(
+    gpu_daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The daemon's last GPU, seen by a client process as its only one (CUDA_VISIBLE_DEVICES=UUID):
     its buffer and a daemon allocation it names by UUID both land on that GPU (the daemon's
     ordinal comes back), and the bytes are right. The UUIDs match what nvidia-smi prints."""
@@ -185,7 +198,9 @@ def test_a_pod_with_one_visible_gpu_names_it_by_uuid(gpu_daemon: DaemonProcess, 
         gpus = c.status()["gpus"]
     assert gpus and all(g["uuid"].startswith("GPU-") for g in gpus)
     if shutil.which("nvidia-smi"):
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60).stdout.split()
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+        ).stdout.split()
         assert {g["uuid"] for g in gpus} <= set(listed)
     target = gpus[-1]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", target["uuid"])  # the spawned child's environment only
@@ -197,7 +212,11 @@ def test_a_pod_with_one_visible_gpu_names_it_by_uuid(gpu_daemon: DaemonProcess, 
     child.join(timeout=60)
     assert child.exitcode == 0
     assert got.startswith("{"), got
-    assert json.loads(got) == {"same": True, "own": [target["index"], target["uuid"]], "theirs": [target["index"], target["uuid"]]}, got
+    assert json.loads(got) == {
+        "same": True,
+        "own": [target["index"], target["uuid"]],
+        "theirs": [target["index"], target["uuid"]],
+    }, got
 
 
 if __name__ == "__main__":  # pragma: no cover

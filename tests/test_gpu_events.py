@@ -80,7 +80,9 @@ def test_wait_event_copies_the_kernels_output_not_stale_bytes(gpu_daemon: Daemon
             r = c.copy(host, src, wait_event=ev, priority="urgent", timeout=30)
         else:
             half = n // 2
-            r = c.copy_batch(host, src, [(0, 0, half), (half, half, half)], wait_event=ev, priority="urgent", timeout=30)
+            r = c.copy_batch(
+                host, src, [(0, 0, half), (half, half, half)], wait_event=ev, priority="urgent", timeout=30
+            )
         want = pattern.cpu().numpy()
         assert np.array_equal(host.array, want), "the copy read the source before the producing kernel finished"
         assert r.event_wait_us is not None and r.event_wait_us > 10_000, r  # it did wait for the sleep
@@ -102,7 +104,9 @@ def deep_daemon() -> Iterator[DaemonProcess]:
 
 @pytest.mark.parametrize("dtype", ["uint8", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("kind", ["torch", "priod"])
-def test_signal_event_orders_a_kernel_after_the_copy_without_host_sync(deep_daemon: DaemonProcess, kind: str, dtype: str) -> None:
+def test_signal_event_orders_a_kernel_after_the_copy_without_host_sync(
+    deep_daemon: DaemonProcess, kind: str, dtype: str
+) -> None:
     """A 256 MiB bulk copy host -> a registered tensor, with a signal_event: as soon as the
     daemon reports the event recorded, this process's stream waits on it and a kernel copies the
     tensor out (no host synchronisation between); that kernel read every copied byte. The report
@@ -131,7 +135,9 @@ def test_signal_event_orders_a_kernel_after_the_copy_without_host_sync(deep_daem
         in_flight = not h.done()
         h.wait(timeout=60)
         torch.cuda.synchronize()
-        assert np.array_equal(out.view(torch.uint8).cpu().numpy(), host.array), "the kernel read bytes the copy had not written yet"
+        assert np.array_equal(out.view(torch.uint8).cpu().numpy(), host.array), (
+            "the kernel read bytes the copy had not written yet"
+        )
         assert in_flight, "the record was reported only once the copy had landed: this run did not test the ordering"
         c.free(dst)
 
@@ -179,6 +185,8 @@ def test_an_event_destroyed_early_breaks_only_its_own_copy(gpu_daemon: DaemonPro
             outcome = f"landed after waiting {r.event_wait_us} us"
         except (priod.EngineError, priod.CopyTimeout) as exc:  # its own copy only: either is contained
             outcome = f"{type(exc).__name__}: {exc}"
-        print(f"event destroyed by its client while a copy waited on it: {outcome} ({time.perf_counter() - start:.3f} s)")
+        print(
+            f"event destroyed by its client while a copy waited on it: {outcome} ({time.perf_counter() - start:.3f} s)"
+        )
         torch.cuda.synchronize()
         c.ping()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from priod.common.types import Direction, LaneKey, Path
-from priod.daemon.engines.base import Completion
+from priod.daemon.engines.base import ChunkJob, Completion
 
 pytestmark = pytest.mark.gpu
 
@@ -57,27 +57,33 @@ def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: st
         view[:REGION] = np.random.default_rng(3).integers(0, 256, REGION, dtype=np.uint8)
         head = REGION - TAIL
         engine.set_gates(frozenset({H2D}))
-        first = engine.submit(H2D, Path.DMA, dev, 0, host, 0, head)  # not gated: runs
+        first = engine.submit(
+            ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=head)
+        )  # not gated: runs
         if form == "chunk":
-            gated = engine.submit(H2D, Path.DMA, dev, head, host, head, TAIL, gated=True)
+            gated = engine.submit(
+                ChunkJob(H2D, Path.DMA, dev, host, dst_offset=head, src_offset=head, nbytes=TAIL, gated=True)
+            )
         else:
             offsets = np.arange(head, REGION, 64 << 10, dtype=np.uint64)[::-1]
             cells = np.stack([offsets, offsets, np.full(len(offsets), 64 << 10, dtype=np.uint64)], axis=1)
-            gated = engine.submit_segments(H2D, Path.DMA, dev, host, cells, gated=True)
+            gated = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, cells=cells, gated=True))
         # The other lane's gate is open: its gated chunk goes while h2d's waits.
-        other = engine.submit(D2H, Path.DMA, host, REGION, dev, 0, TAIL, gated=True)
+        other = engine.submit(
+            ChunkJob(D2H, Path.DMA, host, dev, dst_offset=REGION, src_offset=0, nbytes=TAIL, gated=True)
+        )
         _wait(other)
         _wait(first)
         time.sleep(0.05)  # 4 MiB would take ~80 us: still not done means it has not begun
         assert not gated.done()
         # An urgent chunk goes on the lane's strict stream, which has no wait on the gate: it
         # runs while the gated chunk waits (the sim models this: tests/test_sim_cotenant.py).
-        strict = engine.submit(H2D, Path.DMA, dev, 0, host, 0, TAIL, strict=True)
+        strict = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=TAIL, strict=True))
         _wait(strict)
         assert not gated.done()
         engine.set_gates(frozenset())
         _wait(gated)
-        back = engine.submit(D2H, Path.DMA, host, REGION, dev, 0, REGION)
+        back = engine.submit(ChunkJob(D2H, Path.DMA, host, dev, dst_offset=REGION, src_offset=0, nbytes=REGION))
         _wait(back)
         assert np.array_equal(view[REGION:], view[:REGION])
     finally:

@@ -54,7 +54,10 @@ async def test_two_pods_with_different_visible_devices_reach_the_same_gpu_lane(t
     pod_a_visible = {0: U1}  # what cuDeviceGetUuid answers in pod A for each of its ordinals
     pod_b_visible = {0: U0, 1: U1}
     logged_before = len(_log(two_gpus))
-    async with priod.connect(two_gpus.socket_path, name="pod-a") as a, priod.connect(two_gpus.socket_path, name="pod-b") as b:
+    async with (
+        priod.connect(two_gpus.socket_path, name="pod-a") as a,
+        priod.connect(two_gpus.socket_path, name="pod-b") as b,
+    ):
         before = await a.status()
         regions = []
         for client, visible, ordinal, fill in ((a, pod_a_visible, 0, 0xA5), (b, pod_b_visible, 1, 0x5B)):
@@ -98,9 +101,15 @@ async def test_unknown_or_malformed_uuid_is_refused_naming_the_served_gpus(two_g
     look; a malformed one shows the expected form. The connection stays usable."""
     stranger = "GPU-11111111-2222-4333-8444-555555555555"
     async with priod.connect(two_gpus.socket_path) as c:
-        with pytest.raises(InvalidRequest, match=rf"^this daemon serves no GPU {stranger}; it serves gpu0={U0}, gpu1={U1}\. Check .*nvidia-smi -L"):
+        with pytest.raises(
+            InvalidRequest,
+            match=rf"^this daemon serves no GPU {stranger}; it serves gpu0={U0}, gpu1={U1}\. Check .*nvidia-smi -L",
+        ):
             await c.alloc_device(4096, device=stranger)
-        with pytest.raises(InvalidRequest, match=r"^device_uuid 'gpu1' is not a GPU UUID; give it as nvidia-smi -L prints it, like GPU-"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^device_uuid 'gpu1' is not a GPU UUID; give it as nvidia-smi -L prints it, like GPU-",
+        ):
             await c.alloc_device(4096, device="gpu1")
         await c.ping()
 
@@ -113,9 +122,17 @@ async def test_status_shows_each_gpu_and_each_lane_by_uuid(two_gpus: DaemonProce
     assert st["gpus"] == [{"index": 0, "uuid": U0}, {"index": 1, "uuid": U1}]
     local = {f"gpu{i}/{d}": u for i, u in ((0, U0), (1, U1)) for d in ("d2d", "d2h", "h2d")}
     assert {ln["lane"]: ln["gpu"] for ln in st["lanes"]} == {**local, "gpu0/peer/gpu1": U0, "gpu1/peer/gpu0": U1}
-    assert {ln["lane"]: ln["peer_gpu"] for ln in st["lanes"] if "peer_gpu" in ln} == {"gpu0/peer/gpu1": U1, "gpu1/peer/gpu0": U0}
+    assert {ln["lane"]: ln["peer_gpu"] for ln in st["lanes"] if "peer_gpu" in ln} == {
+        "gpu0/peer/gpu1": U1,
+        "gpu1/peer/gpu0": U0,
+    }
     assert st["engine"]["devices"] == st["gpus"]
-    r = subprocess.run([sys.executable, "-m", "priod", "status", "--socket", two_gpus.socket_path], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "priod", "status", "--socket", two_gpus.socket_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert [line.split() for line in lines[2:4]] == [["gpu0", U0], ["gpu1", U1]], r.stdout
@@ -131,7 +148,9 @@ def test_register_device_carries_the_uuid_and_old_requests_still_decode() -> Non
     """The wire: both requests take an optional ``device_uuid``, checked at decode; requests
     without it (older clients) decode as before, by ordinal; the region reply names the UUID."""
     handle = bytes(64)
-    new = decode_request({"id": 1, "op": "register_device", "handle": handle, "nbytes": 8, "device": 2, "device_uuid": U1})
+    new = decode_request(
+        {"id": 1, "op": "register_device", "handle": handle, "nbytes": 8, "device": 2, "device_uuid": U1}
+    )
     assert isinstance(new, RegisterDevice) and (new.device, new.device_uuid) == (2, U1)
     old = decode_request({"id": 2, "op": "alloc_device", "nbytes": 8, "device": 1})
     assert isinstance(old, AllocDevice) and (old.device, old.device_uuid) == (1, None)
@@ -148,7 +167,11 @@ def test_uuid_format_matches_nvidia_smi() -> None:
     """16 raw bytes format as nvidia-smi prints them; `uuid_key` takes GPU-/MIG- prefixes and any case."""
     raw = bytes(range(16))
     assert format_uuid(raw) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
-    assert uuid_key("MIG-00010203-0405-0607-0809-0A0B0C0D0E0F") == uuid_key(format_uuid(raw)) == "00010203-0405-0607-0809-0a0b0c0d0e0f"
+    assert (
+        uuid_key("MIG-00010203-0405-0607-0809-0A0B0C0D0E0F")
+        == uuid_key(format_uuid(raw))
+        == "00010203-0405-0607-0809-0a0b0c0d0e0f"
+    )
     with pytest.raises(ValueError, match=r"^a GPU UUID is 16 bytes, got 15$"):
         format_uuid(raw[:15])
 
@@ -179,8 +202,14 @@ def test_sim_uuids_are_stable_distinct_and_configurable() -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"PRIOD_SIM__DEVICES": "2", "PRIOD_SIM__UUIDS": json.dumps([U0])}, r"^\[sim\] uuids lists 1 UUIDs for devices = 2; give one per device, or leave it empty$"),
-        ({"PRIOD_SIM__DEVICES": "2", "PRIOD_SIM__UUIDS": json.dumps([U0, U0.upper()])}, r"^\[sim\] uuids = .* names one GPU twice; give each device its own UUID$"),
+        (
+            {"PRIOD_SIM__DEVICES": "2", "PRIOD_SIM__UUIDS": json.dumps([U0])},
+            r"^\[sim\] uuids lists 1 UUIDs for devices = 2; give one per device, or leave it empty$",
+        ),
+        (
+            {"PRIOD_SIM__DEVICES": "2", "PRIOD_SIM__UUIDS": json.dumps([U0, U0.upper()])},
+            r"^\[sim\] uuids = .* names one GPU twice; give each device its own UUID$",
+        ),
         ({"PRIOD_SIM__UUIDS": '["nope"]'}, r"^\[sim\] uuids: device_uuid 'nope' is not a GPU UUID"),
         ({"PRIOD_SIM__UUIDS": "[1]"}, r"^\[sim\] uuids = \[1\] must be a list of strings"),
     ],
@@ -195,5 +224,11 @@ def test_alloc_device_by_uuid_sends_only_the_uuid_field() -> None:
     """The client library turns a string ``device`` into ``device_uuid`` (an int stays the ordinal)."""
     from priod.client.base import alloc_device_request as _alloc_device_request
 
-    assert _alloc_device_request(8, U1).encode(1) == {"id": 1, "op": "alloc_device", "nbytes": 8, "device": 0, "device_uuid": U1}
+    assert _alloc_device_request(8, U1).encode(1) == {
+        "id": 1,
+        "op": "alloc_device",
+        "nbytes": 8,
+        "device": 0,
+        "device_uuid": U1,
+    }
     assert _alloc_device_request(8, 1).encode(2) == {"id": 2, "op": "alloc_device", "nbytes": 8, "device": 1}

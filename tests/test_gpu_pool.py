@@ -26,7 +26,13 @@ class _Cai:
     """``nbytes`` of device memory at ``pointer``, as a flat uint8 CUDA array."""
 
     def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 class _Pool:
@@ -45,7 +51,9 @@ class _Pool:
         props = drv.CUmemPoolProps()
         props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         handles = drv.CUmemAllocationHandleType
-        props.handleTypes = handles.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if shareable else handles.CU_MEM_HANDLE_TYPE_NONE
+        props.handleTypes = (
+            handles.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if shareable else handles.CU_MEM_HANDLE_TYPE_NONE
+        )
         props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         props.location.id = 0
         self.pool = check(drv.cuMemPoolCreate(props))
@@ -97,7 +105,9 @@ def test_pool_allocation_registers_by_the_pool_fd(gpu_daemon: DaemonProcess) -> 
     view = _Cai(base + lead, n)
     buf = export_device_buffer(view)
     os.close(buf.fd)
-    assert (buf.kind, buf.offset, buf.nbytes, len(buf.handle), buf.pointer) == ("pool_fd", lead, n, 64, base + lead), buf
+    assert (buf.kind, buf.offset, buf.nbytes, len(buf.handle), buf.pointer) == ("pool_fd", lead, n, 64, base + lead), (
+        buf
+    )
     assert buf.size >= lead + n, buf
     rng = np.random.default_rng(23)
     try:
@@ -121,7 +131,11 @@ def test_pool_allocation_registers_by_the_pool_fd(gpu_daemon: DaemonProcess) -> 
             assert engine["pool_imports"] == 2, engine
             c.copy(second, region, 1000, priority="urgent")
             got = pool.read(other, MiB)
-            assert np.array_equal(got[8:1008], host.array[:1000]) and (got[:8] == 0x33).all() and (got[1008:] == 0x33).all()
+            assert (
+                np.array_equal(got[8:1008], host.array[:1000])
+                and (got[:8] == 0x33).all()
+                and (got[1008:] == 0x33).all()
+            )
             c.copy(host, again, 4096, priority="bulk")
             assert np.array_equal(host.array[:4096], pool.read(base, 4096))
             for r in (region, again, second):
@@ -132,7 +146,9 @@ def test_pool_allocation_registers_by_the_pool_fd(gpu_daemon: DaemonProcess) -> 
             c.copy(host, region, priority="urgent")
             assert np.array_equal(host.array, pool.read(base + lead, n))
             c.free(region)
-            wait_until(lambda: c.status()["engine"]["pool_imports"] == 0, what="the daemon to free its pool imports again")
+            wait_until(
+                lambda: c.status()["engine"]["pool_imports"] == 0, what="the daemon to free its pool imports again"
+            )
     finally:
         pool.close()
 
@@ -148,10 +164,14 @@ def test_pool_without_handle_types_names_the_setting(gpu_daemon: DaemonProcess) 
             with pytest.raises(priod.EngineError) as info:
                 c.register_device(_Cai(pointer, MiB))
             message = str(info.value)
-            assert message.startswith("this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool"), message
+            assert message.startswith(
+                "this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool"
+            ), message
             assert "cudaMemPoolCreate with handleTypes = cudaMemHandleTypePosixFileDescriptor" in message, message
-            assert "PYTORCH_CUDA_ALLOC_CONF=backend:native" in message and "alloc_device and view it with Region.torch()" in message, message
+            assert (
+                "PYTORCH_CUDA_ALLOC_CONF=backend:native" in message
+                and "alloc_device and view it with Region.torch()" in message
+            ), message
             c.ping()
     finally:
         pool.close()
-

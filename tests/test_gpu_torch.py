@@ -94,7 +94,9 @@ def test_device_region_views_and_tensor_copies(gpu_daemon: DaemonProcess, torch:
         assert torch.from_dlpack(d).data_ptr() == dv.data_ptr()
         h.array[:] = np.random.default_rng(6).integers(0, 256, h.nbytes, dtype=np.uint8)
         c.copy_tensor(dv[5:9], hv[1:5], priority="urgent")
-        assert np.array_equal(dv[5:9].view(torch.uint8).cpu().numpy().reshape(-1), hv[1:5].view(torch.uint8).numpy().reshape(-1))
+        assert np.array_equal(
+            dv[5:9].view(torch.uint8).cpu().numpy().reshape(-1), hv[1:5].view(torch.uint8).numpy().reshape(-1)
+        )
         dv[20].view(torch.uint8).fill_(0xA5)
         torch.cuda.synchronize()
         c.copy_tensor(hv[0], dv[20], priority="bulk")
@@ -130,13 +132,21 @@ sys.exit(3)
     ],
     ids=["cudaMallocAsync"],
 )
-def test_unshareable_allocator_memory_names_the_setting(gpu_daemon: DaemonProcess, torch: Any, conf: str, hints: tuple[str, ...]) -> None:
+def test_unshareable_allocator_memory_names_the_setting(
+    gpu_daemon: DaemonProcess, torch: Any, conf: str, hints: tuple[str, ...]
+) -> None:
     """With PyTorch's allocator set to memory priod cannot share (backend:cudaMallocAsync takes
     it from the device's default pool, which has no POSIX fd handle type to export),
     register_device fails before any request, with an error that names the settings to change
     and the alternative. In a subprocess: the setting must be made before torch starts CUDA."""
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _REGISTER_UNDER, gpu_daemon.socket_path], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _REGISTER_UNDER, gpu_daemon.socket_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     message = out.stdout.strip()
     assert message.startswith("this buffer's memory cannot be registered with priod: "), message
@@ -215,23 +225,45 @@ def test_expandable_segments_tensor_registers_by_fd(gpu_daemon: DaemonProcess, t
     neighbours keep theirs; a tensor in a 20 MiB page registers too, one over two pages is
     refused with the reason."""
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _EXPANDABLE, gpu_daemon.socket_path], capture_output=True, text=True, timeout=180, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _EXPANDABLE, gpu_daemon.socket_path],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     if out.returncode == 0 and out.stdout.splitlines()[-1:] == ["fabric"]:
-        pytest.skip(f"PyTorch's expandable segments use fabric handles on this machine, which priod does not take: {out.stdout}")
+        pytest.skip(
+            f"PyTorch's expandable segments use fabric handles on this machine, which priod does not take: {out.stdout}"
+        )
     assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("flags", [[], ["--register"], ["--direct"], ["--register", "--direct"]], ids=["alloc_device", "register_device", "direct", "register_direct"])
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--register"], ["--direct"], ["--register", "--direct"]],
+    ids=["alloc_device", "register_device", "direct", "register_direct"],
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_kv_offload_example_on_cuda(gpu_daemon: DaemonProcess, torch: Any, dtype: str, flags: list[str]) -> None:
     """examples/kv_offload.py on the cuda engine: the cache a daemon allocation viewed by
     Region.torch(), or PyTorch's own tensor registered; the urgent reload through the daemon,
     or this process's own (--direct, the daemon's host pool pinned here); output bitwise the
     same after reload."""
-    cmd = [sys.executable, str(ROOT / "examples" / "kv_offload.py"), "--socket", gpu_daemon.socket_path, "--dtype", dtype, *flags]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "kv_offload.py"),
+        "--socket",
+        gpu_daemon.socket_path,
+        "--dtype",
+        dtype,
+        *flags,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"cuda engine, {dtype}: KV cache (2, 128, 16, 8, 64) on cuda:0"), out.stdout
-    assert lines[2].startswith("reload A: 64 segments urgent, direct," if "--direct" in flags else "reload A: 64 segments urgent in"), out.stdout
+    assert lines[2].startswith(
+        "reload A: 64 segments urgent, direct," if "--direct" in flags else "reload A: 64 segments urgent in"
+    ), out.stdout
     assert lines[-1] == "attention output after offload and reload equals the output before: ok"

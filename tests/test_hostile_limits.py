@@ -46,7 +46,9 @@ from priod.testing.procfs import memory_and_fds, open_fds
 from priod.wire.frames import encode
 from priod.wire.transport import BlockingFramedSocket
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other uids (setuid); CI runs the suite as root")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to run clients as other uids (setuid); CI runs the suite as root"
+)
 
 NOBODY, OTHER, STRANGER = 65534, 65533, 65532
 MiB = 1 << 20
@@ -201,7 +203,10 @@ def test_idle_connections_of_one_uid_cannot_lock_others_out() -> None:
             assert not silent[0].pending(0.2) and not silent[1].pending(0)  # admitted, waiting for a hello
             with raw_as(OTHER, path, 2) as others:  # another uid still gets in: 4 of 4 slots taken
                 with raw_as(STRANGER, path, hello=False) as (stranger,):
-                    assert refusal(stranger.frame()) == ("limit", "the daemon already serves 4 clients ([server] max_clients); retry later")
+                    assert refusal(stranger.frame()) == (
+                        "limit",
+                        "the daemon already serves 4 clients ([server] max_clients); retry later",
+                    )
                 # root gets in beyond max_clients, and sees who holds the slots
                 with priod.SyncClient(path, timeout=30) as root, priod.SyncClient(path, timeout=30):
                     st = root.status()
@@ -210,7 +215,10 @@ def test_idle_connections_of_one_uid_cannot_lock_others_out() -> None:
                 assert time.monotonic() - t0 < 3.5, "too slow to see the silent connections before their hello timeout"
                 # the silent connections are told why and closed once hello_timeout_s has passed
                 for c in silent[:2]:
-                    assert refusal(c.frame()) == ("limit", "no hello within 4 s of connecting ([server] hello_timeout_s); send hello as the first request")
+                    assert refusal(c.frame()) == (
+                        "limit",
+                        "no hello within 4 s of connecting ([server] hello_timeout_s); send hello as the first request",
+                    )
                     assert c.at_eof(5)
                 assert 4.0 <= time.monotonic() - t0 < 9.0
                 others[0].ok("ping")  # the connections that said hello are untouched
@@ -229,7 +237,11 @@ async def test_idle_timeout_closes_connections_that_hold_nothing() -> None:
     or keeps sending requests, stays."""
     env = {**QUIET, "PRIOD_SERVER__IDLE_TIMEOUT_S": "1.0"}
     with daemon_process(env) as d:
-        async with priod.connect(d.socket_path) as idle, priod.connect(d.socket_path) as holder, priod.connect(d.socket_path) as busy:
+        async with (
+            priod.connect(d.socket_path) as idle,
+            priod.connect(d.socket_path) as holder,
+            priod.connect(d.socket_path) as busy,
+        ):
             await holder.alloc_host(4096)
             for _ in range(10):
                 await busy.ping()
@@ -291,10 +303,18 @@ async def test_limits_per_uid_hold_over_all_its_connections() -> None:
                 f"region {shared} is shared with 2 uids already ([limits] max_shares_per_region = 2)",
             )
             a1.close()  # its 3 MiB host region goes back to the uid's budget
-            wait_until(lambda: a2.request("alloc_host", nbytes=3 * MiB)["ok"], timeout=10.0, what=f"uid {NOBODY}'s budget coming back")
+            wait_until(
+                lambda: a2.request("alloc_host", nbytes=3 * MiB)["ok"],
+                timeout=10.0,
+                what=f"uid {NOBODY}'s budget coming back",
+            )
             st = root_status(path)
             mine = {u["uid"]: u for u in st["uids"]}
-            assert (mine[NOBODY]["regions"], mine[NOBODY]["pinned_bytes"], mine[NOBODY]["device_bytes"]) == (3, 3 * MiB + 4096, 3 * MiB)
+            assert (mine[NOBODY]["regions"], mine[NOBODY]["pinned_bytes"], mine[NOBODY]["device_bytes"]) == (
+                3,
+                3 * MiB + 4096,
+                3 * MiB,
+            )
             assert (mine[OTHER]["regions"], mine[OTHER]["pinned_bytes"]) == (1, 4 * MiB)
 
         # copies pending, per uid (root's connections here: per-uid limits bind uid 0 too)
@@ -366,7 +386,11 @@ def test_daemon_wide_caps_bind_every_uid() -> None:
                 "device_cap": 6 * MiB,
             }
             a.close()
-            wait_until(lambda: root.status()["holdings"]["regions"] == 2, timeout=10.0, what="the leaver's regions being released")
+            wait_until(
+                lambda: root.status()["holdings"]["regions"] == 2,
+                timeout=10.0,
+                what="the leaver's regions being released",
+            )
             root.alloc_host(4 * MiB)
     assert d.proc.returncode == 0, d.log()[-4000:]
 
@@ -422,7 +446,9 @@ async def test_regions_cannot_use_up_the_daemons_fds(few_fds_daemon: DaemonProce
             finally:
                 os.close(fd)
     with priod.SyncClient(d.socket_path, timeout=30) as later:
-        wait_until(lambda: later.status()["holdings"]["regions"] == 0, timeout=10.0, what="the hog's regions being released")
+        wait_until(
+            lambda: later.status()["holdings"]["regions"] == 0, timeout=10.0, what="the hog's regions being released"
+        )
         later.alloc_device(4096)
 
 
@@ -442,7 +468,10 @@ def memfd(nbytes: int = MiB, *, flags: int = os.MFD_ALLOW_SEALING, seals: int = 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, ctypes.c_int64(offset), ctypes.c_int64(length)) != 0:
+    if (
+        libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, ctypes.c_int64(offset), ctypes.c_int64(length))
+        != 0
+    ):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -457,17 +486,37 @@ async def test_register_host_takes_only_memory_the_daemon_can_trust(daemon: Daem
     async with priod.connect(daemon.socket_path) as c:
         cases: list[tuple[str, int, str]] = []
         try:
-            cases.append(("hugetlb", memfd(2 * MiB, flags=os.MFD_ALLOW_SEALING | os.MFD_HUGETLB), r"^the passed memfd is backed by huge pages \(MFD_HUGETLB\)"))
+            cases.append(
+                (
+                    "hugetlb",
+                    memfd(2 * MiB, flags=os.MFD_ALLOW_SEALING | os.MFD_HUGETLB),
+                    r"^the passed memfd is backed by huge pages \(MFD_HUGETLB\)",
+                )
+            )
         except OSError:
             pass  # a kernel without hugetlbfs: nothing to refuse
         cases += [
-            ("write-sealed", memfd(seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE), r"^the passed memfd is sealed against writing \(F_SEAL_WRITE or F_SEAL_FUTURE_WRITE\)"),
-            ("future-write-sealed", memfd(seals=fcntl.F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE), r"^the passed memfd is sealed against writing"),
-            ("unsealable", memfd(flags=0, seals=0), r"^the passed fd cannot be sealed \(a memfd made without MFD_ALLOW_SEALING, or a tmpfs file\)"),
+            (
+                "write-sealed",
+                memfd(seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE),
+                r"^the passed memfd is sealed against writing \(F_SEAL_WRITE or F_SEAL_FUTURE_WRITE\)",
+            ),
+            (
+                "future-write-sealed",
+                memfd(seals=fcntl.F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE),
+                r"^the passed memfd is sealed against writing",
+            ),
+            (
+                "unsealable",
+                memfd(flags=0, seals=0),
+                r"^the passed fd cannot be sealed \(a memfd made without MFD_ALLOW_SEALING, or a tmpfs file\)",
+            ),
             ("unsealed", memfd(seals=0), r"^seal the memfd against shrinking first"),
         ]
         writable = memfd()
-        cases.append(("read-only", os.open(f"/proc/self/fd/{writable}", os.O_RDONLY), r"^the passed fd is open read-only"))
+        cases.append(
+            ("read-only", os.open(f"/proc/self/fd/{writable}", os.O_RDONLY), r"^the passed fd is open read-only")
+        )
         with tempfile.TemporaryFile(dir="/dev/shm") as shm:
             shm.truncate(MiB)
             cases.append(("tmpfs file", os.dup(shm.fileno()), r"^the passed fd cannot be sealed"))
@@ -543,7 +592,11 @@ def test_status_shows_other_users_clients_only_to_root() -> None:
     Now a uid sees only its own connections (and the totals); root sees everyone."""
     with daemon_process(OPEN, socket_path=socket_path()) as d:
         path = d.socket_path
-        with priod.SyncClient(path, timeout=30) as root, raw_as(NOBODY, path, 2) as (a, a2), raw_as(OTHER, path) as (b,):
+        with (
+            priod.SyncClient(path, timeout=30) as root,
+            raw_as(NOBODY, path, 2) as (a, a2),
+            raw_as(OTHER, path) as (b,),
+        ):
             root.alloc_host(4096)
             a.ok("alloc_host", nbytes=8192)
             b.ok("alloc_device", nbytes=4096)
@@ -595,7 +648,9 @@ def test_clients_that_never_read_cost_about_max_output_bytes_each() -> None:
         finally:
             for s in socks:
                 s.close()
-    print(f"daemon anonymous RSS per non-reading client: {per_client:.2f} MiB (max_output_bytes {max_output / MiB:.0f} MiB)")
+    print(
+        f"daemon anonymous RSS per non-reading client: {per_client:.2f} MiB (max_output_bytes {max_output / MiB:.0f} MiB)"
+    )
     assert per_client <= max_output / MiB + 1.0
 
 
@@ -604,7 +659,11 @@ def test_a_uids_request_rate_is_capped_over_its_connections_and_others_are_not()
     max_requests_per_s_per_uid (plus its burst) together; every request is still answered (the
     cap slows, it never refuses); another uid's pings meanwhile are answered at once."""
     rate, burst, per_conn = 400, 40, 200
-    env = {**OPEN, "PRIOD_LIMITS__MAX_REQUESTS_PER_S_PER_UID": str(rate), "PRIOD_LIMITS__REQUEST_BURST_PER_UID": str(burst)}
+    env = {
+        **OPEN,
+        "PRIOD_LIMITS__MAX_REQUESTS_PER_S_PER_UID": str(rate),
+        "PRIOD_LIMITS__REQUEST_BURST_PER_UID": str(burst),
+    }
     with daemon_process(env, socket_path=socket_path()) as d, raw_as(NOBODY, d.socket_path, n=2) as flood:
         time.sleep(0.2)  # the bucket refills after the hellos
         t0 = time.monotonic()
@@ -621,7 +680,9 @@ def test_a_uids_request_rate_is_capped_over_its_connections_and_others_are_not()
     assert all(r["ok"] for r in replies), [r for r in replies if not r["ok"]][:3]
     assert sorted(r["id"] for r in replies) == sorted([1000 + i for i in range(per_conn)] * 2)
     floor = (2 * per_conn - burst) / rate  # 0.9 s at the cap
-    assert elapsed >= 0.8 * floor, f"{2 * per_conn} pings of one uid answered in {elapsed:.2f} s: faster than the cap allows ({floor:.2f} s)"
+    assert elapsed >= 0.8 * floor, (
+        f"{2 * per_conn} pings of one uid answered in {elapsed:.2f} s: faster than the cap allows ({floor:.2f} s)"
+    )
     assert max(waits) < 0.25, f"another uid's pings waited up to {max(waits) * 1e3:.0f} ms behind the capped flood"
 
 
@@ -637,7 +698,10 @@ def test_another_uids_batches_cannot_touch_or_slow_an_honest_client() -> None:
         h, dv = honest.alloc_host(MiB), honest.alloc_device(MiB)
         assert h.array is not None and dv.array is not None
         with raw_as(NOBODY, d.socket_path) as (bad,):
-            hid, did = bad.ok("alloc_host", nbytes=64 * 1024)["region"], bad.ok("alloc_device", nbytes=64 * 1024)["region"]
+            hid, did = (
+                bad.ok("alloc_host", nbytes=64 * 1024)["region"],
+                bad.ok("alloc_device", nbytes=64 * 1024)["region"],
+            )
 
             def table(rows: list[tuple[int, int, int]]) -> bytes:
                 return np.asarray(rows, dtype="<u8").tobytes()
@@ -656,7 +720,12 @@ def test_another_uids_batches_cannot_touch_or_slow_an_honest_client() -> None:
             bad.ok("ping")
             # A flood of valid batches at the segment cap on its own regions, sent and never read.
             flood = table([(16 * i, 16 * i, 16) for i in range(4096)])
-            bad.sock.sendall(b"".join(encode({"id": 5000 + i, "op": "copy_batch", "dst": did, "src": hid, "segments": flood}) for i in range(64)))
+            bad.sock.sendall(
+                b"".join(
+                    encode({"id": 5000 + i, "op": "copy_batch", "dst": did, "src": hid, "segments": flood})
+                    for i in range(64)
+                )
+            )
             waits = []
             for _ in range(5):
                 h.array[:] = rng.integers(0, 256, MiB, dtype=np.uint8)
@@ -667,7 +736,9 @@ def test_another_uids_batches_cannot_touch_or_slow_an_honest_client() -> None:
                 waits.append(time.monotonic() - t)
                 idx = np.concatenate([np.arange(b, b + 4096) for b in blocks] + [np.arange(65536)])
                 assert np.array_equal(dv.array[idx], h.array[idx])
-            assert max(waits) < 2.0, f"root's urgent batch and copy took up to {max(waits):.2f} s beside another uid's batch flood"
+            assert max(waits) < 2.0, (
+                f"root's urgent batch and copy took up to {max(waits):.2f} s beside another uid's batch flood"
+            )
             replies = [bad.frame() for _ in range(64)]
             assert sorted(r["id"] for r in replies) == list(range(5000, 5064)) and all(r["ok"] for r in replies)
 
@@ -682,16 +753,33 @@ def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> Non
         h, dv = honest.alloc_host(MiB), honest.alloc_device(MiB)
         assert h.array is not None and dv.array is not None
         with raw_as(NOBODY, d.socket_path) as (bad,):
-            hid, did = bad.ok("alloc_host", nbytes=64 * 1024)["region"], bad.ok("alloc_device", nbytes=64 * 1024)["region"]
+            hid, did = (
+                bad.ok("alloc_host", nbytes=64 * 1024)["region"],
+                bad.ok("alloc_device", nbytes=64 * 1024)["region"],
+            )
             code, _ = bad.error("copy", dst=did, src=hid, nbytes=4096, wait_event=sim_handle(dv.id, 0))
             assert code in ("not_found", "permission"), code
             bad.sock.sendall(
                 b"".join(
-                    encode({"id": 7000 + i, "op": "copy", "dst": did, "src": hid, "nbytes": 4096, "priority": "urgent", "wait_event": sim_handle(did, 60_000 + i)})
+                    encode(
+                        {
+                            "id": 7000 + i,
+                            "op": "copy",
+                            "dst": did,
+                            "src": hid,
+                            "nbytes": 4096,
+                            "priority": "urgent",
+                            "wait_event": sim_handle(did, 60_000 + i),
+                        }
+                    )
                     for i in range(32)
                 )
             )
-            wait_until(lambda: root_status(d.socket_path)["held_copies"] == 32, timeout=10.0, what="32 copies held on events that never complete")
+            wait_until(
+                lambda: root_status(d.socket_path)["held_copies"] == 32,
+                timeout=10.0,
+                what="32 copies held on events that never complete",
+            )
             for _ in range(5):
                 h.array[:] = np.random.default_rng().integers(0, 256, MiB, dtype=np.uint8)
                 t = time.monotonic()
@@ -699,7 +787,11 @@ def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> Non
                 assert time.monotonic() - t < 2.0
                 assert np.array_equal(dv.array, h.array)
             assert not bad.pending(0.2), "a copy held on an event that never completed was answered"
-        wait_until(lambda: root_status(d.socket_path)["held_copies"] == 0, timeout=10.0, what="the held copies dropped with their connection")
+        wait_until(
+            lambda: root_status(d.socket_path)["held_copies"] == 0,
+            timeout=10.0,
+            what="the held copies dropped with their connection",
+        )
 
 
 def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:

@@ -42,8 +42,6 @@ LINGER_S = 5
 QUIET = {"PRIOD_LOG__LEVEL": '"warning"'}
 
 
-
-
 # -- helpers -----------------------------------------------------------------------------------
 
 
@@ -253,7 +251,11 @@ def test_request_limits_hold_for_large_bodies_too() -> None:
     flat = {"id": 1, "op": "ping", **{f"k{i}": "x" * 1000 for i in range(8)}}
     dec = FrameDecoder(1 << 20, REQUEST_LIMITS)
     assert dec.feed(encode(flat)) == [flat]
-    for value, reason in (({"a": 1}, r"nests an array or a map"), ([], r"nests an array or a map"), ("y" * 2000, r"2000 exceeds max_str_len\(1024\)")):
+    for value, reason in (
+        ({"a": 1}, r"nests an array or a map"),
+        ([], r"nests an array or a map"),
+        ("y" * 2000, r"2000 exceeds max_str_len\(1024\)"),
+    ):
         for pad in (0, 8):  # small body, large body
             msg: dict[str, Any] = {"id": 1, "op": "ping", "x": value, **{f"k{i}": "x" * 1000 for i in range(pad)}}
             with pytest.raises(ProtocolError, match=reason):
@@ -273,7 +275,11 @@ FD_MAX_OUTPUT = 64 << 10
 
 @pytest.fixture(scope="module")
 def fd_daemon() -> Iterator[DaemonProcess]:
-    env = {**QUIET, "PRIOD_SERVER__MAX_OUTPUT_BYTES": str(FD_MAX_OUTPUT), "PRIOD_SERVER__MAX_FRAME_BYTES": str(FD_MAX_OUTPUT)}
+    env = {
+        **QUIET,
+        "PRIOD_SERVER__MAX_OUTPUT_BYTES": str(FD_MAX_OUTPUT),
+        "PRIOD_SERVER__MAX_FRAME_BYTES": str(FD_MAX_OUTPUT),
+    }
     with daemon_process(env) as d:
         yield d
     assert d.proc.returncode == 0, d.log()[-3000:]
@@ -306,7 +312,11 @@ def _attack_ping_with_fd(d: DaemonProcess, fs: BlockingFramedSocket, linger: soc
         send_with_fds(fs, _ping_frame(), [linger.fileno()])
         linger.close()
     msg, _ = fs.receive()
-    assert msg["id"] == 7 and msg["error"]["code"] == "bad_request" and "takes no file descriptors" in msg["error"]["message"], msg
+    assert (
+        msg["id"] == 7
+        and msg["error"]["code"] == "bad_request"
+        and "takes no file descriptors" in msg["error"]["message"]
+    ), msg
     return resumed[0]
 
 
@@ -478,7 +488,9 @@ async def test_connect_retries_while_the_backlog_is_full() -> None:
             d.proc.send_signal(signal.SIGSTOP)
             socks = _fill_backlog(d.socket_path)
             t0 = time.monotonic()
-            with pytest.raises(ConnectionClosed, match=r"accepted no connection for \d+\.\d+ s: its listen backlog is full \(EAGAIN\)"):
+            with pytest.raises(
+                ConnectionClosed, match=r"accepted no connection for \d+\.\d+ s: its listen backlog is full \(EAGAIN\)"
+            ):
                 await asyncio.wait_for(Client.connect(d.socket_path), 30)
             assert 0.4 < time.monotonic() - t0 < 10
         finally:
@@ -599,7 +611,12 @@ def test_sighup_that_moves_the_socket_keeps_serving_and_stop_removes_its_own(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIOD_")}
     log_path = tmp_path / "daemon.log"
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "priod", "serve", "--config", str(cfg), "--backend", "sim"], stdout=logf, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "priod", "serve", "--config", str(cfg), "--backend", "sim"],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     decoy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         wait_for_socket(old, 60, proc)
@@ -637,7 +654,10 @@ def test_sigterm_with_60_clients_that_never_read_exits_within_10_s() -> None:
             for _ in range(60):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(d.socket_path)
-                s.sendall(encode({"id": 1, "op": "hello", "v": 1}) + b"".join(encode({"id": n, "op": "status"}) for n in range(2, 202)))
+                s.sendall(
+                    encode({"id": 1, "op": "hello", "v": 1})
+                    + b"".join(encode({"id": n, "op": "status"}) for n in range(2, 202))
+                )
                 readers_never.append(s)
 
             def stuck() -> bool:

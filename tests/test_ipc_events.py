@@ -64,7 +64,9 @@ def test_handles_and_messages_round_trip() -> None:
     assert decode_request(msg) == Copy(1, 2, 10, wait_event=h, signal_event=sim_handle(7, 0))
     batch = CopyBatch(1, 2, bytes(24), wait_event=h).encode(6)
     assert decode_request(batch) == CopyBatch(1, 2, bytes(24), wait_event=h)
-    with pytest.raises(InvalidRequest, match=r"^wait_event holds 10 bytes; send the 64 bytes of a cudaIpcEventHandle_t"):
+    with pytest.raises(
+        InvalidRequest, match=r"^wait_event holds 10 bytes; send the 64 bytes of a cudaIpcEventHandle_t"
+    ):
         decode_request(Copy(1, 2, 10, wait_event=bytes(10)).encode(7))
     with pytest.raises(InvalidRequest, match=r"^field 'signal_event' must be bytes, got str$"):
         decode_request({**Copy(1, 2, 10).encode(8), "signal_event": "x" * 64})
@@ -212,7 +214,9 @@ async def test_a_held_copy_holds_up_no_one(daemon: DaemonProcess) -> None:
         n = 4 * MiB
         src_a, dst_a, evr = await a.alloc_host(n), await a.alloc_device(n), await a.alloc_device(4096)
         src_b, dst_b = await b.alloc_host(n), await b.alloc_device(n)
-        assert src_a.array is not None and dst_a.array is not None and src_b.array is not None and dst_b.array is not None
+        assert (
+            src_a.array is not None and dst_a.array is not None and src_b.array is not None and dst_b.array is not None
+        )
         src_a.array[:] = rand(n, 3)
         ev = SimEvent(evr, 0)
         ev.record()
@@ -258,8 +262,16 @@ async def test_hostile_handles_are_refused_and_the_connection_goes_on(daemon: Da
         cases: list[tuple[Any, type[Exception], str]] = [
             (bytes(10), InvalidRequest, r"^the event handle holds 10 bytes"),
             (rand(64, 4).tobytes(), InvalidRequest, r"^wait_event: this is not a sim event handle"),
-            (sim_handle(host_ev.id, 0), InvalidRequest, rf"^wait_event: sim event region {host_ev.id} is host memory, but the copy runs on gpu0"),
-            (sim_handle(dst.id, MiB), InvalidRequest, rf"^wait_event: sim event offset {MiB} is outside region {dst.id}"),
+            (
+                sim_handle(host_ev.id, 0),
+                InvalidRequest,
+                rf"^wait_event: sim event region {host_ev.id} is host memory, but the copy runs on gpu0",
+            ),
+            (
+                sim_handle(dst.id, MiB),
+                InvalidRequest,
+                rf"^wait_event: sim event offset {MiB} is outside region {dst.id}",
+            ),
             (sim_handle(999_999, 0), NotFound, r"^no region 999999"),
             (sim_handle(theirs.id, 0), priod.PermissionDenied, rf"^region {theirs.id} belongs to another client"),
         ]
@@ -286,7 +298,9 @@ async def test_event_and_request_limits_bound_a_flood_of_held_copies() -> None:
                 ev = SimEvent(evr, i)
                 ev.complete()
                 await c.copy(dst, src, 64, wait_event=ev)
-            with pytest.raises(LimitExceeded, match=rf"^this connection has {MAX_EVENTS_PER_CONNECTION} IPC events open"):
+            with pytest.raises(
+                LimitExceeded, match=rf"^this connection has {MAX_EVENTS_PER_CONNECTION} IPC events open"
+            ):
                 await c.copy(dst, src, 64, wait_event=SimEvent(evr, MAX_EVENTS_PER_CONNECTION))
             pending = SimEvent(evr, 0)
             pending.record()
@@ -344,7 +358,24 @@ def test_bench_script_dry_run_on_sim(tmp_path: Any) -> None:
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu_events.py"
     out = tmp_path / "bench"
     r = subprocess.run(
-        [sys.executable, str(script), "--backend", "sim", "--sizes", "4096", "--count", "3", "--warm", "1", "--opens", "2", "--interval-ms", "0", "--out", str(out)],
+        [
+            sys.executable,
+            str(script),
+            "--backend",
+            "sim",
+            "--sizes",
+            "4096",
+            "--count",
+            "3",
+            "--warm",
+            "1",
+            "--opens",
+            "2",
+            "--interval-ms",
+            "0",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -352,7 +383,13 @@ def test_bench_script_dry_run_on_sim(tmp_path: Any) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["sizes"]["4096"]
     assert {k: v["n"] for k, v in rows.items()} == {
-        "plain": 3, "wait": 3, "signal": 3, "wait+signal": 3, "signal recorded": 3, "wait+signal recorded": 3, "wait (open)": 2,
+        "plain": 3,
+        "wait": 3,
+        "signal": 3,
+        "wait+signal": 3,
+        "signal recorded": 3,
+        "wait+signal recorded": 3,
+        "wait (open)": 2,
     }
     assert "wait (open)" in r.stdout.strip().splitlines()[-1]  # the table comes last
 
@@ -418,6 +455,9 @@ async def test_a_signal_that_cannot_be_recorded_fails_the_reply_not_the_bytes() 
         src, dst, evr = await regions(c, MiB, 7)
         assert src.array is not None and dst.array is not None
         h = c.start_copy(dst, src, signal_event=SimEvent(evr, 0))
-        with pytest.raises(EngineError, match=r"^the copy landed \(after 1048576 of 1048576 bytes\) but its signal_event could not be recorded: injected"):
+        with pytest.raises(
+            EngineError,
+            match=r"^the copy landed \(after 1048576 of 1048576 bytes\) but its signal_event could not be recorded: injected",
+        ):
             await h.recorded()
         assert np.array_equal(dst.array, src.array)

@@ -37,6 +37,13 @@ def test_example_offloads_and_reloads_on_sim(daemon: DaemonProcess, dtype: str) 
 def test_example_refuses_cuda_only_flags_on_sim(daemon: DaemonProcess, flag: str) -> None:
     """--register (PyTorch's own CUDA tensor) and --direct (this process's own CUDA copy) need
     the cuda engine, and say so."""
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--socket", daemon.socket_path, flag], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--socket", daemon.socket_path, flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
-    assert out.stderr.strip().endswith(f"{flag} needs the cuda engine (this daemon runs sim): its device memory is a GPU's")
+    assert out.stderr.strip().endswith(
+        f"{flag} needs the cuda engine (this daemon runs sim): its device memory is a GPU's"
+    )

@@ -100,7 +100,10 @@ async def test_region_count_limit(limited: DaemonProcess) -> None:
     async with priod.connect(limited.socket_path) as c:
         regions = [await (c.alloc_host if i % 2 else c.alloc_device)(4096) for i in range(6)]
         for alloc in (c.alloc_host, c.alloc_device):
-            with pytest.raises(priod.LimitExceeded, match=r"^this connection holds 6 regions \(\[limits\] max_regions = 6\); free some first$"):
+            with pytest.raises(
+                priod.LimitExceeded,
+                match=r"^this connection holds 6 regions \(\[limits\] max_regions = 6\); free some first$",
+            ):
                 await alloc(4096)
         await c.free(regions[0])
         await c.alloc_host(4096)
@@ -114,9 +117,13 @@ async def test_queued_requests_limit_refuses_at_once(limited: DaemonProcess) -> 
         handles = [c.start_copy(dev, host, priority="bulk") for _ in range(12)]  # 260 ms each
         st = await c.status()
         assert st["clients"][0]["pending"] == 8
-        assert await replies_in_order(handles[8:]) == [
-            "LimitExceeded: this connection has 8 copies pending ([limits] max_queued_requests = 8); wait for replies before sending more"
-        ] * 4
+        assert (
+            await replies_in_order(handles[8:])
+            == [
+                "LimitExceeded: this connection has 8 copies pending ([limits] max_queued_requests = 8); wait for replies before sending more"
+            ]
+            * 4
+        )
         assert not any(h.done() for h in handles[:8])  # refused while all 8 were still pending
         assert (await c.status())["clients"][0]["pending"] == 8
         await cancel_all(handles[:8])
@@ -169,7 +176,9 @@ async def test_pipelining_far_past_the_limit_keeps_daemon_memory_bounded(limited
     assert len(got) == 2 * burst and len(refused) >= 2 * burst - 1000
     assert all(re.fullmatch(r"LimitExceeded: this connection has 8 copies pending .*", g) for g in refused)
     first, second = (rss[1] - rss[0]) / MiB, (rss[2] - rss[1]) / MiB
-    print(f"{len(got) - len(refused)} copies done, {len(refused)} refused; daemon RSS {first:+.2f} MiB, then {second:+.2f} MiB")
+    print(
+        f"{len(got) - len(refused)} copies done, {len(refused)} refused; daemon RSS {first:+.2f} MiB, then {second:+.2f} MiB"
+    )
     assert first < 32 and second < 6, f"daemon RSS grew by {first:.1f} MiB, then by {second:.1f} MiB"
 
 

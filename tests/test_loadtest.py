@@ -72,7 +72,15 @@ def test_profiles_parse_and_refuse_nonsense(lt: ModuleType) -> None:
     """Client specs give profiles; sizes are fixed, log-uniform ranges or choices and stay in
     bounds; a bad spec is refused with a message that names the fix."""
     p = lt.parse_profile("class=urgent,dir=d2h,size=64KiB..4MiB,rate=100,window=3,count=2,churn=5")
-    assert (p.cls, p.direction, p.rate, p.slots, p.count, p.churn, p.name) == ("urgent", "d2h", 100.0, 3, 2, 5, "urgent-d2h")
+    assert (p.cls, p.direction, p.rate, p.slots, p.count, p.churn, p.name) == (
+        "urgent",
+        "d2h",
+        100.0,
+        3,
+        2,
+        5,
+        "urgent-d2h",
+    )
     closed = lt.parse_profile("class=bulk,size=1MiB,concurrency=4")
     assert (closed.slots, closed.direction, closed.rate) == (4, "h2d", 0.0)
     rng = random.Random(1)
@@ -83,9 +91,14 @@ def test_profiles_parse_and_refuse_nonsense(lt: ModuleType) -> None:
     assert lt.parse_bytes("1.5MiB") == 3 * MiB // 2 and lt.parse_bytes("2GB") == 2 * 10**9
     with pytest.raises(ValueError, match=r"^dir=sideways is invalid; use h2d, d2h or d2d$"):
         lt.parse_profile("dir=sideways")
-    with pytest.raises(ValueError, match=r"^unknown client spec key 'speed'; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown client spec key 'speed'; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn$",
+    ):
         lt.parse_profile("speed=9")
-    with pytest.raises(ValueError, match=r"^cannot read '12 parsecs' as a size; write it like 4096, 64KiB, 1.5MiB or 2GB$"):
+    with pytest.raises(
+        ValueError, match=r"^cannot read '12 parsecs' as a size; write it like 4096, 64KiB, 1.5MiB or 2GB$"
+    ):
         lt.parse_profile("size=12 parsecs")
     with pytest.raises(ValueError, match=r"^size range '4MiB..1MiB' runs backwards; write it low..high$"):
         lt.SizeDist("4MiB..1MiB")
@@ -107,7 +120,9 @@ def test_short_run_verifies_every_byte(tmp_path: Path) -> None:
         assert (c["bytes_corrupted"], c["bytes_lost"], c["bytes_unverified"], c["errors"]) == (0, 0, 0, {}), cls
         lat = c["latency_us"]
         assert 0 < lat["p50"] <= lat["p99"] <= lat["p99.9"] <= lat["max"], cls
-    assert report["classes"]["urgent"]["express_fraction"] > 0  # both urgent paths are measured and used where faster (choice.py)
+    assert (
+        report["classes"]["urgent"]["express_fraction"] > 0
+    )  # both urgent paths are measured and used where faster (choice.py)
     assert report["verify"] == ["mapped"]
     res = report["daemon"]["resources"]
     assert res["fds_after"] == res["fds_before"] and res["clients_after"] == res["clients_before"]

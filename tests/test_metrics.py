@@ -54,7 +54,12 @@ def gpu0(d: DaemonProcess) -> str:
 def metered() -> Iterator[tuple[DaemonProcess, Scraper]]:
     """A daemon serving /metrics on a free port, with a slow h2d link so queues can be seen."""
     port = free_port()
-    env = {**SLOW, "PRIOD_METRICS__PORT": str(port), "PRIOD_SIM__FAULT_ON_NBYTES": "12345", "PRIOD_LOG__LEVEL": '"warning"'}
+    env = {
+        **SLOW,
+        "PRIOD_METRICS__PORT": str(port),
+        "PRIOD_SIM__FAULT_ON_NBYTES": "12345",
+        "PRIOD_LOG__LEVEL": '"warning"',
+    }
     with daemon_process(env) as d:
         yield d, Scraper(port)
     assert d.proc.returncode == 0, d.log()[-4000:]
@@ -75,7 +80,9 @@ async def test_counters_and_histograms_move_with_copies(metered: tuple[DaemonPro
             await c.copy(dev, host, 12345)
         with pytest.raises(priod.InvalidRequest, match=r"^unknown class 'no-such-class'; the classes are "):
             await c.copy(dev, host, priority="no-such-class")
-        with pytest.raises(priod.LimitExceeded, match=r"^1099511627776 more pinned bytes would exceed \[limits\] max_pinned_bytes = "):
+        with pytest.raises(
+            priod.LimitExceeded, match=r"^1099511627776 more pinned bytes would exceed \[limits\] max_pinned_bytes = "
+        ):
             await c.alloc_host(1 << 40)
         queued = [c.start_copy(dev, host, priority="bulk") for _ in range(4)]  # 16 ms each
         assert [await h.cancel() for h in queued][-1] < MiB
@@ -86,7 +93,11 @@ async def test_counters_and_histograms_move_with_copies(metered: tuple[DaemonPro
 
     lane = {"gpu": gpu0(d)}
     assert delta("priod_requests_total", priority="urgent", outcome="done", direction="h2d", **lane) == 1
-    assert delta("priod_requests_total", priority="bulk", outcome="done") + delta("priod_requests_total", priority="bulk", outcome="cancelled") == 3 + 4
+    assert (
+        delta("priod_requests_total", priority="bulk", outcome="done")
+        + delta("priod_requests_total", priority="bulk", outcome="cancelled")
+        == 3 + 4
+    )
     assert delta("priod_requests_total", priority="bulk", outcome="cancelled") >= 1
     assert delta("priod_requests_total", priority="normal", outcome="done") == 1
     assert delta("priod_requests_total", priority="normal", outcome="failed") == 1
@@ -107,7 +118,11 @@ async def test_counters_and_histograms_move_with_copies(metered: tuple[DaemonPro
         assert delta(f"{hist}_count", priority="bulk") >= 3
         assert delta(f"{hist}_sum", priority="bulk") > 0
         series = {"gpu": gpu0(d), "direction": "d2h", "priority": "bulk", "path": "dma"}
-        buckets = sorted((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == f"{hist}_bucket" and set(series.items()) <= k[1])
+        buckets = sorted(
+            (float(dict(k[1])["le"]), v)
+            for k, v in after.items()
+            if k[0] == f"{hist}_bucket" and set(series.items()) <= k[1]
+        )
         assert buckets[-1] == (float("inf"), get(after, f"{hist}_count", **series))
         assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
     assert scrape.families["priod_requests"] == "counter"
@@ -163,7 +178,10 @@ async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[Daem
 
         def busy() -> Samples | None:
             s = scrape()
-            ok = get(s, "priod_queued_requests", priority="bulk", **h2d) >= 1 and get(s, "priod_inflight_bytes", path="dma", **h2d) > 0
+            ok = (
+                get(s, "priod_queued_requests", priority="bulk", **h2d) >= 1
+                and get(s, "priod_inflight_bytes", path="dma", **h2d) > 0
+            )
             return s if ok else None
 
         s = await poll(busy, what="bulk queued and in flight on gpu 0 h2d")
@@ -173,9 +191,17 @@ async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[Daem
         assert get(s, "priod_queued_requests", priority="urgent", **h2d) == 0
         assert ("priod_inflight_bytes", frozenset({"gpu": gpu0(d), "direction": "d2h", "path": "express"}.items())) in s
         await asyncio.wait_for(asyncio.gather(*(h.cancel() for h in queued)), 60)
-        await poll(lambda: get(scrape(), "priod_engine_busy_seconds_total", **h2d) > busy_before, what="a busy h2d engine")
+        await poll(
+            lambda: get(scrape(), "priod_engine_busy_seconds_total", **h2d) > busy_before, what="a busy h2d engine"
+        )
     s = await poll(
-        lambda: (lambda s: s if get(s, "priod_queued_requests", priority="bulk", **h2d) == 0 and get(s, "priod_clients") == 0 else None)(scrape()),
+        lambda: (
+            lambda s: (
+                s
+                if get(s, "priod_queued_requests", priority="bulk", **h2d) == 0 and get(s, "priod_clients") == 0
+                else None
+            )
+        )(scrape()),
         what="queues drained and the client gone",
     )
     assert get(s, "priod_pinned_bytes") == 0
@@ -191,7 +217,11 @@ def test_every_served_metric_is_documented(metered: tuple[DaemonProcess, Scraper
     scrape()
     # prometheus_client adds a "<name>_created" timestamp gauge beside each counter and
     # histogram series; the docs mention them once rather than per metric.
-    served = {n for n in scrape.families if n.startswith("priod_") and not (n.endswith("_created") and n[: -len("_created")] in scrape.families)}
+    served = {
+        n
+        for n in scrape.families
+        if n.startswith("priod_") and not (n.endswith("_created") and n[: -len("_created")] in scrape.families)
+    }
     suffix = {"counter": "_total", "info": "_info"}
     served_names = {n + suffix.get(scrape.families[n], "") for n in served}
     documented = set(re.findall(r"^\| `(priod_[a-z_]+)`", DOCS.read_text(), re.M))
@@ -210,10 +240,15 @@ async def test_reload_drops_queue_depth_of_removed_classes(tmp_path: Path) -> No
         c = await Client.connect(d.socket_path)
         await c.ping()  # the daemon's signal handlers are in place once it serves requests
         series = {"gpu": gpu0(d), "direction": "h2d", "priority": "normal"}
-        await poll(lambda: ("priod_queued_requests", frozenset(series.items())) in scrape(), what="queue depth of class normal")
+        await poll(
+            lambda: ("priod_queued_requests", frozenset(series.items())) in scrape(), what="queue depth of class normal"
+        )
         config.write_text("[classes.urgent]\nstrict = true\n[classes.bulk]\nweight = 1\n")
         d.proc.send_signal(signal.SIGHUP)
-        await poll(lambda: ("priod_queued_requests", frozenset(series.items())) not in scrape(), what="class normal gone from queue depth")
+        await poll(
+            lambda: ("priod_queued_requests", frozenset(series.items())) not in scrape(),
+            what="class normal gone from queue depth",
+        )
         assert ("priod_queued_requests", frozenset({**series, "priority": "bulk"}.items())) in scrape()
         await c.close()
 
@@ -231,7 +266,13 @@ def test_the_per_copy_series_expose_what_prometheus_clients_own_types_would() ->
     ref = CollectorRegistry()
     requests = Counter("priod_requests", "x", ["gpu", "direction", "priority", "outcome"], registry=ref)
     nbytes = Counter("priod_copied_bytes", "x", ["gpu", "direction", "priority"], registry=ref)
-    duration = Histogram("priod_request_duration_seconds", "x", ["gpu", "direction", "priority", "path"], buckets=_LATENCY_BUCKETS, registry=ref)
+    duration = Histogram(
+        "priod_request_duration_seconds",
+        "x",
+        ["gpu", "direction", "priority", "path"],
+        buckets=_LATENCY_BUCKETS,
+        registry=ref,
+    )
     values = [*_LATENCY_BUCKETS, 0.0, 1e-7, 3e-5, 0.7, 11.0, 1e-3 + 1e-12]
     for i, v in enumerate(values):
         outcome = "done" if i % 5 else "cancelled"

@@ -151,9 +151,13 @@ async def test_bulk_on_gpu0_never_delays_an_urgent_copy_on_gpu1(two_gpus: Daemon
             before = (await c.status())["lane_bytes"]
             loaded = await _urgent_p50(c, dst, src)
             after = (await c.status())["lane_bytes"]
-    assert rates["gpu0/h2d"] > 0.3e9 and rates["gpu0/d2h"] > 0.3e9, rates  # the load was there (its rate: the next test)
+    assert rates["gpu0/h2d"] > 0.3e9 and rates["gpu0/d2h"] > 0.3e9, (
+        rates
+    )  # the load was there (its rate: the next test)
     assert after["gpu1/h2d"] - before["gpu1/h2d"] == SAMPLES * URGENT and after["gpu0/h2d"] > before["gpu0/h2d"]
-    assert loaded <= 2 * idle + SLACK, f"urgent p50 on gpu1: idle {idle * 1e3:.2f} ms, with gpu0 bulk {loaded * 1e3:.2f} ms"
+    assert loaded <= 2 * idle + SLACK, (
+        f"urgent p50 on gpu1: idle {idle * 1e3:.2f} ms, with gpu0 bulk {loaded * 1e3:.2f} ms"
+    )
 
 
 async def test_each_gpu_bulk_runs_at_its_own_link_rate(two_gpus: DaemonProcess) -> None:
@@ -186,7 +190,11 @@ async def test_peer_copy_lands_byte_exact_on_the_peer_lane(two_gpus: DaemonProce
         assert np.array_equal(a.array[:4096], b.array[:4096])
         last = await c.status()
     assert r.nbytes == n and back.nbytes == 4096
-    moved = {lane: n_ - before["lane_bytes"].get(lane, 0) for lane, n_ in after["lane_bytes"].items() if n_ != before["lane_bytes"].get(lane, 0)}
+    moved = {
+        lane: n_ - before["lane_bytes"].get(lane, 0)
+        for lane, n_ in after["lane_bytes"].items()
+        if n_ != before["lane_bytes"].get(lane, 0)
+    }
     assert moved == {"gpu0/peer/gpu1": n}
     assert last["lane_bytes"]["gpu1/peer/gpu0"] - after["lane_bytes"]["gpu1/peer/gpu0"] == 4096
     peer = {ln["lane"]: ln for ln in after["lanes"] if "peer_gpu" in ln}
@@ -208,7 +216,9 @@ async def test_peer_bulk_never_delays_an_urgent_h2d_on_either_gpu(two_gpus: Daem
             loaded = [await _urgent_p50(c, dst, src) for src, dst in ends]
     assert rates["gpu0/peer/gpu1"] > 0.9e9 and rates["gpu1/peer/gpu0"] > 0.9e9, rates
     for gpu in (0, 1):
-        assert loaded[gpu] <= 2 * idle[gpu] + SLACK, f"gpu{gpu}: idle {idle[gpu] * 1e3:.2f} ms, under peer bulk {loaded[gpu] * 1e3:.2f} ms"
+        assert loaded[gpu] <= 2 * idle[gpu] + SLACK, (
+            f"gpu{gpu}: idle {idle[gpu] * 1e3:.2f} ms, under peer bulk {loaded[gpu] * 1e3:.2f} ms"
+        )
 
 
 async def test_urgent_peer_copy_under_peer_bulk_waits_only_for_the_bound(two_gpus: DaemonProcess) -> None:
@@ -225,7 +235,9 @@ async def test_urgent_peer_copy_under_peer_bulk_waits_only_for_the_bound(two_gpu
             st = await c.status()
     lane = next(ln for ln in st["lanes"] if ln["lane"] == "gpu0/peer/gpu1")
     assert lane["queued_requests"]["bulk"] >= 1 or lane["inflight_bytes"] > 0, lane  # the bulk was there
-    assert loaded <= 2 * idle + SLACK, f"urgent 1 MiB peer copy: idle {idle * 1e3:.2f} ms, under peer bulk {loaded * 1e3:.2f} ms"
+    assert loaded <= 2 * idle + SLACK, (
+        f"urgent 1 MiB peer copy: idle {idle * 1e3:.2f} ms, under peer bulk {loaded * 1e3:.2f} ms"
+    )
 
 
 async def test_host_cap_bounds_aggregate_bulk_and_urgent_is_still_first(capped: DaemonProcess) -> None:
@@ -245,7 +257,9 @@ async def test_host_cap_bounds_aggregate_bulk_and_urgent_is_still_first(capped: 
     assert 1.2e9 < sum(host.values()) < 2.2e9, host  # about the cap, never the 4 GB/s of the links
     assert all(0.3e9 < r < 0.65e9 for r in host.values()), host
     assert st["host_bandwidth_gbps"] == 2.0
-    assert {ln["lane"]: ln["host_scale"] for ln in st["lanes"] if ln["lane"].endswith(("h2d", "d2h"))} == dict.fromkeys(host, 0.5)
+    assert {ln["lane"]: ln["host_scale"] for ln in st["lanes"] if ln["lane"].endswith(("h2d", "d2h"))} == dict.fromkeys(
+        host, 0.5
+    )
     assert loaded < 2 * SLACK, f"urgent p50 under the host cap: {loaded * 1e3:.2f} ms"
 
 
@@ -288,7 +302,11 @@ async def test_metrics_count_peer_copies_under_both_gpus_labels() -> None:
                 await asyncio.sleep(0.1)
     assert get(s, "priod_copied_bytes_total", **peer, priority="high") == 2 * MiB
     assert get(s, "priod_requests_total", **peer, priority="high", outcome="done") == 1
-    assert total(s, "priod_copied_bytes_total", direction="h2d") == total(s, "priod_copied_bytes_total", direction="d2h") == 0
+    assert (
+        total(s, "priod_copied_bytes_total", direction="h2d")
+        == total(s, "priod_copied_bytes_total", direction="d2h")
+        == 0
+    )
     assert d.proc.returncode == 0, d.log()[-4000:]
 
 
@@ -302,7 +320,9 @@ def test_peer_lane_keys_name_their_pair_and_nothing_else_has_a_peer() -> None:
     assert str(key) == "gpu0/peer/gpu1" and key != LaneKey(1, Direction.PEER, 0)
     assert len({key, LaneKey(0, Direction.PEER, 1), LaneKey(0, Direction.PEER, 2)}) == 2
     for bad in ((0, Direction.PEER, None), (0, Direction.PEER, 0), (0, Direction.D2D, 1)):
-        with pytest.raises(ValueError, match=r"^LaneKey\(.*\): a peer lane, and only a peer lane, names another GPU as its peer$"):
+        with pytest.raises(
+            ValueError, match=r"^LaneKey\(.*\): a peer lane, and only a peer lane, names another GPU as its peer$"
+        ):
             LaneKey(*bad)
 
 
@@ -336,7 +356,9 @@ def test_sim_engine_lanes_per_device_count() -> None:
 
 
 def _host_lanes(devices: int, gbps: float = 1.0) -> list[LaneInfo]:
-    return [LaneInfo(LaneKey(g, d), gbps * 1e9, 4096, 0) for g in range(devices) for d in (Direction.H2D, Direction.D2H)]
+    return [
+        LaneInfo(LaneKey(g, d), gbps * 1e9, 4096, 0) for g in range(devices) for d in (Direction.H2D, Direction.D2H)
+    ]
 
 
 def test_scheduler_shrinks_host_lanes_bounds_while_the_host_binds() -> None:
@@ -357,13 +379,19 @@ def test_scheduler_shrinks_host_lanes_bounds_while_the_host_binds() -> None:
     for g, d in ((0, Direction.D2H), (1, Direction.H2D), (1, Direction.D2H)):
         enqueue(LaneKey(g, d))
     shared = sched.next_chunks(0.0)
-    assert {c.request.lane for c in shared} == {LaneKey(0, Direction.D2H), LaneKey(1, Direction.H2D), LaneKey(1, Direction.D2H)}
+    assert {c.request.lane for c in shared} == {
+        LaneKey(0, Direction.D2H),
+        LaneKey(1, Direction.H2D),
+        LaneKey(1, Direction.D2H),
+    }
     assert all(c.nbytes == full.chunk_bytes // 2 for c in shared)
     assert [ls.host_scale for ls in sched.statistics().lanes] == [0.5] * 4
     for c in alone:
         sched.chunk_done(c, 0.01)
     refill = sched.next_chunks(0.01)
-    assert [(c.request.lane, c.nbytes) for c in refill] == [(LaneKey(0, Direction.H2D), full.chunk_bytes // 2)] * 2  # it shares now too
+    assert [(c.request.lane, c.nbytes) for c in refill] == [
+        (LaneKey(0, Direction.H2D), full.chunk_bytes // 2)
+    ] * 2  # it shares now too
     for request_id in (2, 3, 4):
         assert sched.cancel(request_id, 0.02) is None  # their chunks in flight finish first
     for c in shared:
@@ -388,9 +416,10 @@ def test_scheduler_refuses_a_bad_host_bandwidth() -> None:
     from priod.errors import ConfigError
 
     for bad in (-1.0, float("inf")):
-        with pytest.raises(ConfigError, match=r"^host bandwidth = .* is invalid; give a finite number of bytes/s >= 0 \(0: none\)$"):
+        with pytest.raises(
+            ConfigError, match=r"^host bandwidth = .* is invalid; give a finite number of bytes/s >= 0 \(0: none\)$"
+        ):
             Scheduler(Policy(), _host_lanes(1), host_bandwidth=bad)
-
 
 
 def test_bench_multi_gpu_script_prints_a_row_per_gpu_count() -> None:
@@ -403,7 +432,10 @@ def test_bench_multi_gpu_script_prints_a_row_per_gpu_count() -> None:
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench_multi_gpu.py"
     r = subprocess.run(
-        [sys.executable, str(script), "--gpus", "1", "2", "--seconds", "0.3", "--warmup", "0.2"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), "--gpus", "1", "2", "--seconds", "0.3", "--warmup", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()

@@ -71,7 +71,9 @@ def test_wheel_ships_units_config_and_every_module(wheel: Path) -> None:
         names = set(z.namelist())
         for inside, original in SHIPPED.items():
             assert z.read(inside) == (ROOT / original).read_bytes(), inside
-    modules = subprocess.run(["git", "ls-files", "priod/*.py", "priod/**/*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    modules = subprocess.run(
+        ["git", "ls-files", "priod/*.py", "priod/**/*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert len(modules) > 30 and set(modules) <= names
     assert "priod/common/cuda/express.ptx" in names and "priod/py.typed" in names
 
@@ -80,7 +82,9 @@ def test_wheel_metadata_splits_client_daemon_and_cuda_majors(wheel: Path) -> Non
     """Core requirements are the client's alone; the daemon's are the ``daemon`` extra; CUDA 12
     and 13 are separate extras bounded to their major (13 needs driver >= 580), ``cuda`` = 13."""
     with zipfile.ZipFile(wheel) as z:
-        meta = email.parser.Parser().parsestr(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
+        meta = email.parser.Parser().parsestr(
+            z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        )
     requires = meta.get_all("Requires-Dist") or []
     by_extra: dict[str, set[str]] = {}
     for req in requires:
@@ -117,10 +121,14 @@ def client_only(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> list[s
 
 def _run_client(path: list[str], code: str) -> subprocess.CompletedProcess[str]:
     prelude = f"import sys; sys.path[:0] = {path!r}\n"
-    return subprocess.run([sys.executable, "-I", "-S", "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
 
 
-def test_client_only_install_works_without_the_daemon_dependencies(client_only: list[str], daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_client_only_install_works_without_the_daemon_dependencies(
+    client_only: list[str], daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """With only numpy and msgpack beside it, the installed wheel's client copies through a
     daemon, ``priod status`` works, and none of uvloop, structlog, prometheus_client or orjson
     is imported (nor importable: the check is not vacuous). ``priod serve`` says which extra
@@ -158,7 +166,9 @@ def test_client_only_install_works_without_the_daemon_dependencies(client_only: 
         "(on a GPU host 'priod[daemon,cuda13]' for driver >= 580, or 'priod[daemon,cuda12]' for driver >= 525)"
     )
     service = (tmp_path / "root/etc/systemd/system/priod.service").read_text()
-    assert service == (ROOT / "config/systemd/priod.service").read_text().replace("ExecStart=/usr/bin/priod ", "ExecStart=/opt/priod/bin/priod ")
+    assert service == (ROOT / "config/systemd/priod.service").read_text().replace(
+        "ExecStart=/usr/bin/priod ", "ExecStart=/opt/priod/bin/priod "
+    )
 
 
 def test_install_units_writes_units_keeps_config_and_points_at_this_install(tmp_path: Path) -> None:
@@ -184,12 +194,16 @@ def test_install_units_writes_units_keeps_config_and_points_at_this_install(tmp_
     (fake_root / "etc/priod/priod.toml").write_text("# mine\n")
     assert main(["install-units", "--dest", str(fake_root), "--prefix", "/usr"]) == 0
     assert (fake_root / "etc/priod/priod.toml").read_text() == "# mine\n"
-    assert (fake_root / "etc/systemd/system/priod.service").read_text() == (ROOT / "config/systemd/priod.service").read_text()
+    assert (fake_root / "etc/systemd/system/priod.service").read_text() == (
+        ROOT / "config/systemd/priod.service"
+    ).read_text()
     assert main(["install-units", "--dest", str(fake_root), "--force"]) == 0
     assert (fake_root / "etc/priod/priod.toml").read_text() == (ROOT / "config/priod.toml").read_text()
 
 
-def test_install_units_into_an_unwritable_root_says_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_install_units_into_an_unwritable_root_says_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A destination that cannot be written fails with exit 1 and the fix, not a traceback."""
     from priod.cli import main
 
@@ -197,10 +211,14 @@ def test_install_units_into_an_unwritable_root_says_what_to_do(tmp_path: Path, c
     blocker.write_text("")
     assert main(["install-units", "--dest", str(blocker)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"priod: cannot write the units under {blocker}: ") and err.endswith("; run as root, or pass --dest DIR\n")
+    assert err.startswith(f"priod: cannot write the units under {blocker}: ") and err.endswith(
+        "; run as root, or pass --dest DIR\n"
+    )
 
 
-def test_install_units_from_a_broken_install_says_to_reinstall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_install_units_from_a_broken_install_says_to_reinstall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A shipped file missing from the installation is reported as such (not as a permission
     problem with the destination), and nothing is written."""
     import priod.daemon.units

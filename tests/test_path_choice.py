@@ -59,7 +59,9 @@ def test_chooser_looks_again_only_after_explore_every_copies_too() -> None:
         assert c.choose(LANE, 65536, now=0.0) is path
         c.observe(LANE, path, 65536, latency, now=0.0)
     # Two copies so far: a second passes, yet express waits for the fifth copy since its look.
-    assert [c.choose(LANE, 65536, now=2.0 + i * 0.01) for i in range(6)] == [Path.DMA] * 3 + [Path.EXPRESS] + [Path.DMA] * 2
+    assert [c.choose(LANE, 65536, now=2.0 + i * 0.01) for i in range(6)] == [Path.DMA] * 3 + [Path.EXPRESS] + [
+        Path.DMA
+    ] * 2
     # Another second on, three copies since that look: two more go by DMA first.
     assert [c.choose(LANE, 65536, now=3.1 + i * 0.01) for i in range(4)] == [Path.DMA] * 2 + [Path.EXPRESS, Path.DMA]
 
@@ -117,7 +119,9 @@ def test_bulk_chunks_shrink_while_urgent_copies_are_recent() -> None:
 # -- long chunks between the bursts of a steady urgent beat (pure) -------------------------------
 def _beat_scheduler(beat_block_us: float) -> Scheduler:
     info = LaneInfo(LANE, bandwidth=55e9, express_min=4096, express_max=0)
-    return Scheduler(Policy(max_block_us=1000.0, urgent_block_us=150.0, urgent_window_ms=100.0, beat_block_us=beat_block_us), [info])
+    return Scheduler(
+        Policy(max_block_us=1000.0, urgent_block_us=150.0, urgent_window_ms=100.0, beat_block_us=beat_block_us), [info]
+    )
 
 
 def _urgent_burst(s: Scheduler, ids: Iterator[int], at: float, copies: int = 2) -> float:
@@ -296,7 +300,10 @@ async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> Non
     is fresh. Every byte is checked."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(
-        server={"socket": path}, tuning={"explore_ms": 1000.0, "explore_every": 4}, sim={"express_min_bytes": 4096}, log={"level": "warning"}
+        server={"socket": path},
+        tuning={"explore_ms": 1000.0, "explore_every": 4},
+        sim={"express_min_bytes": 4096},
+        log={"level": "warning"},
     )
     engine = SimEngine(cfg.sim)
     daemon = Daemon(cfg, engine)
@@ -361,7 +368,12 @@ async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() 
         async with priod.connect(path) as c:
             host, dev = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
             bulk_host, bulk_dev = await c.alloc_host(16 << 20), await c.alloc_device(16 << 20)
-            assert host.array is not None and dev.array is not None and bulk_host.array is not None and bulk_dev.array is not None
+            assert (
+                host.array is not None
+                and dev.array is not None
+                and bulk_host.array is not None
+                and bulk_dev.array is not None
+            )
             bulk_host.array[:] = np.arange(16 << 20, dtype=np.uint64).astype(np.uint8)
             stop = False
 
@@ -385,7 +397,9 @@ async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() 
                 await asyncio.sleep(max(0.0, t0 + 0.01 - loop.time()))
             refresh_metrics(daemon)
             gpu, direction = lane_labels(LaneKey(0, Direction.H2D), daemon.metrics.gpu_names)
-            beat_metric = daemon.metrics.registry.get_sample_value("priod_urgent_beat_seconds", {"gpu": gpu, "direction": direction})
+            beat_metric = daemon.metrics.registry.get_sample_value(
+                "priod_urgent_beat_seconds", {"gpu": gpu, "direction": direction}
+            )
             stop = True
             bulk_copies = await streamer
     finally:

@@ -106,7 +106,9 @@ class _NeverDone(Completion):
 LANE = LaneKey(0, Direction.H2D)
 
 
-def _inflight(nbytes: int, submitted: float, due: float, *, offset: int = 0, of: int | None = None, path: Path = Path.DMA) -> InFlight:
+def _inflight(
+    nbytes: int, submitted: float, due: float, *, offset: int = 0, of: int | None = None, path: Path = Path.DMA
+) -> InFlight:
     """A chunk of ``nbytes`` at ``offset`` of a copy of ``of`` bytes (default: the whole copy)."""
     request = Request(1, "owner", LANE, "bulk", of if of is not None else nbytes, arrival=submitted)
     return InFlight(Chunk(request, offset, nbytes, path, strict=False), _NeverDone(), submitted, due)
@@ -120,7 +122,9 @@ def test_reanchor_counts_from_the_previous_poll_and_only_moves_earlier() -> None
     assert (a.due, b.due, c.due) == (15.0, 25.0, 50.0)
 
 
-def _lane_model(reanchor: bool, late_s: float, *, chunks: int = 400, chunk_s: float = 500e-6, by_next_poll: bool = False) -> tuple[float, float]:
+def _lane_model(
+    reanchor: bool, late_s: float, *, chunks: int = 400, chunk_s: float = 500e-6, by_next_poll: bool = False
+) -> tuple[float, float]:
     """A model of one DMA lane polled as the daemon polls it: chunks of one long copy run back
     to back in submission order, two in flight; the poller wakes at the earliest due time (or,
     ``by_next_poll``, at `next_poll_at`) plus a fixed lateness (timer and wake-up), and no sooner

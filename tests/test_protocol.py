@@ -94,7 +94,9 @@ def test_whole_frames_and_a_partial_one_in_one_read() -> None:
     for cut in range(second, len(stream)):
         dec = FrameDecoder()
         got = dec.feed(stream[:cut])
-        assert got == [m for m, end in zip(msgs, (second, second + len(encode(msgs[1])), len(stream)), strict=True) if end <= cut]
+        assert got == [
+            m for m, end in zip(msgs, (second, second + len(encode(msgs[1])), len(stream)), strict=True) if end <= cut
+        ]
         got += dec.feed(stream[cut:])
         assert got == msgs and dec.buffered == 0
 
@@ -109,7 +111,10 @@ def test_oversize_header_behind_a_whole_frame_is_refused() -> None:
 def test_a_frame_encoder_writes_what_encode_writes() -> None:
     """`FrameEncoder` (a packer kept for reuse) makes the same bytes as `encode`, call after call."""
     enc = FrameEncoder()
-    msgs = [{"id": 1, "ok": True, "nbytes": 64, "queued_us": 3.125, "path": "dma", "missed_deadline": False}, {"id": 2, "handle": b"\x00" * 64, "n": None}]
+    msgs = [
+        {"id": 1, "ok": True, "nbytes": 64, "queued_us": 3.125, "path": "dma", "missed_deadline": False},
+        {"id": 2, "handle": b"\x00" * 64, "n": None},
+    ]
     for msg in msgs * 2:
         assert enc(msg) == encode(msg)
 
@@ -120,7 +125,9 @@ def test_is_one_frame_only_for_exactly_one_whole_frame_at_a_boundary() -> None:
     frame = encode({"id": 1, "op": "copy_batch", "segments": bytes(24 * 512)})
     dec = FrameDecoder()
     assert dec.is_one_frame(frame)
-    assert not dec.is_one_frame(frame[:-1]) and not dec.is_one_frame(frame + frame[:2]) and not dec.is_one_frame(frame[:3])
+    assert (
+        not dec.is_one_frame(frame[:-1]) and not dec.is_one_frame(frame + frame[:2]) and not dec.is_one_frame(frame[:3])
+    )
     assert dec.feed(frame[:10]) == []
     assert not dec.is_one_frame(frame)  # the decoder holds a partial frame: ``frame`` is not at a boundary
     assert dec.feed(frame[10:]) == [msgpack.unpackb(frame[HEADER.size :])]

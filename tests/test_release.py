@@ -77,7 +77,9 @@ async def test_a_slow_release_does_not_stall_other_clients(daemon_with_release: 
 
 
 @pytest.mark.parametrize("daemon_with_release", ["failing"], indirect=True)
-async def test_a_failed_release_is_logged_and_the_daemon_serves_on(daemon_with_release: tuple[Daemon, threading.Event]) -> None:
+async def test_a_failed_release_is_logged_and_the_daemon_serves_on(
+    daemon_with_release: tuple[Daemon, threading.Event],
+) -> None:
     daemon, released = daemon_with_release
     with structlog.testing.capture_logs() as logs:
         async with priod.connect(daemon.cfg.socket_path) as c:

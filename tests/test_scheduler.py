@@ -112,7 +112,18 @@ def test_lane_params_from_bandwidth() -> None:
     info = LaneInfo(L0, bandwidth=55e9, express_min=4096, express_max=1 << 20)
     p = lane_params(info, Policy(max_block_us=1000.0, depth=2, urgent_block_us=150.0, batch_block_us=4000.0))
     beat = 16_498_688
-    assert p == LaneParams(27_496_448, 2 * 27_496_448, 4096, 1 << 20, 4_124_672, 2 * 4_124_672, 109_998_080, 2 * 109_998_080, beat, 2 * beat)
+    assert p == LaneParams(
+        27_496_448,
+        2 * 27_496_448,
+        4096,
+        1 << 20,
+        4_124_672,
+        2 * 4_124_672,
+        109_998_080,
+        2 * 109_998_080,
+        beat,
+        2 * beat,
+    )
     assert p.chunk_bytes % 4096 == 0
 
 
@@ -126,7 +137,9 @@ def test_lane_params_floor_and_express_off() -> None:
 def test_scheduler_lane_params_and_unknown_lane() -> None:
     """Scheduler.lane_params answers per lane and names the known lanes for an unknown one."""
     s, _ = make()
-    assert s.lane_params(L0) == LaneParams(CHUNK, BOUND, 512, 4096, CHUNK, BOUND, 4 * CHUNK, 4 * BOUND)  # batches: 4 ms, not 1
+    assert s.lane_params(L0) == LaneParams(
+        CHUNK, BOUND, 512, 4096, CHUNK, BOUND, 4 * CHUNK, 4 * BOUND
+    )  # batches: 4 ms, not 1
     assert s.lane_params(L1).express_max == 0
     with pytest.raises(InvalidRequest, match=r"^no lane gpu5/h2d; the lanes are gpu0/d2h, gpu0/h2d$"):
         s.lane_params(LaneKey(5, Direction.H2D))
@@ -142,7 +155,7 @@ def test_bad_policy_is_refused() -> None:
 def test_set_policy_refuses_what_config_refuses() -> None:
     """set_policy runs the same validator as config loading, with the same messages."""
     s, _ = make()
-    with pytest.raises(ConfigError, match=r"^\[scheduler\] depth = 0 is invalid; set 1 <= depth <= 64$"):
+    with pytest.raises(ConfigError, match=r"^\[tuning\] depth = 0 is invalid; set 1 <= depth <= 64$"):
         s.set_policy(Policy(depth=0))
     with pytest.raises(ConfigError, match=r"^\[classes\] needs at least one class without strict = true"):
         s.set_policy(Policy(classes=(ClassSpec("urgent", strict=True),)))
@@ -329,7 +342,12 @@ def test_random_traffic_keeps_the_promise(ops: list[tuple[object, ...]]) -> None
         elif kind == "reload":
             w = o[1]
             assert isinstance(w, int)
-            classes = (ClassSpec("urgent", strict=True), ClassSpec("high", w), ClassSpec("normal", 4), ClassSpec("bulk"))
+            classes = (
+                ClassSpec("urgent", strict=True),
+                ClassSpec("high", w),
+                ClassSpec("normal", 4),
+                ClassSpec("bulk"),
+            )
             s.set_policy(Policy(min_chunk_bytes=4096, urgent_block_us=0, classes=classes))
         sim.pump(now)
         for lane in (L0, L1):
@@ -623,5 +641,8 @@ def test_a_reload_rederives_the_batch_bound() -> None:
     before = s.lane_params(L0)
     s.set_policy(Policy(min_chunk_bytes=4096, urgent_block_us=0, batch_block_us=2000.0))
     after = s.lane_params(L0)
-    assert (after.batch_chunk_bytes, after.batch_inflight_bytes) == (before.batch_chunk_bytes // 2, before.batch_inflight_bytes // 2)
+    assert (after.batch_chunk_bytes, after.batch_inflight_bytes) == (
+        before.batch_chunk_bytes // 2,
+        before.batch_inflight_bytes // 2,
+    )
     assert (after.chunk_bytes, after.inflight_bytes) == (before.chunk_bytes, before.inflight_bytes)

@@ -37,8 +37,6 @@ MiB = 1 << 20
 SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SIM__D2H_GBPS": "0.064", "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536"}
 
 
-
-
 def log_lines(d: DaemonProcess) -> list[dict[str, Any]]:
     """The daemon's log as parsed JSON lines (it logs JSON when stdout is not a terminal)."""
     return [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
@@ -79,7 +77,11 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     (tmp_path / "priod.service").write_text(service.replace("ExecStart=/usr/bin/priod ", f"ExecStart={binary} "))
     shutil.copy(UNITS / "priod.socket", tmp_path / "priod.socket")
     r = subprocess.run(
-        [analyze, "verify", "--man=no", "priod.socket", "priod.service"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        [analyze, "verify", "--man=no", "priod.socket", "priod.service"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert (r.returncode, r.stdout + r.stderr) == (0, "")
 
@@ -98,7 +100,9 @@ def test_unit_settings_for_notify_watchdog_activation_and_gpus() -> None:
     assert one["ProtectSystem"] == "strict"
     assert "PrivateDevices" not in one
     devices = [v for s, k, v in svc if k == "DeviceAllow"]
-    assert devices == [f"/dev/{n} rw" for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "nvidia0")]
+    assert devices == [
+        f"/dev/{n} rw" for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "nvidia0")
+    ]
     assert ("Unit", "Requires", "priod.socket") in svc
     sock = {k: v for s, k, v in unit_entries(UNITS / "priod.socket") if s == "Socket"}
     assert sock == {
@@ -129,7 +133,10 @@ def test_unit_exposure_score_stays_low(tmp_path: Path) -> None:
         pytest.skip("this systemd-analyze has no 'security --offline' (systemd < 250); the unit was not scored")
     shutil.copy(UNITS / "priod.service", tmp_path / "priod.service")
     r = subprocess.run(
-        [analyze, "security", "--offline=yes", "--no-pager", str(tmp_path / "priod.service")], capture_output=True, text=True, timeout=60
+        [analyze, "security", "--offline=yes", "--no-pager", str(tmp_path / "priod.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     m = re.search(r"Overall exposure level for priod\.service: (\d+\.\d+) ", r.stdout)
@@ -157,7 +164,12 @@ def test_sysusers_fragment_creates_user_and_group(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     passwd = (tmp_path / "etc" / "passwd").read_text().split(":")
     group = (tmp_path / "etc" / "group").read_text().split(":")
-    assert (passwd[0], passwd[3], passwd[5], passwd[6].strip()) == ("priod", group[2], "/nonexistent", "/usr/sbin/nologin")
+    assert (passwd[0], passwd[3], passwd[5], passwd[6].strip()) == (
+        "priod",
+        group[2],
+        "/nonexistent",
+        "/usr/sbin/nologin",
+    )
     assert group[0] == "priod"
 
 
@@ -252,7 +264,17 @@ def test_notify_protocol_under_socket_activation(tmp_path: Path) -> None:
     log_path = tmp_path / "daemon.log"
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _ACTIVATE, str(listening.fileno()), "serve", "--backend", "sim", "--socket", sock_path],
+            [
+                sys.executable,
+                "-c",
+                _ACTIVATE,
+                str(listening.fileno()),
+                "serve",
+                "--backend",
+                "sim",
+                "--socket",
+                sock_path,
+            ],
             pass_fds=(listening.fileno(),),
             env=env,
             stdout=logf,
@@ -285,7 +307,10 @@ def test_notify_protocol_under_socket_activation(tmp_path: Path) -> None:
     assert stat.S_ISSOCK(os.stat(sock_path).st_mode), "with socket activation the socket file is systemd's to remove"
     assert messages[0].startswith("READY=1\n")
     assert messages[-1] == "STOPPING=1"
-    assert all(re.fullmatch(r"READY=1(\nSTATUS=.*)?|STATUS=.*|WATCHDOG=1|RELOADING=1\nMONOTONIC_USEC=\d+|STOPPING=1", m) for m in messages), messages
+    assert all(
+        re.fullmatch(r"READY=1(\nSTATUS=.*)?|STATUS=.*|WATCHDOG=1|RELOADING=1\nMONOTONIC_USEC=\d+|STOPPING=1", m)
+        for m in messages
+    ), messages
     started = [json.loads(line) for line in log_path.read_text().splitlines() if '"daemon_started"' in line]
     assert started[0]["socket"] == sock_path
 
@@ -304,7 +329,9 @@ def test_daemon_binding_itself_removes_its_socket_on_stop() -> None:
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIOD_")}
-    return subprocess.run([sys.executable, "-m", "priod", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "priod", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def test_status_cli_table_and_json(daemon: DaemonProcess) -> None:
@@ -317,11 +344,30 @@ def test_status_cli_table_and_json(daemon: DaemonProcess) -> None:
         r = run_cli("status", "--socket", daemon.socket_path)
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
-        assert re.fullmatch(rf"priod {re.escape(priod.__version__)}  backend=sim  mode=priod  uptime=\d+s  socket={re.escape(daemon.socket_path)}", lines[0])
+        assert re.fullmatch(
+            rf"priod {re.escape(priod.__version__)}  backend=sim  mode=priod  uptime=\d+s  socket={re.escape(daemon.socket_path)}",
+            lines[0],
+        )
         assert lines[1] == "max_block_us=1000.0  classes: urgent(strict), high(w=8), normal(w=4), bulk(w=1)"
         assert lines[2].split() == ["gpu0", sim_uuid(0)]
-        assert lines[4].split() == ["lane", "GB/s", "chunk", "bound", "in", "flight", "express", "queued", "(requests", "by", "class)"]
-        assert [ln.split()[:2] for ln in lines[5:8]] == [["gpu0/d2d", "8.00"], ["gpu0/d2h", "2.00"], ["gpu0/h2d", "2.00"]]
+        assert lines[4].split() == [
+            "lane",
+            "GB/s",
+            "chunk",
+            "bound",
+            "in",
+            "flight",
+            "express",
+            "queued",
+            "(requests",
+            "by",
+            "class)",
+        ]
+        assert [ln.split()[:2] for ln in lines[5:8]] == [
+            ["gpu0/d2d", "8.00"],
+            ["gpu0/d2h", "2.00"],
+            ["gpu0/h2d", "2.00"],
+        ]
         assert re.fullmatch(r"clients: 2   copies: \d+   bytes: \d+\.\d{3} GB   deadline misses: \d+", lines[9])
         mine = [ln for ln in lines[10:] if f" pid {me['pid']} " in ln]
         assert len(mine) == 1 and re.search(r"regions 2 +pending 0 +copies 1$", mine[0]), lines
@@ -330,10 +376,25 @@ def test_status_cli_table_and_json(daemon: DaemonProcess) -> None:
         assert r.returncode == 0, r.stderr
         st = json.loads(r.stdout)
     assert st["version"] == priod.__version__ and st["backend"] == "sim" and st["uptime_s"] > 0
-    assert [(c["name"], c["weight"], c["strict"]) for c in st["classes"]] == [("urgent", 1, True), ("high", 8, False), ("normal", 4, False), ("bulk", 1, False)]
-    assert {ln["lane"]: ln["bandwidth_gbps"] for ln in st["lanes"]} == {"gpu0/d2d": 8.0, "gpu0/d2h": 2.0, "gpu0/h2d": 2.0}
+    assert [(c["name"], c["weight"], c["strict"]) for c in st["classes"]] == [
+        ("urgent", 1, True),
+        ("high", 8, False),
+        ("normal", 4, False),
+        ("bulk", 1, False),
+    ]
+    assert {ln["lane"]: ln["bandwidth_gbps"] for ln in st["lanes"]} == {
+        "gpu0/d2d": 8.0,
+        "gpu0/d2h": 2.0,
+        "gpu0/h2d": 2.0,
+    }
     client = next(c for c in st["clients"] if c["pid"] == me["pid"])
-    assert (client["uid"], client["regions"], client["pinned_bytes"], client["device_bytes"], client["copies"]) == (me["uid"], 2, MiB, MiB, 1)
+    assert (client["uid"], client["regions"], client["pinned_bytes"], client["device_bytes"], client["copies"]) == (
+        me["uid"],
+        2,
+        MiB,
+        MiB,
+        1,
+    )
     assert st["totals"]["copies"] >= 1
 
 
@@ -342,7 +403,10 @@ def test_status_cli_without_daemon_says_what_to_do(tmp_path: Path) -> None:
     path = str(tmp_path / "none.sock")
     r = run_cli("status", "--socket", path)
     assert (r.returncode, r.stdout) == (1, "")
-    assert r.stderr == f"priod: no priod daemon at {path} (No such file or directory); start one with 'priod serve' or pass its socket path\n"
+    assert (
+        r.stderr
+        == f"priod: no priod daemon at {path} (No such file or directory); start one with 'priod serve' or pass its socket path\n"
+    )
 
 
 # -- SIGTERM -------------------------------------------------------------------------------
@@ -362,6 +426,7 @@ async def queue_bulk(c: Client, count: int, nbytes: int = 4 * MiB) -> list[Any]:
 
 async def outcomes(handles: list[Any], timeout: float = 60.0) -> list[str]:
     """Wait for every reply (a hang fails the test); "done" or the error's class name."""
+
     async def one(h: Any) -> str:
         try:
             await h
@@ -373,7 +438,9 @@ async def outcomes(handles: list[Any], timeout: float = 60.0) -> list[str]:
 
 
 def wait_log_event(d: DaemonProcess, event: str, timeout: float = 30.0) -> dict[str, Any]:
-    return wait_until(lambda: next((e for e in log_lines(d) if e.get("event") == event), None), timeout, f"log event {event!r}")
+    return wait_until(
+        lambda: next((e for e in log_lines(d) if e.get("event") == event), None), timeout, f"log event {event!r}"
+    )
 
 
 @ONE_LOOP
@@ -386,10 +453,15 @@ async def test_sigterm_finish_completes_queued_work_and_refuses_new() -> None:
         d.proc.send_signal(signal.SIGTERM)
         assert wait_log_event(d, "daemon_stopping")["policy"] == "finish"
         wait_until(lambda: not os.path.exists(d.socket_path), what="the socket file to go")
-        with pytest.raises(priod.ConnectionClosed, match=r"^no priod daemon at .*; start one with 'priod serve' or pass its socket path$"):
+        with pytest.raises(
+            priod.ConnectionClosed,
+            match=r"^no priod daemon at .*; start one with 'priod serve' or pass its socket path$",
+        ):
             await Client.connect(d.socket_path)  # no new connections
         host, dev = await c.alloc_host(4096), await c.alloc_device(4096)  # other requests still work
-        with pytest.raises(priod.ShuttingDown, match=r"^the daemon is stopping and takes no new copies; retry once it is back$"):
+        with pytest.raises(
+            priod.ShuttingDown, match=r"^the daemon is stopping and takes no new copies; retry once it is back$"
+        ):
             await c.copy(dev, host, priority="urgent")
         assert await outcomes(handles) == ["done"] * 8
         assert d.proc.wait(timeout=60) == 0
@@ -420,7 +492,7 @@ async def test_sigterm_cancel_answers_queued_work_with_shutting_down() -> None:
 
 @ONE_LOOP
 async def test_sigterm_finish_is_bounded_by_shutdown_timeout() -> None:
-    """"finish" waits at most [service] shutdown_timeout_s: what is still queued then is
+    """ "finish" waits at most [service] shutdown_timeout_s: what is still queued then is
     answered with ShuttingDown, and the daemon exits 0 long before the work would be done."""
     with daemon_process({**SLOW, "PRIOD_SERVICE__SHUTDOWN_TIMEOUT_S": "0.3"}) as d:
         c = await Client.connect(d.socket_path)
@@ -477,10 +549,17 @@ async def test_sighup_reloads_classes_weights_and_limits_keeping_connections(tmp
                 await asyncio.sleep(0.02)
 
         st = await asyncio.wait_for(reloaded(), 30)
-        assert [(k["name"], k["weight"], k["strict"]) for k in st["classes"]] == [("urgent", 1, True), ("interactive", 6, False), ("bulk", 2, False)]
+        assert [(k["name"], k["weight"], k["strict"]) for k in st["classes"]] == [
+            ("urgent", 1, True),
+            ("interactive", 6, False),
+            ("bulk", 2, False),
+        ]
         assert [cl["regions"] for cl in st["clients"]] == [4]
         assert (await c.copy(dev, host, priority="interactive")).nbytes == 4096
-        with pytest.raises(priod.LimitExceeded, match=r"^this connection holds 4 regions \(\[limits\] max_regions = 2\); free some first$"):
+        with pytest.raises(
+            priod.LimitExceeded,
+            match=r"^this connection holds 4 regions \(\[limits\] max_regions = 2\); free some first$",
+        ):
             await c.alloc_host(4096)
         assert await outcomes(handles) == ["done"] * 8
         await c.close()
@@ -523,7 +602,9 @@ async def test_log_is_json_lines_with_one_line_per_copy_and_connection_context()
             await c.copy(host, dev, 65536, priority="bulk", deadline_ms=60_000)
             with pytest.raises(priod.EngineError, match=r"^copy failed after 0 of 12345 bytes: injected engine fault"):
                 await c.copy(dev, host, 12345)
-            with pytest.raises(priod.InvalidRequest, match=r"^dst_offset 0 \+ nbytes 2097152 is outside region \d+ of 1048576 bytes"):
+            with pytest.raises(
+                priod.InvalidRequest, match=r"^dst_offset 0 \+ nbytes 2097152 is outside region \d+ of 1048576 bytes"
+            ):
                 await c.copy(dev, host, 2 * MiB)  # refused before it is a copy: no "copy" line
             conn = (await c.status())["clients"][0]["conn"]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
@@ -568,7 +649,12 @@ def test_under_journald_each_line_carries_its_syslog_priority(tmp_path: Path) ->
         st = os.fstat(out.fileno())
         env = {k: v for k, v in os.environ.items() if not k.startswith("PRIOD_")}
         env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
-        proc = subprocess.Popen([sys.executable, "-m", "priod", "serve", "--socket", sock, "--backend", "sim"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "priod", "serve", "--socket", sock, "--backend", "sim"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
         wait_until(lambda: os.path.exists(sock) or None, what="the daemon's socket")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
@@ -581,7 +667,9 @@ def test_under_journald_each_line_carries_its_syslog_priority(tmp_path: Path) ->
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     lines = log_path.read_text().splitlines()
-    parsed = [(int(m.group(1)), json.loads(m.group(2))) for m in (re.match(r"^<(\d)>(\{.*\})$", line) for line in lines) if m]
+    parsed = [
+        (int(m.group(1)), json.loads(m.group(2))) for m in (re.match(r"^<(\d)>(\{.*\})$", line) for line in lines) if m
+    ]
     assert len(parsed) == len(lines) > 0, lines[:5]
     assert {(prio, e["level"]) for prio, e in parsed} >= {(6, "info"), (4, "warning")}
     assert all({"info": 6, "warning": 4, "error": 3, "debug": 7}[e["level"]] == prio for prio, e in parsed)

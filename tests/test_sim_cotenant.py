@@ -22,7 +22,7 @@ import pytest
 
 from priod.common.types import Direction, LaneKey, Path
 from priod.daemon.config import load_config
-from priod.daemon.engines.base import Completion, HostMemory
+from priod.daemon.engines.base import ChunkJob, Completion, HostMemory
 from priod.daemon.engines.sim import SimDeviceMemory, SimEngine, SimSettings, sealed_memfd
 from priod.errors import ConfigError
 
@@ -70,10 +70,18 @@ def wait(c: Completion, timeout: float = TIMEOUT_S) -> float:
     return time.perf_counter()
 
 
-def timed(engine: SimEngine, lane: LaneKey, path: Path, dst: HostMemory | SimDeviceMemory, src: HostMemory | SimDeviceMemory, off: int = 0, nbytes: int = CHUNK) -> float:
+def timed(
+    engine: SimEngine,
+    lane: LaneKey,
+    path: Path,
+    dst: HostMemory | SimDeviceMemory,
+    src: HostMemory | SimDeviceMemory,
+    off: int = 0,
+    nbytes: int = CHUNK,
+) -> float:
     """Seconds from submission to completion of one chunk."""
     t0 = time.perf_counter()
-    c = engine.submit(lane, path, dst, off, src, off, nbytes)
+    c = engine.submit(ChunkJob(lane, path, dst, src, dst_offset=off, src_offset=off, nbytes=nbytes))
     return wait(c) - t0
 
 
@@ -109,12 +117,17 @@ def test_dma_chunks_do_not_wait(engine: SimEngine) -> None:
     host, dev = host_region(engine), device_region(engine)
     host.array[:] = pattern(N, 3)
     engine.set_cotenant_stall(STALL_US * 4)  # 80-160 ms per express chunk
-    express = [engine.submit(H2D, Path.EXPRESS, dev, i * CHUNK, host, i * CHUNK, CHUNK) for i in range(4)]
+    express = [
+        engine.submit(ChunkJob(H2D, Path.EXPRESS, dev, host, dst_offset=i * CHUNK, src_offset=i * CHUNK, nbytes=CHUNK))
+        for i in range(4)
+    ]
     dma = [timed(engine, H2D, Path.DMA, dev, host, off=(8 + i) * CHUNK) for i in range(4)]
     # Each stalled express chunk here waits at least 4 x LOWER_S (80 ms); a DMA chunk that
     # waited for the stall would too. A busy machine may delay one thread wake-up by tens of ms.
     assert max(dma) < 4 * LOWER_S and np.median(dma) < LOWER_S, dma
-    assert not any(c.done() for c in express[1:]), "the express chunks finished before the DMA ones: this run shows nothing"
+    assert not any(c.done() for c in express[1:]), (
+        "the express chunks finished before the DMA ones: this run shows nothing"
+    )
     for c in express:
         wait(c)
     assert np.array_equal(dev.array[: 4 * CHUNK], host.array[: 4 * CHUNK])
@@ -131,7 +144,7 @@ def test_the_wait_holds_no_bandwidth(engine: SimEngine) -> None:
     host.array[:] = pattern(2 * big, 5)
     alone = min(timed(engine, H2D, Path.DMA, dev, host, nbytes=big) for _ in range(3))
     engine.set_cotenant_stall(STALL_US * 10)  # 200-400 ms: the DMA chunks all run inside the first wait
-    express = engine.submit(H2D, Path.EXPRESS, dev, big, host, big, CHUNK)
+    express = engine.submit(ChunkJob(H2D, Path.EXPRESS, dev, host, dst_offset=big, src_offset=big, nbytes=CHUNK))
     beside = min(timed(engine, H2D, Path.DMA, dev, host, nbytes=big) for _ in range(3))
     assert not express.done(), "the express chunk finished first: this run shows nothing"
     # Sharing the link with a moving express copy would make it 1 / (1 - 0.33) = 1.5x slower.
@@ -148,7 +161,10 @@ def test_other_lanes_do_not_wait(engine: SimEngine) -> None:
     host.array[:] = pattern(N, 7)
     dev.array[:] = pattern(N, 9)
     engine.set_cotenant_stall(STALL_US * 4)
-    h2d = [engine.submit(H2D, Path.EXPRESS, dev, i * CHUNK, host, i * CHUNK, CHUNK) for i in range(4)]  # 320-640 ms in all
+    h2d = [
+        engine.submit(ChunkJob(H2D, Path.EXPRESS, dev, host, dst_offset=i * CHUNK, src_offset=i * CHUNK, nbytes=CHUNK))
+        for i in range(4)
+    ]  # 320-640 ms in all
     # d2h reads a range h2d does not write.
     d2h_dma = timed(engine, D2H, Path.DMA, back, dev, off=8 * CHUNK)
     assert d2h_dma < LOWER_S, d2h_dma
@@ -170,7 +186,10 @@ def test_express_chunks_of_a_lane_complete_in_submission_order(engine: SimEngine
     engine.set_cotenant_stall(STALL_US)
     order: list[int] = []
     t0 = time.perf_counter()
-    chunks = [engine.submit(H2D, Path.EXPRESS, dev, i * CHUNK, host, i * CHUNK, CHUNK) for i in range(6)]
+    chunks = [
+        engine.submit(ChunkJob(H2D, Path.EXPRESS, dev, host, dst_offset=i * CHUNK, src_offset=i * CHUNK, nbytes=CHUNK))
+        for i in range(6)
+    ]
     pending = set(range(len(chunks)))
     deadline = t0 + TIMEOUT_S
     while pending:
@@ -198,9 +217,13 @@ def test_set_cotenant_stall_applies_to_chunks_submitted_after_it(engine: SimEngi
     switcher.start()
     switcher.join()
     t0 = time.perf_counter()
-    before = engine.submit(H2D, Path.EXPRESS, dev, CHUNK, host, CHUNK, CHUNK)  # drew 80-160 ms
+    before = engine.submit(
+        ChunkJob(H2D, Path.EXPRESS, dev, host, dst_offset=CHUNK, src_offset=CHUNK, nbytes=CHUNK)
+    )  # drew 80-160 ms
     engine.set_cotenant_stall(0)
-    after = engine.submit(D2H, Path.EXPRESS, host_region(engine), 0, dev, 0, CHUNK)  # another lane: no queue in front
+    after = engine.submit(
+        ChunkJob(D2H, Path.EXPRESS, host_region(engine), dev, dst_offset=0, src_offset=0, nbytes=CHUNK)
+    )  # another lane: no queue in front
     assert wait(after) - t0 < LOWER_S * 4
     assert not before.done(), "the chunk submitted with the stall on did not wait"
     assert wait(before) - t0 >= 4 * LOWER_S  # its lower bound: 0.5 x 4 x STALL_US
@@ -278,13 +301,21 @@ def test_another_contexts_copy_waits_a_slice_behind_fed_bulk_and_only_the_drain_
         host.array[:] = pattern(88 * mib, 9)
         # Fed: 80 chunks of 1 MiB (0.5 ms each at the sim's 2 GB/s) queued, as a daemon that
         # does not hold bulk keeps the engine fed.
-        fed = [eng.submit(H2D, Path.DMA, dev, i * mib, host, i * mib, mib) for i in range(80)]
+        fed = [
+            eng.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=i * mib, src_offset=i * mib, nbytes=mib))
+            for i in range(80)
+        ]
         time.sleep(0.002)
         behind_fed = eng.foreign_copy(H2D, 64 << 10)
         for c in fed:
             wait(c)
         # Held: two chunks in flight, nothing queued after them (the hold), then the copy.
-        held = [eng.submit(H2D, Path.DMA, dev, (80 + i) * mib, host, (80 + i) * mib, mib) for i in range(2)]
+        held = [
+            eng.submit(
+                ChunkJob(H2D, Path.DMA, dev, host, dst_offset=(80 + i) * mib, src_offset=(80 + i) * mib, nbytes=mib)
+            )
+            for i in range(2)
+        ]
         behind_held = eng.foreign_copy(H2D, 64 << 10)
         for c in held:
             wait(c)
@@ -311,7 +342,21 @@ def test_a_closed_gate_stops_queued_bulk_so_another_contexts_copy_waits_for_the_
         host.array[:] = pattern(6 * size, 11)
 
         def behind_three(first: int, gated: bool) -> tuple[float, list[Completion]]:
-            chunks = [eng.submit(H2D, Path.DMA, dev, (first + i) * size, host, (first + i) * size, size, gated=gated and i > 0) for i in range(3)]
+            chunks = [
+                eng.submit(
+                    ChunkJob(
+                        H2D,
+                        Path.DMA,
+                        dev,
+                        host,
+                        dst_offset=(first + i) * size,
+                        src_offset=(first + i) * size,
+                        nbytes=size,
+                        gated=gated and i > 0,
+                    )
+                )
+                for i in range(3)
+            ]
             if gated:
                 eng.set_gates(frozenset({H2D}))
             return eng.foreign_copy(H2D, 64 << 10), chunks
@@ -341,12 +386,14 @@ def test_a_strict_chunk_goes_past_a_gated_one_at_the_gate_and_a_bulk_one_does_no
         host, dev = host_region(eng, 4 * size), device_region(eng, 4 * size)
         host.array[:] = pattern(4 * size, 13)
         eng.set_gates(frozenset({H2D}))
-        gated = eng.submit(H2D, Path.DMA, dev, 0, host, 0, size, gated=True)
-        plain = eng.submit(H2D, Path.DMA, dev, size, host, size, size)
-        strict = eng.submit(H2D, Path.DMA, dev, 2 * size, host, 2 * size, size, strict=True)
+        gated = eng.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=size, gated=True))
+        plain = eng.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=size, src_offset=size, nbytes=size))
+        strict = eng.submit(
+            ChunkJob(H2D, Path.DMA, dev, host, dst_offset=2 * size, src_offset=2 * size, nbytes=size, strict=True)
+        )
         offsets = np.arange(3 * size, 4 * size, 64 << 10, dtype=np.uint64)[::-1]
         cells = np.stack([offsets, offsets, np.full(len(offsets), 64 << 10, dtype=np.uint64)], axis=1)
-        strict_batch = eng.submit_segments(H2D, Path.DMA, dev, host, cells, strict=True)
+        strict_batch = eng.submit(ChunkJob(H2D, Path.DMA, dev, host, cells=cells, strict=True))
         wait(strict, timeout=5.0)
         wait(strict_batch, timeout=5.0)
         time.sleep(0.05)  # each would take 0.5 ms: still not done means it has not begun

@@ -23,7 +23,18 @@ def test_soak_30s_rss_fds_and_latency_stay_flat(tmp_path: Path) -> None:
     with. The thresholds are generous (the script's defaults: 16 MiB or 5% of RSS, one fd, 3x
     latency + 0.5 ms); a real leak grows without bound and fails them all the same."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--spawn-daemon", "--soak", "--duration", "30", "--out", str(tmp_path), "--progress-s", "10"],
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--spawn-daemon",
+            "--soak",
+            "--duration",
+            "30",
+            "--out",
+            str(tmp_path),
+            "--progress-s",
+            "10",
+        ],
         capture_output=True,
         text=True,
         timeout=180,

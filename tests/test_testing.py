@@ -19,7 +19,7 @@ import pytest
 
 import priod
 from priod.common.types import Direction, LaneKey, Path
-from priod.daemon.engines.base import DeviceMemory, HostMemory
+from priod.daemon.engines.base import ChunkJob, DeviceMemory, HostMemory
 from priod.errors import EngineError
 from priod.testing import (
     CpuMeter,
@@ -65,8 +65,16 @@ def device_array(mem: DeviceMemory) -> npt.NDArray[np.uint8]:
     return np.frombuffer(mmap.mmap(mem.export.fd, mem.nbytes), dtype=np.uint8)
 
 
-def submit(engine: ManualEngine, lane: LaneKey, dst: HostMemory | DeviceMemory, src: HostMemory | DeviceMemory, nbytes: int, off: int = 0, path: Path = Path.DMA) -> ManualChunk:
-    chunk = engine.submit(lane, path, dst, off, src, off, nbytes)
+def submit(
+    engine: ManualEngine,
+    lane: LaneKey,
+    dst: HostMemory | DeviceMemory,
+    src: HostMemory | DeviceMemory,
+    nbytes: int,
+    off: int = 0,
+    path: Path = Path.DMA,
+) -> ManualChunk:
+    chunk = engine.submit(ChunkJob(lane, path, dst, src, dst_offset=off, src_offset=off, nbytes=nbytes))
     assert isinstance(chunk, ManualChunk)
     return chunk
 
@@ -80,9 +88,17 @@ def test_bytes_move_only_on_complete_and_land_where_the_chunk_says(engine: Manua
     host.array[:] = np.arange(N, dtype=np.uint32).astype(np.uint8)
     dev = engine.alloc_device(N, 0)
     seen = device_array(dev)
-    chunk = engine.submit(H2D, Path.DMA, dev, 4096, host, 100, 8192, strict=True)
+    chunk = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=4096, src_offset=100, nbytes=8192, strict=True))
     assert isinstance(chunk, ManualChunk)
-    assert (chunk.seq, chunk.lane, chunk.path, chunk.dst_offset, chunk.src_offset, chunk.nbytes, chunk.strict) == (0, H2D, Path.DMA, 4096, 100, 8192, True)
+    assert (chunk.seq, chunk.lane, chunk.path, chunk.dst_offset, chunk.src_offset, chunk.nbytes, chunk.strict) == (
+        0,
+        H2D,
+        Path.DMA,
+        4096,
+        100,
+        8192,
+        True,
+    )
     assert chunk.dst is dev and chunk.src is host
     assert engine.submitted == [chunk] and engine.pending == [chunk]
     assert (chunk.done(), chunk.state) == (False, "pending")
@@ -174,17 +190,28 @@ def test_lanes_follow_the_configuration() -> None:
     engine = ManualEngine(2, bandwidth=bw, express_range=(0, 0), directions=(Direction.H2D, Direction.D2H))
     try:
         lanes = engine.lanes()
-        assert [str(i.key) for i in lanes] == ["gpu0/d2h", "gpu0/h2d", "gpu1/d2h", "gpu1/h2d"]  # in LaneKey order, as the sim engine lists them
+        assert [str(i.key) for i in lanes] == [
+            "gpu0/d2h",
+            "gpu0/h2d",
+            "gpu1/d2h",
+            "gpu1/h2d",
+        ]  # in LaneKey order, as the sim engine lists them
         assert [i.bandwidth for i in lanes] == [20e9, 25e9, 20e9, 25e9]
         assert all((i.express_min, i.express_max) == (0, 0) for i in lanes)
         assert not engine.wakes_on_completion
         host, dev = host_region(engine), engine.alloc_device(N, 1)
         with pytest.raises(ValueError, match="no express path"):
-            engine.submit(LaneKey(1, Direction.H2D), Path.EXPRESS, dev, 0, host, 0, 64)
+            engine.submit(
+                ChunkJob(LaneKey(1, Direction.H2D), Path.EXPRESS, dev, host, dst_offset=0, src_offset=0, nbytes=64)
+            )
         with pytest.raises(ValueError, match="gpu0/d2d does not exist"):
-            engine.submit(LaneKey(0, Direction.D2D), Path.DMA, dev, 0, dev, 0, 64)
+            engine.submit(
+                ChunkJob(LaneKey(0, Direction.D2D), Path.DMA, dev, dev, dst_offset=0, src_offset=0, nbytes=64)
+            )
         with pytest.raises(ValueError, match="outside its memory"):
-            engine.submit(LaneKey(1, Direction.H2D), Path.DMA, dev, N - 10, host, 0, 64)
+            engine.submit(
+                ChunkJob(LaneKey(1, Direction.H2D), Path.DMA, dev, host, dst_offset=N - 10, src_offset=0, nbytes=64)
+            )
         with pytest.raises(priod.InvalidRequest, match="device 2 does not exist"):
             engine.alloc_device(64, 2)
         with pytest.raises(RuntimeError, match="in flight"):
@@ -280,8 +307,21 @@ def test_blocking_framed_pair_carries_messages_and_fds() -> None:
 def test_summaries_pick_their_keys_in_order_and_handle_no_values() -> None:
     vals = [float(v) for v in range(1, 101)]
     assert percentile(vals, 50) == 50.5 and np.isnan(percentile([], 50))
-    assert summarize(vals) == {"n": 100, "p50": 50.5, "p99": pytest.approx(99.01), "mean": 50.5, "min": 1.0, "max": 100.0}
-    assert list(summarize(vals, ("p50", "p99", "p99.9", "max", "mean"), ndigits=1)) == ["p50", "p99", "p99.9", "max", "mean"]
+    assert summarize(vals) == {
+        "n": 100,
+        "p50": 50.5,
+        "p99": pytest.approx(99.01),
+        "mean": 50.5,
+        "min": 1.0,
+        "max": 100.0,
+    }
+    assert list(summarize(vals, ("p50", "p99", "p99.9", "max", "mean"), ndigits=1)) == [
+        "p50",
+        "p99",
+        "p99.9",
+        "max",
+        "mean",
+    ]
     assert summarize(vals, ("p99.9",), ndigits=1) == {"p99.9": 99.9}
     assert summarize([], ("n", "p50", "max"), empty=None) == {"n": 0, "p50": None, "max": None}
     nan = pytest.approx(float("nan"), nan_ok=True)

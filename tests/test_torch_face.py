@@ -73,15 +73,23 @@ def test_where_refuses_what_it_cannot_name(daemon: DaemonProcess) -> None:
     with priod.SyncClient(daemon.socket_path) as c:
         h = c.alloc_host(4096)
         t = h.torch(torch.float32, (32, 32))
-        with pytest.raises(InvalidRequest, match=r"^the tensor is not contiguous \(shape \(32, 2\), strides \(32, 1\)\): a copy names one byte range"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^the tensor is not contiguous \(shape \(32, 2\), strides \(32, 1\)\): a copy names one byte range",
+        ):
             where(t[:, 1:3], [h])
         with pytest.raises(InvalidRequest, match=r"^the tensor is empty: there is nothing to copy$"):
             where(t[5:5], [h])
-        with pytest.raises(InvalidRequest, match=r"^this host tensor \(shape \(32, 32\), torch.float32, at 0x[0-9a-f]+\) is not inside any region of this connection"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^this host tensor \(shape \(32, 32\), torch.float32, at 0x[0-9a-f]+\) is not inside any region of this connection",
+        ):
             where(torch.zeros(32, 32), [h])
         with pytest.raises(TypeError, match=r"^expected a torch.Tensor, got ndarray$"):
             where(np.zeros(4), [h])
-        with pytest.raises(InvalidRequest, match=r"^the destination holds 128 bytes \(\(32,\), torch.float32\) and the source 64 "):
+        with pytest.raises(
+            InvalidRequest, match=r"^the destination holds 128 bytes \(\(32,\), torch.float32\) and the source 64 "
+        ):
             c.copy_tensor(t[0], t[1, :16])
 
 
@@ -93,7 +101,10 @@ def test_a_freed_region_names_no_tensor(daemon: DaemonProcess) -> None:
         c.free(h)
         with pytest.raises(InvalidRequest, match=r"^this host tensor .* is not inside any region of this connection"):
             c.copy_tensor(d.torch(), t)
-        with pytest.raises(InvalidRequest, match=r"^<priod.Region \d+ host 4096 bytes> is not mapped in this process any more \(freed, or its connection closed\)$"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^<priod.Region \d+ host 4096 bytes> is not mapped in this process any more \(freed, or its connection closed\)$",
+        ):
             h.torch()
 
 
@@ -184,15 +195,24 @@ def test_block_segments_checks_before_sending(daemon: DaemonProcess) -> None:
             block_segments(pool, cache, [0], [16], regions, block_dim=1)
         with pytest.raises(InvalidRequest, match=r"^dst_ids holds block id -1, outside 0\.\.15$"):
             block_segments(pool, cache, [-1], [0], regions, block_dim=1)
-        with pytest.raises(InvalidRequest, match=r"^dst_ids has 2 block ids and src_ids 1: they pair up, so they must match$"):
+        with pytest.raises(
+            InvalidRequest, match=r"^dst_ids has 2 block ids and src_ids 1: they pair up, so they must match$"
+        ):
             block_segments(pool, cache, [0, 1], [0], regions, block_dim=1)
-        with pytest.raises(InvalidRequest, match=r"^the destination's blocks are 2 x 2048 bytes and the source's 1 x 4096"):
+        with pytest.raises(
+            InvalidRequest, match=r"^the destination's blocks are 2 x 2048 bytes and the source's 1 x 4096"
+        ):
             block_segments(pool, d.torch(torch.bfloat16, (1, 16, 2048)), [0], [0], regions, block_dim=1)
-        with pytest.raises(InvalidRequest, match=r"^a block \(dimensions after 1 of shape \(2, 16, 512\), strides \(16384, 1024, 2\)\) is not contiguous"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^a block \(dimensions after 1 of shape \(2, 16, 512\), strides \(16384, 1024, 2\)\) is not contiguous",
+        ):
             block_segments(pool[..., ::2], cache[..., ::2], [0], [0], regions, block_dim=1)
         with pytest.raises(InvalidRequest, match=r"^copy_blocks between regions needs block_bytes > 0"):
             block_segments(h, d, [0], [0], regions)
-        with pytest.raises(InvalidRequest, match=r"^dst_ids must be a 1-D sequence of integer block ids, got shape \(2,\) of float64$"):
+        with pytest.raises(
+            InvalidRequest, match=r"^dst_ids must be a 1-D sequence of integer block ids, got shape \(2,\) of float64$"
+        ):
             block_segments(pool, cache, [0.0, 1.0], [0, 1], regions, block_dim=1)
         # a block table held as a tensor works as well as a list
         _, _, table = block_segments(pool, cache, torch.tensor([2]), torch.tensor([3]), regions, block_dim=1)
@@ -215,13 +235,22 @@ def test_region_view_rejects_a_dtype_or_shape_that_does_not_fit(daemon: DaemonPr
     """A region whose size is no multiple of the dtype's, or a shape of the wrong size, is refused."""
     with priod.SyncClient(daemon.socket_path) as c:
         h = c.alloc_host(4098)
-        with pytest.raises(InvalidRequest, match=r"^<priod.Region \d+ host 4098 bytes> holds 4098 bytes, not a whole number of torch.float32 elements \(4 bytes each\)$"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^<priod.Region \d+ host 4098 bytes> holds 4098 bytes, not a whole number of torch.float32 elements \(4 bytes each\)$",
+        ):
             h.torch(torch.float32)
-        with pytest.raises(InvalidRequest, match=r"^<priod.Region \d+ host 4098 bytes> as torch.bfloat16 has 2049 elements, which shape \(2, 1000\) does not fit"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^<priod.Region \d+ host 4098 bytes> as torch.bfloat16 has 2049 elements, which shape \(2, 1000\) does not fit",
+        ):
             h.torch(torch.bfloat16, (2, 1000))
 
 
 def test_register_device_refuses_a_cpu_tensor() -> None:
     """A CPU tensor is not device memory: the error says to use a host region's view instead."""
-    with pytest.raises(TypeError, match=r"^this tensor is on cpu, not on a GPU: for host memory use alloc_host and its Region.torch\(\) view$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^this tensor is on cpu, not on a GPU: for host memory use alloc_host and its Region.torch\(\) view$",
+    ):
         device_span(torch.zeros(4, dtype=torch.float8_e4m3fn))

@@ -27,7 +27,9 @@ BULK_BYTES = 32 << 20  # 16 ms at the sim's 2 GB/s: chunks stay in flight on the
 
 async def test_loop_stays_awake_in_the_urgent_window_only_and_sleeps_after() -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
-    cfg = load_config(None, environ={}).replace(server={"socket": path}, tuning={"urgent_window_ms": WINDOW_MS}, log={"level": "warning"})
+    cfg = load_config(None, environ={}).replace(
+        server={"socket": path}, tuning={"urgent_window_ms": WINDOW_MS}, log={"level": "warning"}
+    )
     engine = SimEngine(cfg.sim)
     assert engine.wakes_on_completion  # the case this file is about
     daemon = Daemon(cfg, engine)
@@ -62,7 +64,9 @@ async def test_loop_stays_awake_in_the_urgent_window_only_and_sleeps_after() -> 
             before = pump.awake_turns
             r = await c.copy(d, h, priority="bulk")
             assert r.nbytes == BULK_BYTES and np.array_equal(d.array, h.array)
-            assert time.perf_counter() - started < WINDOW_MS / 1e3, "the machine was too slow to stay inside the window; rerun"
+            assert time.perf_counter() - started < WINDOW_MS / 1e3, (
+                "the machine was too slow to stay inside the window; rerun"
+            )
             assert (pump.awake_turns - before) * 4 < idle_turns, (pump.awake_turns - before, idle_turns)
 
             # The window over, the loop sleeps with nothing to wake it: no turn, no timer.

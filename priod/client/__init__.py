@@ -7,4 +7,15 @@ from priod.client.base import Region
 from priod.client.client import BatchHandle, BatchResult, Client, CopyHandle, CopyResult, connect
 from priod.client.sync_client import SyncBatchHandle, SyncClient, SyncCopyHandle
 
-__all__ = ["BatchHandle", "BatchResult", "Client", "CopyHandle", "CopyResult", "Region", "SyncBatchHandle", "SyncClient", "SyncCopyHandle", "connect"]
+__all__ = [
+    "BatchHandle",
+    "BatchResult",
+    "Client",
+    "CopyHandle",
+    "CopyResult",
+    "Region",
+    "SyncBatchHandle",
+    "SyncClient",
+    "SyncCopyHandle",
+    "connect",
+]

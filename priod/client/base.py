@@ -107,13 +107,15 @@ class BatchOptions(TypedDict, total=False):
     """As `CopyOptions.signal_event`."""
 
 
-
 def import_torch() -> Any:
     """PyTorch, imported on first use: ``import priod`` never needs it."""
     try:
         return importlib.import_module("torch")
     except ImportError as exc:
-        raise ImportError(f"priod's tensor helpers need PyTorch, which is not installed ({exc}): pip install torch") from exc
+        raise ImportError(
+            f"priod's tensor helpers need PyTorch, which is not installed ({exc}): pip install torch"
+        ) from exc
+
 
 class Region:
     """A host or device region this connection made. ``array`` maps it where that is possible."""
@@ -207,7 +209,9 @@ class Region:
             flat = torch.as_tensor(buf, device=f"cuda:{buf.device}")
         size = torch.empty((), dtype=dtype).element_size()
         if self.nbytes % size:
-            raise InvalidRequest(f"{self!r} holds {self.nbytes} bytes, not a whole number of {dtype} elements ({size} bytes each)")
+            raise InvalidRequest(
+                f"{self!r} holds {self.nbytes} bytes, not a whole number of {dtype} elements ({size} bytes each)"
+            )
         view = flat.view(dtype)
         if shape is None:
             return view
@@ -215,7 +219,9 @@ class Region:
         try:
             return view.view(shape)
         except RuntimeError as exc:
-            raise InvalidRequest(f"{self!r} as {dtype} has {view.numel()} elements, which shape {shape} does not fit: {exc}") from None
+            raise InvalidRequest(
+                f"{self!r} as {dtype} has {view.numel()} elements, which shape {shape} does not fit: {exc}"
+            ) from None
 
     def __dlpack__(self, **kwargs: Any) -> Any:
         """DLPack export of the region's bytes (uint8, 1-D): ``torch.from_dlpack(region)``,
@@ -256,7 +262,9 @@ def no_permission(path: str) -> PermissionDenied:
 
 
 def no_daemon(path: str, exc: OSError) -> ConnectionClosed:
-    return ConnectionClosed(f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path")
+    return ConnectionClosed(
+        f"no priod daemon at {path} ({exc.strerror}); start one with 'priod serve' or pass its socket path"
+    )
 
 
 async def discover(deadline: float) -> str:
@@ -328,7 +336,9 @@ def cuda_register_request(obj: Any) -> tuple[RegisterDevice, tuple[int, ...]]:
     if buf.kind != "cuda_ipc":  # vmm_fd (handle empty) or pool_fd (handle: the allocation's export data)
         req = RegisterDevice(buf.handle, buf.nbytes, buf.offset, buf.device, uuid, kind=buf.kind, size=buf.size)
         return req, (buf.fd,)
-    return RegisterDevice(handle=buf.handle, nbytes=buf.nbytes, offset=buf.offset, device=buf.device, device_uuid=uuid), ()
+    return RegisterDevice(
+        handle=buf.handle, nbytes=buf.nbytes, offset=buf.offset, device=buf.device, device_uuid=uuid
+    ), ()
 
 
 def alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
@@ -346,7 +356,9 @@ def hold_page(reply: Reply) -> HoldPage:
     msg, fds = reply
     if len(fds) != 1:
         close_fds(fds)
-        raise ConnectionClosed(f"the daemon's hold_page reply came with {len(fds)} fds instead of 1; is it a priod of this version?")
+        raise ConnectionClosed(
+            f"the daemon's hold_page reply came with {len(fds)} fds instead of 1; is it a priod of this version?"
+        )
     return HoldPage(fds[0], HoldPageReply.decode(msg).lanes)
 
 
@@ -360,7 +372,9 @@ def raise_if_cancelled(req_id: int, timeout: float | None, msg: Message) -> None
     exc = error_of(msg)
     if isinstance(exc, Cancelled):
         raise CopyTimeout(
-            f"copy {req_id} did not finish within {timeout} s and was cancelled in the daemon: {exc}", exc.bytes_done, exc.segments_done
+            f"copy {req_id} did not finish within {timeout} s and was cancelled in the daemon: {exc}",
+            exc.bytes_done,
+            exc.segments_done,
         )
 
 
@@ -374,5 +388,3 @@ def progress(msg: Message, decode: Callable[[Message], R]) -> tuple[int, int | N
         raise exc
     result = decode(msg)
     return result.nbytes, result.segments if isinstance(result, CopyBatchReply) else None
-
-

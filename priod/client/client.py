@@ -92,7 +92,9 @@ class _Handle(Generic[R]):
 
     _decode: Callable[[Message], R]
 
-    def __init__(self, client: Client, req_id: int, future: asyncio.Future[Reply], recorded: asyncio.Future[None] | None = None) -> None:
+    def __init__(
+        self, client: Client, req_id: int, future: asyncio.Future[Reply], recorded: asyncio.Future[None] | None = None
+    ) -> None:
         self.client, self.id, self._future = client, req_id, future
         self._recorded = recorded
         self.segments_done: int | None = None
@@ -105,7 +107,9 @@ class _Handle(Generic[R]):
         with no host synchronisation. Raises the copy's error if it ended without recording
         it (cancelled before its last chunk, failed, or the record failed)."""
         if self._recorded is None:
-            raise InvalidRequest("this copy was sent without signal_event; pass signal_event= to wait on it from a stream")
+            raise InvalidRequest(
+                "this copy was sent without signal_event; pass signal_event= to wait on it from a stream"
+            )
         if not self._recorded.done():
             either: list[asyncio.Future[Any]] = [self._recorded, self._future]
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -187,7 +191,9 @@ class Client:
         return self._server
 
     @classmethod
-    async def connect(cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> Client:
+    async def connect(
+        cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None
+    ) -> Client:
         """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
 
         ``path``: None looks for the socket (`priod.daemon.config.find_socket`), for ``wait_s`` too.
@@ -382,7 +388,9 @@ class Client:
         await self._request(Share(region.id, uid))
 
     # -- copies ------------------------------------------------------------------------------
-    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> CopyHandle:
+    def start_copy(
+        self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]
+    ) -> CopyHandle:
         """Send a copy and return at once; await the handle for its result.
 
         ``nbytes`` defaults to as much as both regions hold past their offsets; the direction
@@ -416,7 +424,13 @@ class Client:
         return fut
 
     async def copy(
-        self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]
+        self,
+        dst: Region,
+        src: Region,
+        nbytes: int | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[CopyOptions],
     ) -> CopyResult:
         """Copy ``nbytes`` from ``src`` to ``dst`` and wait for it (see `start_copy`).
 
@@ -426,7 +440,9 @@ class Client:
         """
         return await self._wait(self.start_copy(dst, src, nbytes, **options), timeout)
 
-    async def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
+    async def copy_batch(
+        self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchResult:
         """Copy every segment and wait for the batch (see `start_copy_batch`; ``timeout`` as
         for `copy`, the `CopyTimeout` carrying ``segments_done`` too)."""
         return await self._wait(self.start_copy_batch(dst, src, segments, **options), timeout)
@@ -440,25 +456,49 @@ class Client:
         d, s = tensor_copy(dst, src, self._regions)
         return self.start_copy(d.region, s.region, d.nbytes, dst_offset=d.offset, src_offset=s.offset, **options)
 
-    async def copy_tensor(self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> CopyResult:
+    async def copy_tensor(
+        self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> CopyResult:
         """`start_copy_tensor` and wait for it (``timeout`` as for `copy`)."""
         return await self._wait(self.start_copy_tensor(dst, src, **options), timeout)
 
     def start_copy_blocks(
-        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Any,
+        src: Any,
+        dst_ids: Any,
+        src_ids: Any,
+        *,
+        block_dim: int = 0,
+        block_bytes: int | None = None,
+        **options: Unpack[BatchOptions],
     ) -> BatchHandle:
         """Copy block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst`` as one
         `start_copy_batch`. ``dst``, ``src``: paged caches as tensors viewing regions (blocks
         along ``block_dim``; K/V or layer dimensions before it) or regions holding blocks of
         ``block_bytes`` end to end (`priod.client.torch_face.block_segments`)."""
-        d, s, segments = block_segments(dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes)
+        d, s, segments = block_segments(
+            dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes
+        )
         return self.start_copy_batch(d, s, segments, **options)
 
     async def copy_blocks(
-        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, timeout: float | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Any,
+        src: Any,
+        dst_ids: Any,
+        src_ids: Any,
+        *,
+        block_dim: int = 0,
+        block_bytes: int | None = None,
+        timeout: float | None = None,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """`start_copy_blocks` and wait for it (``timeout`` as for `copy_batch`)."""
-        return await self._wait(self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options), timeout)
+        return await self._wait(
+            self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options),
+            timeout,
+        )
 
     async def _wait(self, handle: _Handle[R], timeout: float | None) -> R:
         try:
@@ -491,7 +531,9 @@ class Client:
     async def __aenter__(self) -> Client:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()
 
 
@@ -510,12 +552,16 @@ class _Connecting:
         self._client = await self
         return self._client
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._client is not None:
             await self._client.close()
 
 
-def connect(path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None) -> _Connecting:
+def connect(
+    path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None
+) -> _Connecting:
     """Connect to the daemon at ``path`` (default: the first that exists of $PRIOD_SOCKET,
     $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.daemon.config.find_socket`);
     with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`)."""

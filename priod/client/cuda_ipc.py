@@ -107,7 +107,9 @@ def device_span(obj: object) -> tuple[int, int]:
     try:
         cai: dict[str, Any] = obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except AttributeError:
-        raise TypeError(f"{type(obj).__name__} has no __cuda_array_interface__: pass a CuPy array or a CUDA tensor") from None
+        raise TypeError(
+            f"{type(obj).__name__} has no __cuda_array_interface__: pass a CuPy array or a CUDA tensor"
+        ) from None
     pointer = int(cai["data"][0])
     shape = tuple(int(n) for n in cai["shape"])
     itemsize = np.dtype(cai["typestr"]).itemsize
@@ -116,7 +118,9 @@ def device_span(obj: object) -> tuple[int, int]:
         expected = itemsize
         for extent, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
             if extent > 1 and int(stride) != expected:
-                raise ValueError(f"the array is not C-contiguous (shape {shape}, strides {tuple(strides)}): copy it first")
+                raise ValueError(
+                    f"the array is not C-contiguous (shape {shape}, strides {tuple(strides)}): copy it first"
+                )
             expected *= extent
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
@@ -259,7 +263,13 @@ def _export_vmm(drv: Any, pointer: int, nbytes: int, device: int) -> DeviceBuffe
                 "and view it with Region.torch()"
             )
         if retain(base) != handle or retain(base + size - 1) != handle:
-            step = int(check(drv.cuMemGetAllocationGranularity(prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+            step = int(
+                check(
+                    drv.cuMemGetAllocationGranularity(
+                        prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                    )
+                )
+            )
             lo, hi = pointer - pointer % step, last - last % step + step
             while lo - step >= base and retain(lo - step) == handle:
                 lo -= step
@@ -269,7 +279,9 @@ def _export_vmm(drv: Any, pointer: int, nbytes: int, device: int) -> DeviceBuffe
         try:
             fd = int(check(drv.cuMemExportToShareableHandle(retained[0], posix_fd, 0)))
         except CudaError as exc:
-            raise EngineError(f"this buffer's memory cannot be registered with priod: cuMemExportToShareableHandle refused it ({exc}); {VMM_HINT}") from exc
+            raise EngineError(
+                f"this buffer's memory cannot be registered with priod: cuMemExportToShareableHandle refused it ({exc}); {VMM_HINT}"
+            ) from exc
     finally:
         # A retain counts a reference like cuMemCreate's; the mapping keeps the memory alive.
         for h in retained:
@@ -287,7 +299,9 @@ def _export_pool(drv: Any, pointer: int, nbytes: int, device: int) -> DeviceBuff
     try:
         fd = int(check(drv.cuMemPoolExportToShareableHandle(pool, posix_fd, 0)))
     except CudaError as exc:
-        raise EngineError(f"this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool ({exc}); {POOL_HINT}") from exc
+        raise EngineError(
+            f"this buffer's memory cannot be registered with priod: cuMemPoolExportToShareableHandle refused its pool ({exc}); {POOL_HINT}"
+        ) from exc
     try:
         base, size = check(drv.cuMemGetAddressRange(pointer))
         base, size = int(base), int(size)
@@ -299,7 +313,9 @@ def _export_pool(drv: Any, pointer: int, nbytes: int, device: int) -> DeviceBuff
         try:
             export = handle_to_bytes(check(drv.cuMemPoolExportPointer(base)))
         except CudaError as exc:
-            raise EngineError(f"this buffer's memory cannot be registered with priod: cuMemPoolExportPointer refused its allocation ({exc}); {POOL_HINT}") from exc
+            raise EngineError(
+                f"this buffer's memory cannot be registered with priod: cuMemPoolExportPointer refused its allocation ({exc}); {POOL_HINT}"
+            ) from exc
     except BaseException:
         os.close(fd)
         raise

@@ -45,7 +45,17 @@ from priod.errors import InvalidRequest
 from priod.wire.batch import LARGEST, ROW, SMALLEST, Cells
 from priod.wire.hold_page import PAGE_BYTES, WORDS_PER_SLOT
 
-__all__ = ["KERNEL_BLOCK_MAX", "DirectCopies", "DirectPair", "HoldPage", "PinnedHost", "direct_pointers", "direct_rows", "direct_table", "pin_host"]
+__all__ = [
+    "KERNEL_BLOCK_MAX",
+    "DirectCopies",
+    "DirectPair",
+    "HoldPage",
+    "PinnedHost",
+    "direct_pointers",
+    "direct_rows",
+    "direct_table",
+    "pin_host",
+]
 
 """A slot's uint64 words: ``begun``, then ``ended``."""
 FAULT_WORDS = 512
@@ -77,7 +87,10 @@ class HoldPage:
         self._begun = [0] * len(lanes)
         self._ended = [0] * len(lanes)
         """What this process wrote, the page's only writer (so no read back of the page)."""
-        self._slots = {(uuid_key(ln["device_uuid"]) if ln.get("device_uuid") else ln["device"], ln["direction"]): i for i, ln in enumerate(lanes)}
+        self._slots = {
+            (uuid_key(ln["device_uuid"]) if ln.get("device_uuid") else ln["device"], ln["direction"]): i
+            for i, ln in enumerate(lanes)
+        }
         self._lock = threading.Lock()
 
     def slot(self, device_uuid: str | None, direction: str, device: int = 0) -> int:
@@ -88,7 +101,9 @@ class HoldPage:
             return self._slots[key]
         except KeyError:
             served = ", ".join(f"{ln.get('device_uuid') or ln['device']}/{ln['direction']}" for ln in self.lanes)
-            raise InvalidRequest(f"the daemon serves no {direction} lane of GPU {device_uuid or device} (it serves {served})") from None
+            raise InvalidRequest(
+                f"the daemon serves no {direction} lane of GPU {device_uuid or device} (it serves {served})"
+            ) from None
 
     def begin(self, slot: int) -> None:
         """Announce a copy on ``slot``'s lane: the daemon holds bulk there until `end`."""
@@ -158,13 +173,19 @@ def pin_host(obj: object) -> PinnedHost:
     array = getattr(obj, "array", None)
     if getattr(obj, "kind", None) == "host" and isinstance(array, np.ndarray):
         obj = array  # a host Region: its mapping in this process
-    if hasattr(obj, "__cuda_array_interface__") or getattr(obj, "is_cuda", False) or getattr(obj, "kind", None) == "device":
+    if (
+        hasattr(obj, "__cuda_array_interface__")
+        or getattr(obj, "is_cuda", False)
+        or getattr(obj, "kind", None) == "device"
+    ):
         raise InvalidRequest("pin_host pins host memory; this is GPU memory, which a direct copy takes as it is")
     address, nbytes = _span(obj)
     rt, _ = bindings()
     (err,) = rt.cudaHostRegister(address, nbytes, rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable)
     if err == rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered:
-        raise InvalidRequest("this host memory is pinned here already (pin_memory(), cudaHostAlloc or an earlier pin_host): use it as it is")
+        raise InvalidRequest(
+            "this host memory is pinned here already (pin_memory(), cudaHostAlloc or an earlier pin_host): use it as it is"
+        )
     check((err,))
     return PinnedHost(address, nbytes)
 
@@ -194,7 +215,14 @@ class _BatchKernel:
     `ExpressKernel.launch_table` reads of a device."""
 
     def __init__(self, device: int, sm_count: int) -> None:
-        from priod.common.cuda.express import CHECKED_TABLE_HEADER, EXPRESS_BLOCKS_PER_SM, EXPRESS_THREADS, EXPRESS_UNROLL, TABLE_MAX, ExpressKernel
+        from priod.common.cuda.express import (
+            CHECKED_TABLE_HEADER,
+            EXPRESS_BLOCKS_PER_SM,
+            EXPRESS_THREADS,
+            EXPRESS_UNROLL,
+            TABLE_MAX,
+            ExpressKernel,
+        )
 
         self.index, self.sm_count = device, sm_count
         self.table_max = TABLE_MAX
@@ -244,7 +272,9 @@ class _BatchKernel:
         if ptx is None:
             return None
         rt, drv = bindings()
-        kernel = cls(device, int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device))))
+        kernel = cls(
+            device, int(check(rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMultiProcessorCount, device)))
+        )
         if ExpressKernel.load(cast(Any, kernel), ptx) is not None:
             return None
         err, function = drv.cuModuleGetFunction(kernel.module, CHECKED_TABLE_KERNEL_NAME)
@@ -277,7 +307,9 @@ class _BatchKernel:
             check(rt.cudaEventRecord(self._join, self._side))
             check(rt.cudaStreamWaitEvent(stream, self._join, 0))
 
-    def launch_checked(self, dst: int, src: int, rows: memoryview, dst_bytes: int, src_bytes: int, stream: Any) -> int | None:
+    def launch_checked(
+        self, dst: int, src: int, rows: memoryview, dst_bytes: int, src_bytes: int, stream: Any
+    ) -> int | None:
         """Enqueue a batch of at most `table_max` rows that the kernel checks itself against
         buffers of ``dst_bytes`` and ``src_bytes`` (``priod_copy_table_checked``): every row is
         copied or none is. ``rows``: the table as `direct_rows` gives it, its bytes copied in as
@@ -299,7 +331,21 @@ class _BatchKernel:
             head[0], head[1], head[2], head[3], head[4] = src, dst, src_bytes, dst_bytes, self._faults_on_gpu + 8 * word
             self._checked_bytes[self._header_bytes : self._header_bytes + 24 * n] = rows.cast("B")
             try:
-                check(self._launch(self.checked_function, per_row, n, 1, threads, 1, 1, 0, self._cu(stream), self._checked_params, 0))
+                check(
+                    self._launch(
+                        self.checked_function,
+                        per_row,
+                        n,
+                        1,
+                        threads,
+                        1,
+                        1,
+                        0,
+                        self._cu(stream),
+                        self._checked_params,
+                        0,
+                    )
+                )
             except BaseException:
                 self._free_faults.append(word)
                 raise
@@ -346,7 +392,14 @@ def direct_rows(segments: object) -> memoryview:
     if table.dtype.kind in "iu":
         rows = table.data
         shape = rows.shape or ()
-        if len(shape) == 2 and shape[1] == 3 and shape[0] and rows.c_contiguous and rows.itemsize == 8 and rows.format in _WORD_FORMATS:
+        if (
+            len(shape) == 2
+            and shape[1] == 3
+            and shape[0]
+            and rows.c_contiguous
+            and rows.itemsize == 8
+            and rows.format in _WORD_FORMATS
+        ):
             return rows
     if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
         raise InvalidRequest(f"{want}; got shape {table.shape}, {table.dtype}")
@@ -364,7 +417,9 @@ def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[Cell
     """
     table = np.asarray(segments)
     if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
-        raise InvalidRequest(f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}")
+        raise InvalidRequest(
+            f"segments must be an (N, 3) integer array of (dst_offset, src_offset, nbytes), N >= 1; got shape {table.shape}, {table.dtype}"
+        )
     # A negative int64 becomes 2**63 or more here, caught with the figures no buffer can reach.
     # Reductions over a whole array or one column: numpy's across-rows ones (axis=0) cost 4 us
     # each, against under 1.
@@ -379,7 +434,9 @@ def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[Cell
     if int(cells[:, 0].max()) + largest > dst_bytes or int(cells[:, 1].max()) + largest > src_bytes:
         ends = (cells[:, :2] + cells[:, 2:]).max(axis=0).tolist()
         if ends[0] > dst_bytes or ends[1] > src_bytes:
-            raise InvalidRequest(f"a segment does not fit the buffers ({dst_bytes} bytes of destination, {src_bytes} of source)")
+            raise InvalidRequest(
+                f"a segment does not fit the buffers ({dst_bytes} bytes of destination, {src_bytes} of source)"
+            )
     return cells, int(sizes.sum()), largest
 
 
@@ -399,7 +456,10 @@ def direct_pointers(rows: memoryview, dst: int, dst_bytes: int, src: int, src_by
     table = np.frombuffer(rows, dtype=ROW)
     pointers: Cells = np.empty((3, len(table)), dtype=np.uint64)
     np.add(table.T, bases, out=pointers)
-    low, high = SMALLEST(pointers, axis=1).tolist(), LARGEST(pointers, axis=1).tolist()  # the ufuncs themselves (batch.LARGEST)
+    low, high = (
+        SMALLEST(pointers, axis=1).tolist(),
+        LARGEST(pointers, axis=1).tolist(),
+    )  # the ufuncs themselves (batch.LARGEST)
     dst_end, src_end = dst + dst_bytes, src + src_bytes
     fits = low[0] >= dst and low[1] >= src and low[2] >= 1 and high[2] < 1 << 62
     if fits and (high[0] + high[2] > dst_end or high[1] + high[2] > src_end):
@@ -452,7 +512,13 @@ class DirectPair:
         """Copy ``nbytes`` (default: the whole source) from ``src + src_offset`` to ``dst +
         dst_offset``; return once they have landed. Returns ``nbytes``."""
         n = self.src_bytes - src_offset if nbytes is None else nbytes
-        if n <= 0 or src_offset < 0 or dst_offset < 0 or src_offset + n > self.src_bytes or dst_offset + n > self.dst_bytes:
+        if (
+            n <= 0
+            or src_offset < 0
+            or dst_offset < 0
+            or src_offset + n > self.src_bytes
+            or dst_offset + n > self.dst_bytes
+        ):
             raise InvalidRequest(
                 f"{n} bytes at source offset {src_offset} and destination offset {dst_offset} do not fit "
                 f"buffers of {self.src_bytes} and {self.dst_bytes} bytes"
@@ -547,7 +613,15 @@ class DirectCopies:
     one's own. A copy has landed when it returns.
     """
 
-    def __init__(self, page: HoldPage, *, spin_s: float = 0.002, batch_path: str = "fastest", explore_s: float = 2.0, explore_every: int = EXPLORE_EVERY) -> None:
+    def __init__(
+        self,
+        page: HoldPage,
+        *,
+        spin_s: float = 0.002,
+        batch_path: str = "fastest",
+        explore_s: float = 2.0,
+        explore_every: int = EXPLORE_EVERY,
+    ) -> None:
         if batch_path not in ("fastest", "kernel", "dma"):
             raise ValueError(f"batch_path is 'fastest', 'kernel' or 'dma', not {batch_path!r}")
         self.page = page
@@ -616,7 +690,11 @@ class DirectCopies:
         the launch this thread does only what the launch needs; the sum waits until after it."""
         device = pair._device
         stream = self._streams.get(device) or self._stream(device)
-        kernel = self._kernel(device) if self.batch_path != "dma" and all(pair.on_device) and rows[0, 2] < KERNEL_BLOCK_MAX else None
+        kernel = (
+            self._kernel(device)
+            if self.batch_path != "dma" and all(pair.on_device) and rows[0, 2] < KERNEL_BLOCK_MAX
+            else None
+        )
         if kernel is None:
             return self._dma_batch(pair, rows, stream)
         if self.batch_path == "kernel":
@@ -630,7 +708,9 @@ class DirectCopies:
             pair._figures_size = size
         t0 = time.perf_counter()
         path = self._paths.choose_in(figures, t0)
-        total = self._dma_batch(pair, rows, stream) if path is Path.DMA else self._kernel_batch(kernel, pair, rows, stream)
+        total = (
+            self._dma_batch(pair, rows, stream) if path is Path.DMA else self._kernel_batch(kernel, pair, rows, stream)
+        )
         t1 = time.perf_counter()
         self._paths.observe_in(figures, path, t1 - t0, t1)
         return total
@@ -648,7 +728,9 @@ class DirectCopies:
             bases = pair._bases = np.array([[pair.dst], [pair.src], [0]], dtype=np.uint64)
         pointers = direct_pointers(rows, pair.dst, pair.dst_bytes, pair.src, pair.src_bytes, bases)
         if self._batched is None:
-            from priod.common.cuda.batched import BatchedDma  # the daemon's batched DMA helper: common.cuda.driver only, no engine state
+            from priod.common.cuda.batched import (
+                BatchedDma,  # the daemon's batched DMA helper: common.cuda.driver only, no engine state
+            )
 
             self._batched = BatchedDma()
         self._batched.copy_pointers(pointers, self._default, stream)
@@ -659,14 +741,18 @@ class DirectCopies:
     def _kernel_batch(self, kernel: _BatchKernel, pair: DirectPair, rows: memoryview, stream: Any) -> int:
         """A batch by the copy kernel: checked by it where one launch takes the table, else here first."""
         if kernel.checked_function is not None and len(rows) <= kernel.table_max:
-            word = kernel.launch_checked(pair.on_device[0], pair.on_device[1], rows, pair.dst_bytes, pair.src_bytes, stream)
+            word = kernel.launch_checked(
+                pair.on_device[0], pair.on_device[1], rows, pair.dst_bytes, pair.src_bytes, stream
+            )
             if word is not None:
                 total = int(np.asarray(rows)[:, 2].sum())  # while the kernel runs; a bad table's may be anything
                 self._wait(stream)  # should it raise, the word stays taken: the kernel may yet write it
                 bad = kernel.fault(word)
                 if bad:
                     direct_table(rows, pair.dst_bytes, pair.src_bytes)  # raises, saying what is wrong
-                    raise InvalidRequest(f"segment {bad - 1} does not fit the buffers or copies 0 bytes; nothing was copied")
+                    raise InvalidRequest(
+                        f"segment {bad - 1} does not fit the buffers or copies 0 bytes; nothing was copied"
+                    )
                 return total
         cells, total, largest = direct_table(rows, pair.dst_bytes, pair.src_bytes)
         kernel.launch(pair.on_device[0], pair.on_device[1], cells, largest, stream)
@@ -713,7 +799,9 @@ class DirectCopies:
                 "a direct copy needs pinned host memory (tensor.pin_memory(), cudaHostAlloc or cudaHostRegister): "
                 "pageable memory would make it synchronous; or copy through the daemon (Client.copy)"
             )
-        raise InvalidRequest("a direct copy goes between pinned host memory and device memory; copy other pairs through the daemon (Client.copy)")
+        raise InvalidRequest(
+            "a direct copy goes between pinned host memory and device memory; copy other pairs through the daemon (Client.copy)"
+        )
 
     def _stream(self, device: int) -> Any:
         """This GPU's urgent stream, made on first use (the caller has made the GPU current)."""
@@ -722,7 +810,9 @@ class DirectCopies:
             if stream is None:
                 rt = self._rt
                 _, greatest = check(rt.cudaDeviceGetStreamPriorityRange())
-                stream = self._streams[device] = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
+                stream = self._streams[device] = check(
+                    rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest)
+                )
         return stream
 
     def close(self) -> None:

@@ -100,7 +100,9 @@ class _SyncHandle(Generic[R]):
         chunk (the copy may still be in flight); see `priod.client.CopyHandle.recorded`. Raises
         the copy's error if it ended without recording it, TimeoutError after ``timeout`` s."""
         if not self._signalled:
-            raise InvalidRequest("this copy was sent without signal_event; pass signal_event= to wait on it from a stream")
+            raise InvalidRequest(
+                "this copy was sent without signal_event; pass signal_event= to wait on it from a stream"
+            )
         c = self.client
         deadline = time.perf_counter() + (math.inf if timeout is None else timeout)
         while self.id not in c._recorded:
@@ -303,28 +305,44 @@ class SyncClient:
     def share(self, region: Region, uid: int) -> None:
         self._request(Share(region.id, uid))
 
-    def copy(self, dst: Region, src: Region, nbytes: int | None = None, *, timeout: float | None = None, **options: Unpack[CopyOptions]) -> CopyResult:
+    def copy(
+        self,
+        dst: Region,
+        src: Region,
+        nbytes: int | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[CopyOptions],
+    ) -> CopyResult:
         """Copy and wait for it (see `Client.start_copy`; ``timeout`` as in `Client.copy`)."""
         if timeout is not None:
             return self.start_copy(dst, src, nbytes, **options).wait(timeout)
         msg, _ = self._request(copy_request(dst, src, nbytes, options))
         return CopyReply.decode(msg)
 
-    def start_copy(self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]) -> SyncCopyHandle:
+    def start_copy(
+        self, dst: Region, src: Region, nbytes: int | None = None, **options: Unpack[CopyOptions]
+    ) -> SyncCopyHandle:
         """Send a copy and return at once (see `Client.start_copy`)."""
         req = copy_request(dst, src, nbytes, options)
         return SyncCopyHandle(self, self._start(req), req.signal_event is not None)
 
-    def copy_batch(self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> BatchResult:
+    def copy_batch(
+        self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> BatchResult:
         """Copy every segment and wait for the batch (see `Client.start_copy_batch`)."""
         return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
 
-    def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> SyncBatchHandle:
+    def start_copy_batch(
+        self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]
+    ) -> SyncBatchHandle:
         """Send a batch and return at once (see `Client.start_copy_batch`)."""
         req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
         return SyncBatchHandle(self, self._start(req), req.signal_event is not None)
 
-    def copy_tensor(self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]) -> CopyResult:
+    def copy_tensor(
+        self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+    ) -> CopyResult:
         """Copy tensor ``src`` into tensor ``dst`` and wait (see `Client.start_copy_tensor`)."""
         return self.start_copy_tensor(dst, src, **options).wait(timeout)
 
@@ -334,16 +352,37 @@ class SyncClient:
         return self.start_copy(d.region, s.region, d.nbytes, dst_offset=d.offset, src_offset=s.offset, **options)
 
     def copy_blocks(
-        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, timeout: float | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Any,
+        src: Any,
+        dst_ids: Any,
+        src_ids: Any,
+        *,
+        block_dim: int = 0,
+        block_bytes: int | None = None,
+        timeout: float | None = None,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """Copy paged blocks as one batch and wait (see `Client.start_copy_blocks`)."""
-        return self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options).wait(timeout)
+        return self.start_copy_blocks(
+            dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options
+        ).wait(timeout)
 
     def start_copy_blocks(
-        self, dst: Any, src: Any, dst_ids: Any, src_ids: Any, *, block_dim: int = 0, block_bytes: int | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Any,
+        src: Any,
+        dst_ids: Any,
+        src_ids: Any,
+        *,
+        block_dim: int = 0,
+        block_bytes: int | None = None,
+        **options: Unpack[BatchOptions],
     ) -> SyncBatchHandle:
         """Send paged blocks as one batch and return at once (see `Client.start_copy_blocks`)."""
-        d, s, segments = block_segments(dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes)
+        d, s, segments = block_segments(
+            dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes
+        )
         return self.start_copy_batch(d, s, segments, **options)
 
     def status(self) -> dict[str, Any]:
@@ -364,4 +403,3 @@ class SyncClient:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
-

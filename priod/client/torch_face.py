@@ -26,9 +26,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from priod.errors import InvalidRequest
-
 from priod.client.base import Region
+from priod.errors import InvalidRequest
 
 __all__ = ["BlockLayout", "Span", "block_segments", "block_table", "region_tensor", "tensor_copy", "where"]
 
@@ -129,7 +128,9 @@ def _layout(obj: Any, block_dim: int, block_bytes: int | None, regions: list[Reg
     if not _is_tensor(obj):
         # a Region: blocks of block_bytes end to end from its start
         if block_bytes is None or block_bytes <= 0:
-            raise InvalidRequest("copy_blocks between regions needs block_bytes > 0 (with tensors it comes from their shape)")
+            raise InvalidRequest(
+                "copy_blocks between regions needs block_bytes > 0 (with tensors it comes from their shape)"
+            )
         return BlockLayout(obj, 0, np.zeros(1, dtype=np.int64), block_bytes, block_bytes, -1)
     t = obj
     ndim = t.dim()
@@ -159,7 +160,9 @@ def _ids(ids: Any, name: str, count: int) -> npt.NDArray[np.int64]:
         ids = ids.detach().cpu().numpy()  # a CUDA block table: copied back once, here
     arr = np.asarray(ids)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise InvalidRequest(f"{name} must be a 1-D sequence of integer block ids, got shape {arr.shape} of {arr.dtype}")
+        raise InvalidRequest(
+            f"{name} must be a 1-D sequence of integer block ids, got shape {arr.shape} of {arr.dtype}"
+        )
     arr = arr.astype(np.int64)
     if arr.size and (int(arr.min()) < 0 or (count >= 0 and int(arr.max()) >= count)):
         bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
@@ -168,7 +171,9 @@ def _ids(ids: Any, name: str, count: int) -> npt.NDArray[np.int64]:
     return arr
 
 
-def block_table(dst_ids: Any, src_ids: Any, block_bytes: int, *, dst_offset: int = 0, src_offset: int = 0) -> npt.NDArray[np.int64]:
+def block_table(
+    dst_ids: Any, src_ids: Any, block_bytes: int, *, dst_offset: int = 0, src_offset: int = 0
+) -> npt.NDArray[np.int64]:
     """The (N, 3) segment table copying block ``src_ids[i]`` to block ``dst_ids[i]``, blocks of
     ``block_bytes`` laid end to end from ``dst_offset`` / ``src_offset`` (no torch needed)."""
     d, s = _ids(dst_ids, "dst_ids", -1), _ids(src_ids, "src_ids", -1)
@@ -178,7 +183,14 @@ def block_table(dst_ids: Any, src_ids: Any, block_bytes: int, *, dst_offset: int
 
 
 def block_segments(
-    dst: Any, src: Any, dst_ids: Any, src_ids: Any, regions: Iterable[Region], *, block_dim: int = 0, block_bytes: int | None = None
+    dst: Any,
+    src: Any,
+    dst_ids: Any,
+    src_ids: Any,
+    regions: Iterable[Region],
+    *,
+    block_dim: int = 0,
+    block_bytes: int | None = None,
 ) -> tuple[Region, Region, npt.NDArray[np.int64]]:
     """The regions and (N, 3) segment table of a ``copy_batch`` that copies block ``src_ids[i]``
     of ``src`` to block ``dst_ids[i]`` of ``dst``.

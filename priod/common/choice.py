@@ -107,7 +107,9 @@ class PathChooser:
         """The path for an urgent copy (or ``batch``) of ``nbytes`` that both paths could carry."""
         return self.choose_in(self.bucket(lane, nbytes, batch), now)
 
-    def observe(self, lane: LaneKey, path: Path, nbytes: int, latency_s: float, now: float, batch: bool = False) -> None:
+    def observe(
+        self, lane: LaneKey, path: Path, nbytes: int, latency_s: float, now: float, batch: bool = False
+    ) -> None:
         """An urgent copy (or ``batch``) on ``path`` took ``latency_s`` from submission to completion seen (at ``now``)."""
         self.observe_in(self.bucket(lane, nbytes, batch), path, latency_s, now)
 
@@ -135,14 +137,22 @@ class PathChooser:
         path has stopped)."""
         i = 0 if path is Path.EXPRESS else 1
         old, seen = b.latency[i], b.seen[i]
-        b.latency[i] = latency_s if old is None or seen is None or now - seen >= self.explore_s else old + ALPHA * (latency_s - old)
+        b.latency[i] = (
+            latency_s
+            if old is None or seen is None or now - seen >= self.explore_s
+            else old + ALPHA * (latency_s - old)
+        )
         b.seen[i] = now
 
     def estimates(self) -> list[PathEstimate]:
         out = []
         for (lane, bucket, batch), b in sorted(self._buckets.items(), key=lambda kv: kv[0]):
             ex, dma = b.latency
-            choice = "express" if ex is not None and (dma is None or ex <= dma) else ("dma" if dma is not None else "express")
+            choice = (
+                "express"
+                if ex is not None and (dma is None or ex <= dma)
+                else ("dma" if dma is not None else "express")
+            )
             out.append(
                 PathEstimate(
                     str(lane),

@@ -19,7 +19,9 @@ from priod.errors import InvalidRequest
 
 __all__ = ["format_uuid", "sim_uuid", "uuid_key"]
 
-_UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})$")
+_UUID_TEXT = re.compile(
+    r"^(?:GPU-|MIG-)?([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})$"
+)
 _SIM_NAMESPACE = uuid.UUID("6d1c2f4e-0b8a-4c55-9a49-2f0f5e1d7a11")
 """Fixed, so that a sim GPU's UUID is the same in every run and on every host."""
 

@@ -50,7 +50,9 @@ class LaneKey:
 
     def __post_init__(self) -> None:
         if (self.direction is Direction.PEER) != (self.peer is not None) or self.peer == self.device:
-            raise ValueError(f"LaneKey({self.device}, {self.direction.value}, peer={self.peer}): a peer lane, and only a peer lane, names another GPU as its peer")
+            raise ValueError(
+                f"LaneKey({self.device}, {self.direction.value}, peer={self.peer}): a peer lane, and only a peer lane, names another GPU as its peer"
+            )
         # Lanes key dicts on the per-chunk path (about 8 lookups per copy): the hash is worked
         # out once, since an enum's value is a Python-level property that is slow to read.
         object.__setattr__(self, "_hash", hash((self.device, self.direction.value, self.peer)))

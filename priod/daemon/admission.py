@@ -44,7 +44,9 @@ class Admission:
         sv, lim = self.shared.cfg.server, self.shared.cfg.limits
         n = len(self.shared.sessions)
         if not self.allowed(peer):
-            return PermissionDenied(f"uid {peer.uid} (gid {peer.gid}) may not use this daemon; an administrator can add it to [server] allow_uids or allow_gids")
+            return PermissionDenied(
+                f"uid {peer.uid} (gid {peer.gid}) may not use this daemon; an administrator can add it to [server] allow_uids or allow_gids"
+            )
         if self.shared.stopping:
             return ShuttingDown("the daemon is stopping; retry once it is back")
         privileged = self.privileged(peer.uid)
@@ -76,7 +78,9 @@ class Admission:
                 if not session.greeted:
                     if now - session.connected_at >= sv.hello_timeout_s:
                         session.expire(
-                            LimitExceeded(f"no hello within {sv.hello_timeout_s:g} s of connecting ([server] hello_timeout_s); send hello as the first request")
+                            LimitExceeded(
+                                f"no hello within {sv.hello_timeout_s:g} s of connecting ([server] hello_timeout_s); send hello as the first request"
+                            )
                         )
                 elif not session.idle:
                     session.last_active = now

@@ -166,7 +166,9 @@ def load_config(path: str | os.PathLike[str] | None = None, environ: Mapping[str
             with p.open("rb") as fp:
                 data = fp.read(MAX_CONFIG_BYTES + 1)
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {p}: {exc.strerror}; pass an existing file with --config") from exc
+            raise ConfigError(
+                f"cannot read config file {p}: {exc.strerror}; pass an existing file with --config"
+            ) from exc
         if len(data) > MAX_CONFIG_BYTES:
             raise ConfigError(f"config file {p} is over {MAX_CONFIG_BYTES} bytes; is it the right file?")
         try:
@@ -209,7 +211,9 @@ def _move_tuning_keys(raw: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str
             kept[key] = value
             continue
         if key in tuning:
-            raise ConfigError(f"[scheduler] {key} and [tuning] {key} are both set; {key} is a [tuning] setting now: remove it from [scheduler]")
+            raise ConfigError(
+                f"[scheduler] {key} and [tuning] {key} are both set; {key} is a [tuning] setting now: remove it from [scheduler]"
+            )
         tuning[key] = value
         moved.append(f"[scheduler] {key} -> [tuning] {key}")
     out["scheduler"], out["tuning"] = kept, tuning
@@ -270,7 +274,7 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
         return value
     if getattr(hint, "__origin__", None) is tuple and get_args(hint)[0] is str:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} = {value!r} must be a list of strings, like [\"GPU-...\", \"GPU-...\"]")
+            raise ConfigError(f'{where} = {value!r} must be a list of strings, like ["GPU-...", "GPU-..."]')
         return tuple(value)
     if getattr(hint, "__origin__", None) is tuple:
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -288,7 +292,9 @@ def _classes(raw: Any) -> tuple[ClassSpec, ...]:
             raise ConfigError(f"[classes.{name}] must be a table with 'weight' and optionally 'strict', 'uids', 'gids'")
         unknown = set(spec) - {"weight", "strict", "uids", "gids"}
         if unknown:
-            raise ConfigError(f"unknown setting(s) {sorted(unknown)} in [classes.{name}]; known: ['gids', 'strict', 'uids', 'weight']")
+            raise ConfigError(
+                f"unknown setting(s) {sorted(unknown)} in [classes.{name}]; known: ['gids', 'strict', 'uids', 'weight']"
+            )
         weight = _coerce(f"[classes.{name}] weight", int, spec.get("weight", 1))
         strict = _coerce(f"[classes.{name}] strict", bool, spec.get("strict", False))
         uids = _coerce(f"[classes.{name}] uids", tuple[int, ...], spec.get("uids", []))
@@ -304,23 +310,51 @@ def _validate(cfg: Config) -> None:
 
     validate_policy(cfg.policy())  # [scheduler] and [classes]: checked where the scheduler checks them
     sv = cfg.server
-    need(1024 <= sv.max_frame_bytes <= 64 << 20, f"[server] max_frame_bytes = {sv.max_frame_bytes} is invalid; set 1024 <= max_frame_bytes <= 67108864")
+    need(
+        1024 <= sv.max_frame_bytes <= 64 << 20,
+        f"[server] max_frame_bytes = {sv.max_frame_bytes} is invalid; set 1024 <= max_frame_bytes <= 67108864",
+    )
     need(sv.max_output_bytes >= sv.max_frame_bytes, "[server] max_output_bytes must be >= max_frame_bytes")
-    need(0 <= sv.socket_mode <= 0o777, f"[server] socket_mode = {sv.socket_mode:o} is invalid; use an octal mode like 0o660")
+    need(
+        0 <= sv.socket_mode <= 0o777,
+        f"[server] socket_mode = {sv.socket_mode:o} is invalid; use an octal mode like 0o660",
+    )
     need(sv.max_clients >= 1, "[server] max_clients must be >= 1")
-    need(0 < sv.hello_timeout_s < float("inf"), f"[server] hello_timeout_s = {sv.hello_timeout_s} is invalid; set a finite number of seconds > 0")
-    need(0 <= sv.idle_timeout_s < float("inf"), f"[server] idle_timeout_s = {sv.idle_timeout_s} is invalid; set a finite number of seconds >= 0 (0: never)")
+    need(
+        0 < sv.hello_timeout_s < float("inf"),
+        f"[server] hello_timeout_s = {sv.hello_timeout_s} is invalid; set a finite number of seconds > 0",
+    )
+    need(
+        0 <= sv.idle_timeout_s < float("inf"),
+        f"[server] idle_timeout_s = {sv.idle_timeout_s} is invalid; set a finite number of seconds >= 0 (0: never)",
+    )
     lim = cfg.limits
-    for name in ("max_pinned_bytes", "max_device_bytes", "max_regions", "max_queued_requests", "max_queued_bytes", "max_queued_segments"):
+    for name in (
+        "max_pinned_bytes",
+        "max_device_bytes",
+        "max_regions",
+        "max_queued_requests",
+        "max_queued_bytes",
+        "max_queued_segments",
+    ):
         need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
-    per_uid = ("max_connections_per_uid", "max_pinned_bytes_per_uid", "max_device_bytes_per_uid", "max_regions_per_uid", "max_queued_requests_per_uid")
+    per_uid = (
+        "max_connections_per_uid",
+        "max_pinned_bytes_per_uid",
+        "max_device_bytes_per_uid",
+        "max_regions_per_uid",
+        "max_queued_requests_per_uid",
+    )
     for name in (*per_uid, "max_queued_bytes_per_uid", "max_queued_segments_per_uid"):
         need(getattr(lim, name) >= 1, f"[limits] {name} must be >= 1")
     need(
         0 <= lim.max_requests_per_s_per_uid < float("inf"),
         f"[limits] max_requests_per_s_per_uid = {lim.max_requests_per_s_per_uid} is invalid; set a finite number >= 0 (0: no cap)",
     )
-    need(lim.request_burst_per_uid >= 1, f"[limits] request_burst_per_uid = {lim.request_burst_per_uid} is invalid; set request_burst_per_uid >= 1")
+    need(
+        lim.request_burst_per_uid >= 1,
+        f"[limits] request_burst_per_uid = {lim.request_burst_per_uid} is invalid; set request_burst_per_uid >= 1",
+    )
     for name in ("max_pinned_total_bytes", "max_device_total_bytes", "max_regions_total", "max_shares_per_region"):
         need(getattr(lim, name) >= 0, f"[limits] {name} must be >= 0")
     sim = cfg.sim
@@ -331,7 +365,9 @@ def _validate(cfg: Config) -> None:
         0 <= sim.host_gbps < float("inf"),
         f"[sim] host_gbps = {sim.host_gbps} is invalid; set a finite number of GB/s >= 0 (0: no shared host-memory cap)",
     )
-    need(0 < sim.express_share <= 1, f"[sim] express_share = {sim.express_share} is invalid; set 0 < express_share <= 1")
+    need(
+        0 < sim.express_share <= 1, f"[sim] express_share = {sim.express_share} is invalid; set 0 < express_share <= 1"
+    )
     need(
         0 <= sim.cotenant_stall_us < float("inf"),
         f"[sim] cotenant_stall_us = {sim.cotenant_stall_us} is invalid; set cotenant_stall_us to a finite number >= 0 (microseconds; 0: no co-tenant computes)",
@@ -348,7 +384,9 @@ def _validate_sim_uuids(sim: SimSettings) -> None:
     if not sim.uuids:
         return
     if len(sim.uuids) != sim.devices:
-        raise ConfigError(f"[sim] uuids lists {len(sim.uuids)} UUIDs for devices = {sim.devices}; give one per device, or leave it empty")
+        raise ConfigError(
+            f"[sim] uuids lists {len(sim.uuids)} UUIDs for devices = {sim.devices}; give one per device, or leave it empty"
+        )
     keys = []
     for text in sim.uuids:
         try:
@@ -362,6 +400,11 @@ def _validate_sim_uuids(sim: SimSettings) -> None:
 def _as_raw(cfg: Config) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     for name in _SECTIONS:
-        raw[name] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
-    raw["classes"] = {c.name: {"weight": c.weight, "strict": c.strict, "uids": list(c.uids), "gids": list(c.gids)} for c in cfg.classes}
+        raw[name] = {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(getattr(cfg, name)).items()
+        }
+    raw["classes"] = {
+        c.name: {"weight": c.weight, "strict": c.strict, "uids": list(c.uids), "gids": list(c.gids)}
+        for c in cfg.classes
+    }
     return raw

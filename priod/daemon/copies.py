@@ -3,30 +3,32 @@
 The session (session.py) hands a decoded copy to `take_copy` (a batch to `take_batch`), which
 checks its regions, bounds, limits and events and queues a `PendingCopy` with the scheduler; the
 pump reports the end through `copy_finished`, and the session answers with `outcome_reply`.
-Pure logic apart from the session whose counters it updates and which it calls back.
+Pure logic apart from the session whose counters it updates and which it calls back. That
+session is named by what this module uses of it (`CopySession`, `CopyParts`): session.py
+imports this module, not the other way round.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from priod.common.types import LaneKey, Path
-from priod.daemon.config import LimitsConfig
+from priod.daemon.config import Config, LimitsConfig
 from priod.daemon.engines.base import IpcEvent, Memory
+from priod.daemon.gates import EventTable
 from priod.daemon.log import error_fields
 from priod.daemon.pump import Pump
-from priod.daemon.regions import Region, RegionTable, UidHoldings
-from priod.daemon.sched.scheduler import Finished
+from priod.daemon.regions import Holdings, Region, RegionTable, UidHoldings
+from priod.daemon.sched.scheduler import Finished, Scheduler
 from priod.daemon.sched.scheduler import Request as QueuedCopy
 from priod.errors import InvalidRequest, LimitExceeded, ShuttingDown
 from priod.wire.batch import Segments
 from priod.wire.messages import Copy, CopyBatch
 from priod.wire.replies import CopyBatchReply, CopyReply, ErrorReply
-
-if TYPE_CHECKING:
-    from priod.daemon.session import Session
+from priod.wire.transport import Peer
 
 __all__ = [
     "PendingCopy",
@@ -54,6 +56,7 @@ def _reply_us(seconds: float) -> float:
     `outcome_reply` writes it out for a finished copy's three timings (see there)."""
     return round(seconds * 1e9) / 1e3
 
+
 _CANCEL_WHY = {
     "cancelled": "copy cancelled",
     "shutting_down": "the daemon is stopping and cancelled this copy; retry once it is back",
@@ -61,11 +64,57 @@ _CANCEL_WHY = {
 }
 
 
+class Counts(Protocol):
+    """What a connection has pending, for its limits (a `Session`)."""
+
+    @property
+    def pending(self) -> dict[int, QueuedCopy]: ...
+
+    queued_bytes: int
+    queued_segments: int
+
+
+class CopyParts(Protocol):
+    """What this module uses of the daemon's parts that every session reaches (a `session.Shared`)."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def regions(self) -> RegionTable: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def pump(self) -> Pump: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def request_ids(self) -> Iterator[int]: ...
+
+
+class CopySession(Counts, Protocol):
+    """What this module uses of the connection a copy came on (a `session.Session`), beside its `Counts`."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def peer(self) -> Peer: ...
+    @property
+    def shared(self) -> CopyParts: ...
+    @property
+    def holdings(self) -> Holdings: ...
+    @property
+    def events(self) -> EventTable: ...
+
+    def copy_finished(self, f: Finished, p: PendingCopy) -> None: ...
+
+    def signal_recorded(self, p: PendingCopy, error: Exception | None) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class PendingCopy:
     """A queued copy's payload: where its bytes go, and whom to answer."""
 
-    session: Session
+    session: CopySession
     client_id: int
     dst: Region
     dst_offset: int
@@ -90,7 +139,7 @@ class PendingCopy:
         return self.src.mem
 
 
-def take_copy(session: Session, req_id: int, req: Copy) -> None:
+def take_copy(session: CopySession, req_id: int, req: Copy) -> None:
     """Check a copy (regions, bounds, limits, events) and queue it; its reply comes when it ends
     (`copy_finished`). Raises a RequestError naming the fix, and then nothing is queued."""
     now = time.perf_counter()
@@ -106,7 +155,7 @@ def take_copy(session: Session, req_id: int, req: Copy) -> None:
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
 
 
-def take_batch(session: Session, req_id: int, req: CopyBatch) -> None:
+def take_batch(session: CopySession, req_id: int, req: CopyBatch) -> None:
     """A batch: checked as a unit (every segment, or none, is queued), then one request."""
     now = time.perf_counter()
     dst, src = _copy_regions(session, req_id, req.dst, req.src)
@@ -121,7 +170,9 @@ def take_batch(session: Session, req_id: int, req: CopyBatch) -> None:
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
 
 
-def _open_events(session: Session, payload: PendingCopy, device: int, wait: bytes | None, signal: bytes | None) -> None:
+def _open_events(
+    session: CopySession, payload: PendingCopy, device: int, wait: bytes | None, signal: bytes | None
+) -> None:
     """Open the events a copy names (once per connection), on its lane's GPU: an IPC event
     can be used on its own GPU only. A handle that does not open refuses the copy."""
     regions, holdings = session.shared.regions, session.holdings
@@ -141,7 +192,7 @@ def _open_events(session: Session, payload: PendingCopy, device: int, wait: byte
         payload.signal_event = opened("signal_event", signal)
 
 
-def _copy_regions(session: Session, req_id: int, dst_id: int, src_id: int) -> tuple[Region, Region]:
+def _copy_regions(session: CopySession, req_id: int, dst_id: int, src_id: int) -> tuple[Region, Region]:
     """The two regions a copy names, once it may be taken at all."""
     if session.shared.stopping:
         raise ShuttingDown("the daemon is stopping and takes no new copies; retry once it is back")
@@ -151,14 +202,36 @@ def _copy_regions(session: Session, req_id: int, dst_id: int, src_id: int) -> tu
     return regions.usable(session.holdings, dst_id), regions.usable(session.holdings, src_id)
 
 
-def _enqueue(session: Session, req_id: int, now: float, payload: PendingCopy, lane: LaneKey, priority: str, deadline_ms: float | None, nbytes: int) -> None:
+def _enqueue(
+    session: CopySession,
+    req_id: int,
+    now: float,
+    payload: PendingCopy,
+    lane: LaneKey,
+    priority: str,
+    deadline_ms: float | None,
+    nbytes: int,
+) -> None:
     shared = session.shared
     deadline = now + deadline_ms / 1e3 if deadline_ms is not None else None
     segments = payload.segments
     peer = session.peer
     # Positionally (..., payload, uid, gid, groups, segments): `Request` has 21 fields, and each
     # keyword is looked up among them (~0.15 us of the loop per copy).
-    queued = QueuedCopy(next(shared.request_ids), session.id, lane, priority, nbytes, now, deadline, payload, peer.uid, peer.gid, (), segments)
+    queued = QueuedCopy(
+        next(shared.request_ids),
+        session.id,
+        lane,
+        priority,
+        nbytes,
+        now,
+        deadline,
+        payload,
+        peer.uid,
+        peer.gid,
+        (),
+        segments,
+    )
     held = payload.wait_event
     if held is None:
         shared.scheduler.enqueue(queued, now)  # raises InvalidRequest for an unknown class
@@ -174,7 +247,7 @@ def _enqueue(session: Session, req_id: int, now: float, payload: PendingCopy, la
         shared.pump.hold(queued, held, now)
 
 
-def count_pending(session: Session, nbytes: int, segments: Segments | None, sign: int) -> None:
+def count_pending(session: CopySession, nbytes: int, segments: Segments | None, sign: int) -> None:
     """Count a copy into (``sign`` +1) or out of (-1) what its connection and its uid have
     pending, the figures `check_limits` holds against the limits: one place, so the two stay
     in step."""
@@ -208,16 +281,6 @@ def cancel_copy(pump: Pump, req: QueuedCopy, code: str) -> bool:
     assert isinstance(payload, PendingCopy)
     payload.cancel_code = code
     return pump.cancel(req.id)
-
-
-class Counts(Protocol):
-    """What a connection has pending, for its limits (a `Session`)."""
-
-    @property
-    def pending(self) -> dict[int, QueuedCopy]: ...
-
-    queued_bytes: int
-    queued_segments: int
 
 
 def check_limits(lim: LimitsConfig, conn: Counts, tally: UidHoldings, nbytes: int, segments: int) -> None:
@@ -255,18 +318,28 @@ def check_limits(lim: LimitsConfig, conn: Counts, tally: UidHoldings, nbytes: in
         )
 
 
-def outcome_reply(f: Finished, p: PendingCopy, queued_s: float, transfer_s: float, total_s: float) -> CopyReply | CopyBatchReply | ErrorReply:
+def outcome_reply(
+    f: Finished, p: PendingCopy, queued_s: float, transfer_s: float, total_s: float
+) -> CopyReply | CopyBatchReply | ErrorReply:
     """The reply that ends a copy: its timings when done, else why not and how far it got
     (for a batch, in whole segments too)."""
     req = f.request
     segments = p.segments
     if f.outcome == "done" and p.signal_error is None:
-        path = "express" if req.path is _EXPRESS else "dma"  # not ``req.path.value``: an enum's value is a slow property
+        path = (
+            "express" if req.path is _EXPRESS else "dma"
+        )  # not ``req.path.value``: an enum's value is a slow property
         # `_reply_us` written out: three calls cost ~0.5 us of the loop, before the reply goes.
-        queued_us, transfer_us, total_us = round(queued_s * 1e9) / 1e3, round(transfer_s * 1e9) / 1e3, round(total_s * 1e9) / 1e3
+        queued_us, transfer_us, total_us = (
+            round(queued_s * 1e9) / 1e3,
+            round(transfer_s * 1e9) / 1e3,
+            round(total_s * 1e9) / 1e3,
+        )
         waited = _reply_us(req.held_s) if p.wait_event is not None else None
         if segments is not None:
-            return CopyBatchReply(req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline, waited)
+            return CopyBatchReply(
+                req.nbytes, len(segments), queued_us, transfer_us, total_us, path, f.missed_deadline, waited
+            )
         return CopyReply(req.nbytes, queued_us, transfer_us, total_us, path, f.missed_deadline, waited)
     progress = f"after {f.bytes_done} of {req.nbytes} bytes"
     done = None
@@ -277,14 +350,19 @@ def outcome_reply(f: Finished, p: PendingCopy, queued_s: float, transfer_s: floa
         # The bytes landed, but the client's stream has nothing to wait on: an error, so a
         # client that waits for the event never takes stale ordering for a guarantee.
         return ErrorReply(
-            "engine", f"the copy landed ({progress}) but its signal_event could not be recorded: {p.signal_error}", f.bytes_done, done
+            "engine",
+            f"the copy landed ({progress}) but its signal_event could not be recorded: {p.signal_error}",
+            f.bytes_done,
+            done,
         )
     if f.outcome == "failed":
         return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done, done)
     return ErrorReply(p.cancel_code, f"{_CANCEL_WHY[p.cancel_code]} {progress}", f.bytes_done, done)
 
 
-def check_copy_bounds(regions: RegionTable, dst: Region, dst_offset: int, src: Region, src_offset: int, nbytes: int) -> None:
+def check_copy_bounds(
+    regions: RegionTable, dst: Region, dst_offset: int, src: Region, src_offset: int, nbytes: int
+) -> None:
     """Refuse (InvalidRequest, naming the fix) a single copy outside its regions, or whose source
     and destination overlap (a copy engine does not copy overlapping ranges as memmove does)."""
     if dst_offset + nbytes <= dst.nbytes and src_offset + nbytes <= src.nbytes and dst.kind != src.kind:
@@ -303,7 +381,9 @@ def check_copy_bounds(regions: RegionTable, dst: Region, dst_offset: int, src: R
         )
 
 
-def copy_log_fields(f: Finished, p: PendingCopy, outcome: str, gpu: str, queued_s: float, total_s: float) -> dict[str, Any]:
+def copy_log_fields(
+    f: Finished, p: PendingCopy, outcome: str, gpu: str, queued_s: float, total_s: float
+) -> dict[str, Any]:
     """The per-copy log line's fields (built only when the line is written: debug, or a failure)."""
     req = f.request
     return {

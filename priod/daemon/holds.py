@@ -126,7 +126,9 @@ class Holds:
         """Make ``owner``'s page (one per connection), slots for ``lanes`` in that order.
         The caller sends ``page.fd`` to the client and keeps nothing else of it."""
         if owner in self.pages:
-            raise InvalidRequest("this connection already has its hold page; use the one it got (one page per connection)")
+            raise InvalidRequest(
+                "this connection already has its hold page; use the one it got (one page per connection)"
+            )
         if not lanes or len(lanes) * SLOT_BYTES > PAGE_BYTES:
             raise InvalidRequest(f"this daemon serves {len(lanes)} host lanes, which do not fit one hold page")
         fd = os.memfd_create("priod-holds", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -196,7 +198,9 @@ class Holds:
                     # (it puts the lane on its short bound), and with nothing left in the bucket
                     # it neither holds nor starts the short bound: a flood of announcements is
                     # held to the budget too, not only long holds.
-                    bucket.tokens = max(-self.burst_s, bucket.tokens - n * BEGIN_CHARGE_S)  # a debt of one burst at most
+                    bucket.tokens = max(
+                        -self.burst_s, bucket.tokens - n * BEGIN_CHARGE_S
+                    )  # a debt of one burst at most
                     if bucket.tokens > 0:
                         begun.add(lane)
                 elif step:

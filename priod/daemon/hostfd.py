@@ -52,25 +52,33 @@ def check_host_fd(fd: int) -> None:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         magic = _fs_magic(fd)
     except OSError:
-        raise InvalidRequest("the passed fd is not a memfd; create it with os.memfd_create(name, os.MFD_ALLOW_SEALING)") from None
+        raise InvalidRequest(
+            "the passed fd is not a memfd; create it with os.memfd_create(name, os.MFD_ALLOW_SEALING)"
+        ) from None
     if magic == HUGETLBFS_MAGIC:
         raise InvalidRequest(
             "the passed memfd is backed by huge pages (MFD_HUGETLB), which its owner can give back under the daemon (a hole punch) "
             "and make it fault; create it with os.memfd_create(name, os.MFD_ALLOW_SEALING) without MFD_HUGETLB"
         )
     if magic != TMPFS_MAGIC:
-        raise InvalidRequest(f"the passed fd is not a memfd (its filesystem is 0x{magic:x}); create it with os.memfd_create(name, os.MFD_ALLOW_SEALING)")
+        raise InvalidRequest(
+            f"the passed fd is not a memfd (its filesystem is 0x{magic:x}); create it with os.memfd_create(name, os.MFD_ALLOW_SEALING)"
+        )
     if not seals & fcntl.F_SEAL_SHRINK:
         if seals & fcntl.F_SEAL_SEAL:
             raise InvalidRequest(
                 "the passed fd cannot be sealed (a memfd made without MFD_ALLOW_SEALING, or a tmpfs file); "
                 "create it with os.memfd_create(name, os.MFD_ALLOW_SEALING) and seal it with fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)"
             )
-        raise InvalidRequest("seal the memfd against shrinking first: fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK); a shrunk region would fault the daemon")
+        raise InvalidRequest(
+            "seal the memfd against shrinking first: fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK); a shrunk region would fault the daemon"
+        )
     if seals & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
         raise InvalidRequest(
             "the passed memfd is sealed against writing (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE), and copies into a host region write to it; "
             "register a memfd without write seals (F_SEAL_SHRINK is the one needed)"
         )
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-        raise InvalidRequest("the passed fd is open read-only, and copies into a host region write to it; pass the memfd itself (open for reading and writing)")
+        raise InvalidRequest(
+            "the passed fd is open read-only, and copies into a host region write to it; pass the memfd itself (open for reading and writing)"
+        )

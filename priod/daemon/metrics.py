@@ -28,7 +28,22 @@ from priod.common.types import LaneKey, Path
 __all__ = ["Metrics", "gpu_label", "lane_labels", "nvidia_device_nodes"]
 
 _LATENCY_BUCKETS = (
-    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 2.5, 10.0,
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    1.0,
+    2.5,
+    10.0,
 )
 _NVIDIA_NODE = re.compile(r"nvidia[0-9]+")
 
@@ -120,18 +135,34 @@ class CopySeries:
 
     def collect(self) -> Iterator[Metric]:
         lane = ["gpu", "direction"]
-        requests = CounterMetricFamily("priod_requests", "Copy requests finished, by lane, class and outcome", labels=[*lane, "priority", "outcome"])
+        requests = CounterMetricFamily(
+            "priod_requests",
+            "Copy requests finished, by lane, class and outcome",
+            labels=[*lane, "priority", "outcome"],
+        )
         for labels, (n,) in list(self.requests.items()):
             requests.add_metric(labels, n)
-        nbytes = CounterMetricFamily("priod_copied_bytes", "Bytes copied, by lane and class", labels=[*lane, "priority"])
-        misses = CounterMetricFamily("priod_deadline_misses", "Copies that finished after their deadline", labels=[*lane, "priority"])
+        nbytes = CounterMetricFamily(
+            "priod_copied_bytes", "Bytes copied, by lane and class", labels=[*lane, "priority"]
+        )
+        misses = CounterMetricFamily(
+            "priod_deadline_misses", "Copies that finished after their deadline", labels=[*lane, "priority"]
+        )
         for labels, (b, m) in list(self.counts.items()):
             nbytes.add_metric(labels, b)
             misses.add_metric(labels, m)
         yield from (requests, nbytes, misses)
         for name, doc, table in (
-            ("priod_request_duration_seconds", "Copy latency from arrival to completion, by lane, class and path, for completed copies", self.duration),
-            ("priod_queue_wait_seconds", "Time from arrival to the first chunk's submission, by lane, class and path, for completed copies", self.queue_wait),
+            (
+                "priod_request_duration_seconds",
+                "Copy latency from arrival to completion, by lane, class and path, for completed copies",
+                self.duration,
+            ),
+            (
+                "priod_queue_wait_seconds",
+                "Time from arrival to the first chunk's submission, by lane, class and path, for completed copies",
+                self.queue_wait,
+            ),
         ):
             family = HistogramMetricFamily(name, doc, labels=[*lane, "priority", "path"])
             for labels, hist in list(table.items()):
@@ -157,10 +188,24 @@ class Metrics:
         self.copies = CopySeries(_LATENCY_BUCKETS)
         """The per-copy series (requests, bytes, deadline misses, latency histograms)."""
         r.register(self.copies)
-        self.refused = Counter("priod_refused_requests", "Requests refused at once, by error code", ["code"], registry=r)
-        self.queued_requests = Gauge("priod_queued_requests", "Copy requests waiting in priod's queues, by lane and class", [*lane, "priority"], registry=r)
-        self.queued_bytes = Gauge("priod_queued_bytes", "Bytes of copies waiting in priod's queues, not yet handed out", [*lane, "priority"], registry=r)
-        self.inflight = Gauge("priod_inflight_bytes", "Bytes submitted to the engine and not yet complete", [*lane, "path"], registry=r)
+        self.refused = Counter(
+            "priod_refused_requests", "Requests refused at once, by error code", ["code"], registry=r
+        )
+        self.queued_requests = Gauge(
+            "priod_queued_requests",
+            "Copy requests waiting in priod's queues, by lane and class",
+            [*lane, "priority"],
+            registry=r,
+        )
+        self.queued_bytes = Gauge(
+            "priod_queued_bytes",
+            "Bytes of copies waiting in priod's queues, not yet handed out",
+            [*lane, "priority"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "priod_inflight_bytes", "Bytes submitted to the engine and not yet complete", [*lane, "path"], registry=r
+        )
         self.busy = Counter(
             "priod_engine_busy_seconds",
             "Time the lane's copy engine spent busy (sim: copying; cuda: a chunk outstanding, as polled); rate() is the busy ratio",
@@ -180,7 +225,10 @@ class Metrics:
             registry=r,
         )
         self.direct_copies = Counter(
-            "priod_direct_copies", "Direct urgent copies (a client's own DMA) announced on hold pages, by lane", lane, registry=r
+            "priod_direct_copies",
+            "Direct urgent copies (a client's own DMA) announced on hold pages, by lane",
+            lane,
+            registry=r,
         )
         self.direct_holds_cut = Counter(
             "priod_direct_holds_cut",
@@ -199,7 +247,9 @@ class Metrics:
         Info("priod_build", "priod version", registry=r).info({"version": __version__})
         self.engine = Info("priod_engine", "The copy engine serving this daemon (cuda or sim)", registry=r)
         Gauge(
-            "priod_nvidia_device_nodes", "NVIDIA GPU device nodes (/dev/nvidiaN) visible to the daemon at start; > 0 with engine sim is a GPU left unserved", registry=r
+            "priod_nvidia_device_nodes",
+            "NVIDIA GPU device nodes (/dev/nvidiaN) visible to the daemon at start; > 0 with engine sim is a GPU left unserved",
+            registry=r,
         ).set(nvidia_device_nodes())
         self._engine_name = ""
         self._seen: dict[tuple[str, str, str], float] = {}
@@ -223,7 +273,9 @@ class Metrics:
         series = self._series.get(key)
         if series is None:
             gpu, direction = lane_labels(lane, self.gpu_names)
-            series = self._series[key] = self.copies.series(gpu, direction, priority, outcome, path.value if path is not None else "none")
+            series = self._series[key] = self.copies.series(
+                gpu, direction, priority, outcome, path.value if path is not None else "none"
+            )
         self.copies.add(series, nbytes, queued_s, total_s, outcome == "done", missed_deadline)
 
     def set_engine(self, name: str) -> None:

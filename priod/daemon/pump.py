@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 import structlog
 
 from priod.common.types import LaneKey, Path
-from priod.daemon.engines.base import Completion, Engine, IpcEvent, Memory
+from priod.daemon.engines.base import ChunkJob, Completion, Engine, IpcEvent, Memory
 from priod.daemon.gates import Gates
 from priod.daemon.holds import Holds
 from priod.daemon.log import error_fields
@@ -274,7 +274,11 @@ class Pump:
             # begun; the poll loop looks when they are due (on the H200 two polls a chunk of three
             # found nothing, this one among them). `_poll_once`, not `_poll`: this runs inside
             # `kick`, which holds ``_working``.
-            if not (self._submit(self.scheduler.next_chunks(time.perf_counter())) and not self._paced_by_polls and self._poll_once()):
+            if not (
+                self._submit(self.scheduler.next_chunks(time.perf_counter()))
+                and not self._paced_by_polls
+                and self._poll_once()
+            ):
                 break
         else:
             # Bounded, so other connections get the loop between rounds; carry on next turn.
@@ -365,14 +369,14 @@ class Pump:
             target: CopyTarget = req.payload  # type: ignore[assignment]  # not typing.cast: a call per chunk
             try:
                 if req.segments is None:
-                    completion = self.engine.submit(
+                    job = ChunkJob(
                         req.lane,
                         chunk.path,
                         target.dst_mem,
-                        target.dst_offset + chunk.offset,
                         target.src_mem,
-                        target.src_offset + chunk.offset,
-                        chunk.nbytes,
+                        dst_offset=target.dst_offset + chunk.offset,
+                        src_offset=target.src_offset + chunk.offset,
+                        nbytes=chunk.nbytes,
                         strict=chunk.strict,
                         gated=chunk.gated,
                     )
@@ -380,10 +384,20 @@ class Pump:
                     # A batch's chunk: the parts of its segments that bytes [offset, +nbytes) cover.
                     segments = req.segments
                     cells = segments.piece(chunk.offset, chunk.nbytes)
-                    peaks = segments.peaks if cells is segments.cells else None  # the whole batch: found when it was read
-                    completion = self.engine.submit_segments(
-                        req.lane, chunk.path, target.dst_mem, target.src_mem, cells, strict=chunk.strict, gated=chunk.gated, peaks=peaks
+                    peaks = (
+                        segments.peaks if cells is segments.cells else None
+                    )  # the whole batch: found when it was read
+                    job = ChunkJob(
+                        req.lane,
+                        chunk.path,
+                        target.dst_mem,
+                        target.src_mem,
+                        cells=cells,
+                        peaks=peaks,
+                        strict=chunk.strict,
+                        gated=chunk.gated,
                     )
+                completion = self.engine.submit(job)
             except PriodError as exc:
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):
@@ -391,7 +405,9 @@ class Pump:
                 continue
             now = time.perf_counter()
             # Due times pace only a polled engine's poller (`next_poll_at`); sim wakes the loop.
-            self._inflight.append(InFlight(chunk, completion, now, self._due(chunk, now) if self._paced_by_polls else now))
+            self._inflight.append(
+                InFlight(chunk, completion, now, self._due(chunk, now) if self._paced_by_polls else now)
+            )
             if chunk.offset + chunk.nbytes == req.nbytes:
                 signal = getattr(target, "signal_event", None)  # test payloads have none
                 if signal is not None:

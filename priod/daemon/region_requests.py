@@ -9,16 +9,24 @@ on a worker thread; the session runs it as a task and holds the requests behind 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from priod.daemon.regions import Holdings, Region
+from priod.daemon.engines.base import Engine
+from priod.daemon.regions import Holdings, Region, RegionTable
 from priod.wire.messages import AllocDevice, AllocHost, Free, RegisterDevice, RegisterHost, Share
 from priod.wire.replies import Empty, RegionReply
 
-if TYPE_CHECKING:
-    from priod.daemon.session import Shared
-
 __all__ = ["RegionRequests"]
+
+
+class RegionParts(Protocol):
+    """What these requests use of the daemon's shared parts: a `session.Shared`, named by this
+    protocol because session.py imports this module."""
+
+    @property
+    def regions(self) -> RegionTable: ...
+    @property
+    def engine(self) -> Engine: ...
 
 
 class RegionRequests:
@@ -27,7 +35,7 @@ class RegionRequests:
 
     __slots__ = ("holdings", "shared")
 
-    def __init__(self, shared: Shared, holdings: Holdings) -> None:
+    def __init__(self, shared: RegionParts, holdings: Holdings) -> None:
         self.shared = shared
         self.holdings = holdings
 
@@ -50,11 +58,17 @@ class RegionRequests:
         # keeping the allocation (the pool) alive without it.
         if req.kind == "vmm_fd":
             assert req.size is not None  # RegisterDevice.check
-            region = await self.shared.regions.register_device_fd(self.holdings, fds[0], req.size, req.offset, req.nbytes, device)
+            region = await self.shared.regions.register_device_fd(
+                self.holdings, fds[0], req.size, req.offset, req.nbytes, device
+            )
         elif req.kind == "pool_fd":
-            region = await self.shared.regions.register_device_pool(self.holdings, fds[0], req.handle, req.offset, req.nbytes, device)
+            region = await self.shared.regions.register_device_pool(
+                self.holdings, fds[0], req.handle, req.offset, req.nbytes, device
+            )
         else:
-            region = await self.shared.regions.register_device(self.holdings, req.handle, req.offset, req.nbytes, device)
+            region = await self.shared.regions.register_device(
+                self.holdings, req.handle, req.offset, req.nbytes, device
+            )
         return self._region_reply(region), []
 
     def _device(self, ordinal: int, device_uuid: str | None) -> int:

@@ -73,7 +73,13 @@ class UidHoldings:
     @property
     def unused(self) -> bool:
         return not (
-            self.holders or self.regions or self.pinned_bytes or self.device_bytes or self.queued_requests or self.queued_bytes or self.queued_segments
+            self.holders
+            or self.regions
+            or self.pinned_bytes
+            or self.device_bytes
+            or self.queued_requests
+            or self.queued_bytes
+            or self.queued_segments
         )
 
     def figures(self) -> dict[str, int]:
@@ -177,7 +183,9 @@ class RegionTable:
         self.total_device_bytes = 0
         # The engine's own key objects: every dict lookup on the per-chunk path then matches
         # by identity instead of comparing dataclasses field by field.
-        self._lanes: dict[tuple[int, Direction, int | None], LaneKey] = {(i.key.device, i.key.direction, i.key.peer): i.key for i in engine.lanes()}
+        self._lanes: dict[tuple[int, Direction, int | None], LaneKey] = {
+            (i.key.device, i.key.direction, i.key.peer): i.key for i in engine.lanes()
+        }
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -229,7 +237,9 @@ class RegionTable:
         """A region ``holder`` owns (to free or share it)."""
         region = self._get(region_id)
         if region.owner is not holder:
-            raise PermissionDenied(f"region {region_id} belongs to another connection; only its owner may free or share it")
+            raise PermissionDenied(
+                f"region {region_id} belongs to another connection; only its owner may free or share it"
+            )
         return region
 
     def usable(self, holder: Holdings, region_id: int) -> Region:
@@ -238,7 +248,9 @@ class RegionTable:
         if region is None:
             region = self._get(region_id)  # raises NotFound
         if region.owner is not holder and holder.uid not in region.shared_uids:
-            raise PermissionDenied(f"region {region_id} belongs to another client and is not shared with uid {holder.uid}")
+            raise PermissionDenied(
+                f"region {region_id} belongs to another client and is not shared with uid {holder.uid}"
+            )
         return region
 
     def _get(self, region_id: int) -> Region:
@@ -268,7 +280,9 @@ class RegionTable:
             raise InvalidRequest("both regions are host memory; copy between them with memcpy in your own process")
         lane = self._lanes.get((device, direction, None))  # type: ignore[arg-type]
         if lane is None:
-            raise InvalidRequest(f"no lane {direction.value} on device {device}; this daemon serves {sorted(map(str, self._lanes.values()))}")
+            raise InvalidRequest(
+                f"no lane {direction.value} on device {device}; this daemon serves {sorted(map(str, self._lanes.values()))}"
+            )
         return lane
 
     @staticmethod
@@ -299,7 +313,9 @@ class RegionTable:
         region at a time, so its own counts wait for `_add`."""
         lim, tally = self.limits, holder.tally
         if len(holder.regions) >= lim.max_regions:
-            raise LimitExceeded(f"this connection holds {len(holder.regions)} regions ([limits] max_regions = {lim.max_regions}); free some first")
+            raise LimitExceeded(
+                f"this connection holds {len(holder.regions)} regions ([limits] max_regions = {lim.max_regions}); free some first"
+            )
         if tally.regions >= lim.max_regions_per_uid:
             raise LimitExceeded(
                 f"uid {holder.uid} holds {tally.regions} regions over its connections ([limits] max_regions_per_uid = {lim.max_regions_per_uid}); free some first"
@@ -397,7 +413,9 @@ class RegionTable:
         log.info("host_region_registered", nbytes=nbytes, register_ms=round((time.perf_counter() - started) * 1e3, 3))
         return mem
 
-    async def alloc_device(self, holder: Holdings, nbytes: int, device: int) -> tuple[Region, dict[str, Any], list[int]]:
+    async def alloc_device(
+        self, holder: Holdings, nbytes: int, device: int
+    ) -> tuple[Region, dict[str, Any], list[int]]:
         """Device memory of the daemon's; returns it, how the client reaches it, and the fds for that."""
         self._claim(holder, "device", nbytes)
         try:
@@ -414,21 +432,33 @@ class RegionTable:
 
     async def register_device(self, holder: Holdings, handle: bytes, offset: int, nbytes: int, device: int) -> Region:
         """The client's own device memory, opened from its IPC handle."""
-        return await self._import_device(holder, nbytes, device, self.engine.import_device, handle, offset, nbytes, device)
+        return await self._import_device(
+            holder, nbytes, device, self.engine.import_device, handle, offset, nbytes, device
+        )
 
-    async def register_device_fd(self, holder: Holdings, fd: int, size: int, offset: int, nbytes: int, device: int) -> Region:
+    async def register_device_fd(
+        self, holder: Holdings, fd: int, size: int, offset: int, nbytes: int, device: int
+    ) -> Region:
         """The client's own ``cuMemCreate`` memory, imported from its POSIX fd and mapped whole
         (``size`` bytes), the region being ``nbytes`` at ``offset``. The caller keeps and
         closes ``fd``."""
-        return await self._import_device(holder, nbytes, device, self.engine.import_device_fd, fd, size, offset, nbytes, device)
+        return await self._import_device(
+            holder, nbytes, device, self.engine.import_device_fd, fd, size, offset, nbytes, device
+        )
 
-    async def register_device_pool(self, holder: Holdings, fd: int, export: bytes, offset: int, nbytes: int, device: int) -> Region:
+    async def register_device_pool(
+        self, holder: Holdings, fd: int, export: bytes, offset: int, nbytes: int, device: int
+    ) -> Region:
         """The client's own memory of a stream-ordered pool: the pool imported from its POSIX
         fd, the allocation from its export data, the region being ``nbytes`` at ``offset`` in
         it. The caller keeps and closes ``fd``."""
-        return await self._import_device(holder, nbytes, device, self.engine.import_device_pool, fd, export, offset, nbytes, device)
+        return await self._import_device(
+            holder, nbytes, device, self.engine.import_device_pool, fd, export, offset, nbytes, device
+        )
 
-    async def _import_device(self, holder: Holdings, nbytes: int, device: int, open_it: Callable[..., Memory], *args: object) -> Region:
+    async def _import_device(
+        self, holder: Holdings, nbytes: int, device: int, open_it: Callable[..., Memory], *args: object
+    ) -> Region:
         """Count ``nbytes`` more of ``holder``'s device memory and open the client's memory
         with ``open_it(*args)`` on an executor thread (imports take milliseconds)."""
         self._claim(holder, "device", nbytes)
@@ -454,7 +484,14 @@ class RegionTable:
         if device is None:
             log.debug("region_added", region=region.id, kind=kind, nbytes=nbytes)
         else:
-            log.debug("region_added", region=region.id, kind=kind, nbytes=nbytes, device=device, gpu=self.engine.device_uuid(device))
+            log.debug(
+                "region_added",
+                region=region.id,
+                kind=kind,
+                nbytes=nbytes,
+                device=device,
+                gpu=self.engine.device_uuid(device),
+            )
         return region
 
     # -- sharing and freeing ---------------------------------------------------------------
@@ -462,14 +499,18 @@ class RegionTable:
         region = self.owned(holder, region_id)
         cap = self.limits.max_shares_per_region
         if uid not in region.shared_uids and len(region.shared_uids) >= cap:
-            raise LimitExceeded(f"region {region.id} is shared with {len(region.shared_uids)} uids already ([limits] max_shares_per_region = {cap})")
+            raise LimitExceeded(
+                f"region {region.id} is shared with {len(region.shared_uids)} uids already ([limits] max_shares_per_region = {cap})"
+            )
         region.shared_uids.add(uid)
         log.info("region_shared", region=region.id, with_uid=uid)
 
     def free(self, holder: Holdings, region_id: int) -> None:
         region = self.owned(holder, region_id)
         if region.users:
-            raise InvalidRequest(f"region {region.id} has {len(region.users)} copies queued or in flight; wait for them or cancel them, then free it")
+            raise InvalidRequest(
+                f"region {region.id} has {len(region.users)} copies queued or in flight; wait for them or cancel them, then free it"
+            )
         self.release(region)
 
     def release_all(self, holder: Holdings) -> None:

@@ -3,6 +3,8 @@
 Counters move where things happen (metrics.py, per copy); the gauges here are snapshots, taken
 once a second and on a reload, of the scheduler's queues and bytes in flight, the engine's busy
 time, the urgent paths' latencies and the clients.
+
+The daemon (server.py) imports this module: what it reads of it is named here (`Reported`).
 """
 
 from __future__ import annotations
@@ -10,19 +12,51 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from priod._version import __version__
-from priod.daemon.metrics import lane_labels
+from priod.daemon.admission import Admission
+from priod.daemon.config import Config
+from priod.daemon.engines.base import Engine
+from priod.daemon.metrics import Metrics, lane_labels
+from priod.daemon.pump import Pump
+from priod.daemon.regions import RegionTable
+from priod.daemon.sched.scheduler import Scheduler
+from priod.daemon.session import Session
 from priod.wire.transport import Peer
-
-if TYPE_CHECKING:
-    from priod.daemon.server import Daemon
 
 __all__ = ["refresh_metrics", "refresh_metrics_loop", "status"]
 
 
-def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
+class Reported(Protocol):
+    """What this module reads of the daemon (a `server.Daemon`)."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def pump(self) -> Pump: ...
+    @property
+    def regions(self) -> RegionTable: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def admission(self) -> Admission: ...
+    @property
+    def sessions(self) -> Mapping[int, Session]: ...
+    @property
+    def totals(self) -> Mapping[str, int]: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def started_at(self) -> float: ...
+
+
+def status(d: Reported, viewer: Peer | None = None) -> dict[str, Any]:
     """The daemon's state for `priod status`. ``viewer``: who asks; root, the daemon's own
     uid and the daemon itself (None) see every client, anyone else only its own uid's
     connections and holdings beside the totals."""
@@ -90,13 +124,13 @@ def status(d: Daemon, viewer: Peer | None = None) -> dict[str, Any]:
     }
 
 
-async def refresh_metrics_loop(d: Daemon) -> None:
+async def refresh_metrics_loop(d: Reported) -> None:
     while True:
         refresh_metrics(d)
         await asyncio.sleep(1.0)
 
 
-def refresh_metrics(d: Daemon) -> None:
+def refresh_metrics(d: Reported) -> None:
     m = d.metrics
     m.set_engine(d.engine.name)
     # Scheduler and path figures name lanes by their text; the labels come from the key.

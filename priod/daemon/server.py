@@ -68,7 +68,11 @@ def make_engine(cfg: Config, log: Any = None) -> Engine:
             available, reason = False, f"auto: cuda engine unavailable ({exc})"
         else:
             available = gpu_available()
-            reason = "auto: a GPU was found" if available else "auto: no usable GPU (or cuda-bindings missing), using the simulated engine"
+            reason = (
+                "auto: a GPU was found"
+                if available
+                else "auto: no usable GPU (or cuda-bindings missing), using the simulated engine"
+            )
         backend = "cuda" if available else "sim"
     if log is not None:
         log.info("engine_selected", backend=backend, reason=reason)
@@ -76,7 +80,12 @@ def make_engine(cfg: Config, log: Any = None) -> Engine:
         return SimEngine(cfg.sim)
     from priod.daemon.engines.cuda.engine import CudaEngine
 
-    return CudaEngine(devices=list(cfg.cuda.devices) or None, express=cfg.scheduler.express, calibrate_bytes=cfg.cuda.calibrate_bytes, log=log)
+    return CudaEngine(
+        devices=list(cfg.cuda.devices) or None,
+        express=cfg.scheduler.express,
+        calibrate_bytes=cfg.cuda.calibrate_bytes,
+        log=log,
+    )
 
 
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
@@ -93,7 +102,9 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
     except FileNotFoundError:
         st = None
     except OSError as exc:
-        raise PriodError(f"cannot use the socket path {path}: {exc.strerror}; choose another path with --socket") from exc
+        raise PriodError(
+            f"cannot use the socket path {path}: {exc.strerror}; choose another path with --socket"
+        ) from exc
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
             raise PriodError(
@@ -112,11 +123,17 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
             except FileNotFoundError:
                 pass
         except BlockingIOError:
-            raise PriodError(f"another daemon is already listening on {path} (its backlog is full); stop it or choose another path with --socket") from None
+            raise PriodError(
+                f"another daemon is already listening on {path} (its backlog is full); stop it or choose another path with --socket"
+            ) from None
         except OSError as exc:
-            raise PriodError(f"cannot tell whether a daemon listens on {path} ({exc.strerror}); remove the file or choose another path with --socket") from exc
+            raise PriodError(
+                f"cannot tell whether a daemon listens on {path} ({exc.strerror}); remove the file or choose another path with --socket"
+            ) from exc
         else:
-            raise PriodError(f"another daemon is already listening on {path}; stop it or choose another path with --socket")
+            raise PriodError(
+                f"another daemon is already listening on {path}; stop it or choose another path with --socket"
+            )
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -138,7 +155,9 @@ def _chmod_no_follow(path: str, mode: int) -> None:
         os.chmod(path, mode, follow_symlinks=False)
     except NotImplementedError:  # no fchmodat(AT_SYMLINK_NOFOLLOW) here (or ``path`` became a link)
         if stat.S_ISLNK(os.lstat(path).st_mode):
-            raise PriodError(f"{path} was replaced by a symbolic link while priod bound it; remove the link and start again") from None
+            raise PriodError(
+                f"{path} was replaced by a symbolic link while priod bound it; remove the link and start again"
+            ) from None
         os.chmod(path, mode)
 
 
@@ -170,7 +189,9 @@ class Daemon:
         self.engine = engine
         self.scheduler = Scheduler(cfg.policy(), engine.lanes(), host_bandwidth=engine.host_bandwidth())
         self.metrics = Metrics(engine.device_uuids())
-        self.pump = Pump(self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll, on_signalled=signal_recorded)
+        self.pump = Pump(
+            self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll, on_signalled=signal_recorded
+        )
         self.own_uid = os.geteuid()
         """With uid 0, the uid that sees every client in `status` and may use PRIVILEGED_RESERVE."""
         _raise_open_files_limit()
@@ -240,7 +261,14 @@ class Daemon:
             socket=self.cfg.socket_path,
             backend=self.engine.name,
             mode=self.cfg.scheduler.mode,
-            lanes={ls.lane: {"gbps": round(ls.bandwidth / 1e9, 2), "chunk_bytes": ls.chunk_bytes, "inflight_bytes": ls.inflight_bound} for ls in lanes},
+            lanes={
+                ls.lane: {
+                    "gbps": round(ls.bandwidth / 1e9, 2),
+                    "chunk_bytes": ls.chunk_bytes,
+                    "inflight_bytes": ls.inflight_bound,
+                }
+                for ls in lanes
+            },
             gpus={f"gpu{i}": u for i, u in sorted(self.engine.device_uuids().items())},
             metrics_port=self.metrics_port,
         )
@@ -272,7 +300,11 @@ class Daemon:
             return
         self.shared.stopping = True
         self._notify("STOPPING=1")
-        log.info("daemon_stopping", policy=self.cfg.service.shutdown, pending=sum(len(s.pending) for s in self.sessions.values()))
+        log.info(
+            "daemon_stopping",
+            policy=self.cfg.service.shutdown,
+            pending=sum(len(s.pending) for s in self.sessions.values()),
+        )
         if self._listen_sock is not None:
             # The path this daemon bound and serves, whatever a reload asked for since.
             bound = self._listen_sock.getsockname() if self._owns_socket_path else None
@@ -287,7 +319,9 @@ class Daemon:
             session.cancel_all("shutting_down")
         await self.pump.settle(deadline + 30)
         flush_s = min(STOP_FLUSH_S, self.cfg.service.shutdown_timeout_s)
-        flushed = await asyncio.gather(*(s.flush_and_close(timeout=flush_s) for s in list(self.sessions.values())), return_exceptions=True)
+        flushed = await asyncio.gather(
+            *(s.flush_and_close(timeout=flush_s) for s in list(self.sessions.values())), return_exceptions=True
+        )
         for exc in flushed:
             if isinstance(exc, BaseException):
                 log.error("flush_failed", exc_info=exc)
@@ -365,7 +399,6 @@ class Daemon:
         self.sessions[sid] = session
         log.info("client_connected")
         await session.serve()
-
 
 
 def _raise_open_files_limit() -> None:

@@ -28,7 +28,16 @@ import structlog
 from priod._version import __version__
 from priod.common.types import Direction
 from priod.daemon.config import Config
-from priod.daemon.copies import PendingCopy, cancel_copy, copy_finished, copy_log_fields, count_pending, outcome_reply, take_batch, take_copy
+from priod.daemon.copies import (
+    PendingCopy,
+    cancel_copy,
+    copy_finished,
+    copy_log_fields,
+    count_pending,
+    outcome_reply,
+    take_batch,
+    take_copy,
+)
 from priod.daemon.engines.base import Engine
 from priod.daemon.gates import EventTable
 from priod.daemon.log import error_fields
@@ -59,7 +68,16 @@ from priod.wire.messages import (
     decode_request,
     request_id,
 )
-from priod.wire.replies import PROGRESS_SIGNAL_RECORDED, CancelReply, Empty, ErrorReply, HelloReply, HoldPageReply, StatusReply, progress_frame
+from priod.wire.replies import (
+    PROGRESS_SIGNAL_RECORDED,
+    CancelReply,
+    Empty,
+    ErrorReply,
+    HelloReply,
+    HoldPageReply,
+    StatusReply,
+    progress_frame,
+)
 from priod.wire.transport import FramedSocket, Peer, close_received
 
 __all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]  # the first and last from copies.py, for the server
@@ -73,7 +91,6 @@ SEGMENTS_PER_TURN = MAX_SEGMENTS
 """Batch segments one connection's requests may bring in one loop turn: checking a table costs
 O(N log N) of the loop (a few milliseconds for the largest), so a client sending batch after
 batch ends its turn after one of the largest and other clients are served between."""
-
 
 
 @dataclass(eq=False)
@@ -90,7 +107,9 @@ class Shared:
     status: Callable[[Peer | None], dict[str, Any]]
     """`Daemon.status`, given who asks (None: everything)."""
     sessions: dict[int, Session] = field(default_factory=dict)
-    totals: dict[str, int] = field(default_factory=lambda: {"copies": 0, "bytes": 0, "refused": 0, "protocol_errors": 0})
+    totals: dict[str, int] = field(
+        default_factory=lambda: {"copies": 0, "bytes": 0, "refused": 0, "protocol_errors": 0}
+    )
     stopping: bool = False
     request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -196,7 +215,9 @@ class Session:
             return  # out of tokens: the timer resumes it
         lim = self.shared.cfg.limits
         rate = self.holdings.tally.requests
-        granted = rate.grant(REQUESTS_PER_TURN, lim.max_requests_per_s_per_uid, lim.request_burst_per_uid, time.monotonic())
+        granted = rate.grant(
+            REQUESTS_PER_TURN, lim.max_requests_per_s_per_uid, lim.request_burst_per_uid, time.monotonic()
+        )
         used = 0
         self._draining = True
         self._turn_segments = 0
@@ -346,7 +367,9 @@ class Session:
                 close_received(fds)  # the engine keeps its own mapping of a registered memfd
         return None
 
-    async def _answer_later(self, req_id: int, op: object, pending: Coroutine[Any, Any, tuple[Any, list[int]]], fds: list[int]) -> None:
+    async def _answer_later(
+        self, req_id: int, op: object, pending: Coroutine[Any, Any, tuple[Any, list[int]]], fds: list[int]
+    ) -> None:
         try:
             reply, out_fds = await pending
             self._reply(req_id, reply, out_fds)
@@ -401,7 +424,9 @@ class Session:
         lanes = [i.key for i in engine.lanes() if i.key.direction in (Direction.H2D, Direction.D2H)]
         page = self.shared.pump.holds.open(self.id, self.peer.uid, lanes, time.perf_counter())
         uuids = engine.device_uuids()
-        described = [{"device": k.device, "device_uuid": uuids.get(k.device), "direction": k.direction.value} for k in lanes]
+        described = [
+            {"device": k.device, "device_uuid": uuids.get(k.device), "direction": k.direction.value} for k in lanes
+        ]
         return HoldPageReply(described), [os.dup(page.fd)]
 
     # -- copies ----------------------------------------------------------------------------
@@ -447,7 +472,9 @@ class Session:
                     shared.regions.forget_if_unused(self.holdings.tally)
             shared.regions.copy_ended(req.id, p.dst, p.src)
         outcome = f.outcome if f.outcome != "cancelled" else p.cancel_code
-        shared.metrics.copy_finished(req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline)
+        shared.metrics.copy_finished(
+            req.cls, outcome, req.lane, req.path, f.bytes_done, queued_s, total_s, f.missed_deadline
+        )
         # One line per copy at debug level: at thousands of copies a second an info line each
         # would flood the journal (and cost ~19 us of the loop per copy); errors are warnings.
         # Its fields are not even built when the line would be dropped.
@@ -455,7 +482,9 @@ class Session:
         if not failed and shared.cfg.log.level != "debug":
             return
         (self._copy_log.warning if failed else self._copy_log.debug)(
-            "copy", conn=self.id, client_pid=self.peer.pid, uid=self.peer.uid, **copy_log_fields(f, p, outcome, shared.engine.device_uuid(req.lane.device), queued_s, total_s)
+            "copy",
+            conn=self.id,
+            client_pid=self.peer.pid,
+            uid=self.peer.uid,
+            **copy_log_fields(f, p, outcome, shared.engine.device_uuid(req.lane.device), queued_s, total_s),
         )
-
-

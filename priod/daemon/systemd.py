@@ -56,6 +56,8 @@ def listen_fds(environ: MutableMapping[str, str] | None = None, *, unset: bool =
         os.set_inheritable(fd, False)
         sock = socket.socket(fileno=fd)
         if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-            raise OSError(f"socket-activated fd {fd} is not a Unix stream socket; set ListenStream= to a path in priod.socket")
+            raise OSError(
+                f"socket-activated fd {fd} is not a Unix stream socket; set ListenStream= to a path in priod.socket"
+            )
         socks.append(sock)
     return socks

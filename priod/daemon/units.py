@@ -52,7 +52,9 @@ def shipped(name: str) -> Traversable:
     return resources.files("priod").joinpath("shipped", *name.split("/"))
 
 
-def install_units(dest: str | os.PathLike[str] = "/", prefix: str | None = None, *, force: bool = False) -> list[Written]:
+def install_units(
+    dest: str | os.PathLike[str] = "/", prefix: str | None = None, *, force: bool = False
+) -> list[Written]:
     """Write the units, the sysusers.d fragment and the example config under ``dest``.
 
     Args:
@@ -76,7 +78,9 @@ def install_units(dest: str | os.PathLike[str] = "/", prefix: str | None = None,
     for f in SHIPPED:
         src = shipped(f.source)
         if not src.is_file():
-            raise FileNotFoundError(f"{f.source} is missing from this priod installation ({src}); reinstall priod from its wheel")
+            raise FileNotFoundError(
+                f"{f.source} is missing from this priod installation ({src}); reinstall priod from its wheel"
+            )
         text = src.read_text()
         if f.source == "systemd/priod.service" and executable != SHIPPED_EXEC:
             old = f"ExecStart={SHIPPED_EXEC} "

@@ -10,12 +10,15 @@
 - `priod.testing.procfs`: a process's CPU time, memory and open fds, read from ``/proc``.
 - `priod.testing.fakes`: `ManualEngine` (an engine whose copies finish on command) and
   `framed_pair` (connected framed sockets), for tests of the daemon's parts.
+- `priod.testing.cuda`: `FakeCuda`, scripted stand-ins for cuda.bindings' runtime and driver,
+  put in place through `priod.common.cuda.driver.use_bindings`, for CUDA code without a GPU.
 
 Every public name is importable from ``priod.testing`` itself.
 """
 
 from __future__ import annotations
 
+from priod.testing.cuda import DriverStatus, FakeApi, FakeCall, FakeCuda, FakeHandle, MemcpyKind, RuntimeStatus
 from priod.testing.daemon import DaemonProcess, daemon_pid, daemon_process, settings_env, wait_for_socket, wait_until
 from priod.testing.fakes import (
     ManualChunk,
@@ -53,10 +56,17 @@ __all__ = [
     "BulkProcess",
     "CpuMeter",
     "DaemonProcess",
+    "DriverStatus",
+    "FakeApi",
+    "FakeCall",
+    "FakeCuda",
+    "FakeHandle",
     "LoadProcess",
     "ManualChunk",
     "ManualDeviceMemory",
     "ManualEngine",
+    "MemcpyKind",
+    "RuntimeStatus",
     "UrgentProbe",
     "blocking_framed_pair",
     "bulk_load",

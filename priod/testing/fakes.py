@@ -27,7 +27,17 @@ import numpy as np
 import numpy.typing as npt
 
 from priod.common.types import LOCAL_DIRECTIONS, Direction, LaneInfo, LaneKey, Path
-from priod.daemon.engines.base import Completion, DeviceExport, DeviceMemory, Engine, HostMemory, Memory, map_fd, release_mapping
+from priod.daemon.engines.base import (
+    ChunkJob,
+    Completion,
+    DeviceExport,
+    DeviceMemory,
+    Engine,
+    HostMemory,
+    Memory,
+    map_fd,
+    release_mapping,
+)
 from priod.daemon.engines.sim import sealed_memfd
 from priod.errors import EngineError, InvalidRequest, PriodError
 from priod.wire.frames import DEFAULT_MAX_FRAME
@@ -202,32 +212,39 @@ class ManualEngine(Engine):
         self.device_memory.remove(mem)
         self._free(mem)
 
-    def submit(
-        self,
-        lane: LaneKey,
-        path: Path,
-        dst: Memory,
-        dst_offset: int,
-        src: Memory,
-        src_offset: int,
-        nbytes: int,
-        *,
-        strict: bool = False,
-        gated: bool = False,
-    ) -> Completion:
+    def submit(self, job: ChunkJob) -> Completion:
+        return self._submit_range(job) if job.cells is None else self.submit_rows(job)
+
+    def _submit_range(self, job: ChunkJob) -> Completion:
         """Record the chunk (in `submitted`) and return it; nothing moves until the test says so."""
+        lane, path, dst, dst_offset, src, src_offset, nbytes = (
+            job.lane,
+            job.path,
+            job.dst,
+            job.dst_offset,
+            job.src,
+            job.src_offset,
+            job.nbytes,
+        )
+        strict, gated = job.strict, job.gated
         if self.closed:
             raise RuntimeError("submit on a closed ManualEngine")
         info = self._lanes.get(lane)
         if info is None:
-            raise ValueError(f"lane {lane} does not exist; this engine has {', '.join(str(k) for k in sorted(self._lanes))}")
+            raise ValueError(
+                f"lane {lane} does not exist; this engine has {', '.join(str(k) for k in sorted(self._lanes))}"
+            )
         if path is Path.EXPRESS and info.express_max == 0:
-            raise ValueError(f"express chunk submitted on {lane}, which has no express path (express_range {self.express_range})")
+            raise ValueError(
+                f"express chunk submitted on {lane}, which has no express path (express_range {self.express_range})"
+            )
         for what, mem, off in (("dst", dst, dst_offset), ("src", src, src_offset)):
             if off < 0 or nbytes < 1 or off + nbytes > mem.nbytes:
                 raise ValueError(f"chunk {what} [{off}, {off + nbytes}) falls outside its memory of {mem.nbytes} bytes")
         with self._lock:
-            chunk = ManualChunk(self, len(self.submitted), lane, path, dst, dst_offset, src, src_offset, nbytes, strict, gated)
+            chunk = ManualChunk(
+                self, len(self.submitted), lane, path, dst, dst_offset, src, src_offset, nbytes, strict, gated
+            )
             self.submitted.append(chunk)
         return chunk
 
@@ -239,7 +256,12 @@ class ManualEngine(Engine):
         self.gates.append(closed)
 
     def statistics(self) -> dict[str, object]:
-        return {"engine": self.name, "submitted": len(self.submitted), "pending": len(self.pending), "polls": self.polls}
+        return {
+            "engine": self.name,
+            "submitted": len(self.submitted),
+            "pending": len(self.pending),
+            "polls": self.polls,
+        }
 
     def close(self) -> None:
         """Idempotent; frees the memory nobody released (pending chunks stay pending)."""
@@ -269,7 +291,11 @@ class ManualEngine(Engine):
         """
         chosen = self._pending_of(lane, path)
         if len(chosen) < n:
-            raise ValueError(f"asked to complete {n} chunks but {len(chosen)} are pending" + (f" on {lane}" if lane else "") + (f" by {path.value}" if path else ""))
+            raise ValueError(
+                f"asked to complete {n} chunks but {len(chosen)} are pending"
+                + (f" on {lane}" if lane else "")
+                + (f" by {path.value}" if path else "")
+            )
         for chunk in chosen[:n]:
             self.complete_chunk(chunk)
         return chosen[:n]
@@ -284,7 +310,9 @@ class ManualEngine(Engine):
     def complete_chunk(self, chunk: ManualChunk) -> ManualChunk:
         """Complete one given chunk, whatever its place in the queue (an express chunk passing DMA)."""
         self._require_pending(chunk)
-        _array(chunk.dst)[chunk.dst_offset : chunk.dst_offset + chunk.nbytes] = _array(chunk.src)[chunk.src_offset : chunk.src_offset + chunk.nbytes]
+        _array(chunk.dst)[chunk.dst_offset : chunk.dst_offset + chunk.nbytes] = _array(chunk.src)[
+            chunk.src_offset : chunk.src_offset + chunk.nbytes
+        ]
         self._finish(chunk, "done")
         return chunk
 
@@ -298,7 +326,10 @@ class ManualEngine(Engine):
             chunk = pending[0]
         self._require_pending(chunk)
         if not isinstance(error, PriodError):
-            error = EngineError(error or f"injected failure of chunk {chunk.seq} ({chunk.nbytes} bytes on {chunk.lane}); the copy did not complete")
+            error = EngineError(
+                error
+                or f"injected failure of chunk {chunk.seq} ({chunk.nbytes} bytes on {chunk.lane}); the copy did not complete"
+            )
         chunk.error = error
         self._finish(chunk, "failed")
         return chunk
@@ -333,7 +364,9 @@ class ManualEngine(Engine):
             os.close(mem.fd)
 
 
-def framed_pair(*, max_frame: int = DEFAULT_MAX_FRAME, max_output: int = 4 << 20, max_inbox: int = 1024) -> tuple[FramedSocket, FramedSocket]:
+def framed_pair(
+    *, max_frame: int = DEFAULT_MAX_FRAME, max_output: int = 4 << 20, max_inbox: int = 1024
+) -> tuple[FramedSocket, FramedSocket]:
     """Two connected `FramedSocket` ends (a Unix stream socket pair): frames and fds pass both ways.
 
     Call it inside a running event loop (each end registers with it); close both ends when done.

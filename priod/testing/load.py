@@ -91,7 +91,9 @@ def throughput_between(done: Sequence[Sequence[float]], t0: float, t1: float) ->
     return {"gbps": moved / seconds / 1e9, "copies": len(inside), "seconds": seconds}
 
 
-async def bulk_pairs(client: Client, nbytes: int, count: int, *, direction: str = "h2d", priority: str = "bulk", seed: int = 0) -> list[tuple[Region, Region]]:
+async def bulk_pairs(
+    client: Client, nbytes: int, count: int, *, direction: str = "h2d", priority: str = "bulk", seed: int = 0
+) -> list[tuple[Region, Region]]:
     """``count`` (host, device) pairs of ``nbytes`` for a verified `bulk_load`: each source
     (where it is mapped here) filled with random bytes, each pair warmed by one copy (the first
     touch of fresh memfd pages costs far more than a copy)."""
@@ -157,7 +159,9 @@ async def bulk_load(
     else:
         pairs = regions if isinstance(regions, list) else [regions]
     if verify and len(pairs) != pipeline:
-        raise ValueError(f"a verified bulk load needs one (host, device) pair per outstanding copy: {pipeline}, not {len(pairs)}")
+        raise ValueError(
+            f"a verified bulk load needs one (host, device) pair per outstanding copy: {pipeline}, not {len(pairs)}"
+        )
     ends = [_ends(host, dev, direction) for host, dev in pairs]
     result = BulkLoad()
     seq = 0
@@ -258,7 +262,20 @@ class BulkProcess(LoadProcess):
         verify: bool = False,
     ) -> None:
         code = "import sys; from priod.testing.load import bulk_process_main; sys.exit(bulk_process_main(sys.argv[1:]))"
-        super().__init__([sys.executable, "-c", code, socket_path, str(nbytes), str(pipeline), direction, priority, name, "verify" if verify else "-"])
+        super().__init__(
+            [
+                sys.executable,
+                "-c",
+                code,
+                socket_path,
+                str(nbytes),
+                str(pipeline),
+                direction,
+                priority,
+                name,
+                "verify" if verify else "-",
+            ]
+        )
         self.nbytes = nbytes
 
 
@@ -285,7 +302,16 @@ def bulk_process_main(argv: list[str]) -> int:
             await client.copy(dst, src, nbytes, priority=priority)
             regions = (host, dev)
         print("ready", flush=True)
-        result = await bulk_load(client, nbytes, stop, priority=priority, pipeline=pipeline, direction=direction, regions=regions, verify=verify)
+        result = await bulk_load(
+            client,
+            nbytes,
+            stop,
+            priority=priority,
+            pipeline=pipeline,
+            direction=direction,
+            regions=regions,
+            verify=verify,
+        )
         await client.close()
         out: dict[str, Any] = {"done": result.done, "errors": result.errors}
         if verify:
@@ -367,4 +393,3 @@ async def urgent_probe(client: Client, size: int, count: int, **options: Unpack[
     """`urgent_copies`, returning only the client-side latency of each copy in microseconds."""
     probe = await urgent_copies(client, size, count, **options)
     return probe.latency_us
-

@@ -13,7 +13,15 @@ import os
 import time
 from typing import Final
 
-__all__ = ["CpuMeter", "cpu_model", "cpu_seconds", "memory_and_fds", "open_fds", "schedstat_seconds", "thread_cpu_seconds"]
+__all__ = [
+    "CpuMeter",
+    "cpu_model",
+    "cpu_seconds",
+    "memory_and_fds",
+    "open_fds",
+    "schedstat_seconds",
+    "thread_cpu_seconds",
+]
 
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 STATUS_MIB_KEYS: Final = ("VmRSS", "RssAnon", "RssShmem")

@@ -31,14 +31,20 @@ def percentile(values: Values, q: float) -> float:
 
 
 @overload
-def summarize(values: Values, keys: Sequence[str] = SUMMARY_KEYS, *, ndigits: int | None = None, empty: float = math.nan) -> dict[str, float]: ...
+def summarize(
+    values: Values, keys: Sequence[str] = SUMMARY_KEYS, *, ndigits: int | None = None, empty: float = math.nan
+) -> dict[str, float]: ...
 
 
 @overload
-def summarize(values: Values, keys: Sequence[str] = SUMMARY_KEYS, *, ndigits: int | None = None, empty: None) -> dict[str, float | None]: ...
+def summarize(
+    values: Values, keys: Sequence[str] = SUMMARY_KEYS, *, ndigits: int | None = None, empty: None
+) -> dict[str, float | None]: ...
 
 
-def summarize(values: Values, keys: Sequence[str] = SUMMARY_KEYS, *, ndigits: int | None = None, empty: float | None = math.nan) -> dict[str, float] | dict[str, float | None]:
+def summarize(
+    values: Values, keys: Sequence[str] = SUMMARY_KEYS, *, ndigits: int | None = None, empty: float | None = math.nan
+) -> dict[str, float] | dict[str, float | None]:
     """The figures named by ``keys``, in that order.
 
     A key is ``n`` (how many values, an int), ``mean``, ``min``, ``max``, or ``p<q>`` for the

@@ -109,11 +109,15 @@ def encode_segments(segments: object) -> bytes:
     """
     arr = np.asarray(segments)
     if arr.ndim != 2 or arr.shape[1] != 3 or arr.shape[0] == 0:
-        raise InvalidRequest(f"segments must be an (N, 3) array or a sequence of (dst_offset, src_offset, nbytes) triples, N >= 1; got shape {arr.shape}")
+        raise InvalidRequest(
+            f"segments must be an (N, 3) array or a sequence of (dst_offset, src_offset, nbytes) triples, N >= 1; got shape {arr.shape}"
+        )
     if arr.dtype.kind not in "iu":
         raise InvalidRequest(f"segments must hold integers, got {arr.dtype}")
     if arr.shape[0] > MAX_SEGMENTS:
-        raise InvalidRequest(f"{arr.shape[0]} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
+        raise InvalidRequest(
+            f"{arr.shape[0]} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches"
+        )
     if (arr.dtype == _WIRE or arr.dtype == _LE_INT64) and arr.flags.c_contiguous:
         # The usual table: its bytes are the wire's as they are (a non-negative int64 is its
         # uint64), so no converted copy first (256 rows: 6.4 against 8.0 us, 2 ms asleep
@@ -177,11 +181,15 @@ class Segments:
         """Read the wire form; raises InvalidRequest naming the fix. Region bounds come later."""
         n, rest = divmod(len(raw), SEGMENT_BYTES)
         if rest:
-            raise InvalidRequest(f"segments holds {len(raw)} bytes, not a multiple of {SEGMENT_BYTES}: send little-endian uint64 (dst_offset, src_offset, nbytes) triples")
+            raise InvalidRequest(
+                f"segments holds {len(raw)} bytes, not a multiple of {SEGMENT_BYTES}: send little-endian uint64 (dst_offset, src_offset, nbytes) triples"
+            )
         if n == 0:
             raise InvalidRequest("segments is empty; a batch holds at least one segment")
         if n > MAX_SEGMENTS:
-            raise InvalidRequest(f"{n} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches")
+            raise InvalidRequest(
+                f"{n} segments exceed the {MAX_SEGMENTS} one batch may hold; split them into several batches"
+            )
         table: Cells = np.frombuffer(raw, dtype=ROW)  # (n, 3) uint64: the row type makes the shape, no reshape call
         # Offsets and sizes past 2**62 cannot fit any region; refusing them here keeps every sum
         # below within int64 (and an overflowing sum cannot pass a bounds check).
@@ -213,7 +221,10 @@ class Segments:
         # the usual batch); only where it does not are the segments' own ends compared.
         size = self.size
         dst_max, src_max, largest = self.peaks
-        for name, column, peak, limit, rid in (("dst", 0, dst_max, dst_nbytes, dst_id), ("src", 1, src_max, src_nbytes, src_id)):
+        for name, column, peak, limit, rid in (
+            ("dst", 0, dst_max, dst_nbytes, dst_id),
+            ("src", 1, src_max, src_nbytes, src_id),
+        ):
             if peak + largest <= limit:
                 continue
             offs = self.cells[:, column]
@@ -239,7 +250,9 @@ class Segments:
             a, b = int(order[clash[0]]), int(order[clash[0] + 1])
             # The copies of a batch run in no set order (cuMemcpyBatchAsync promises none), so
             # two writes to one byte would leave either value: refused rather than undefined.
-            raise InvalidRequest(f"destination segments {a} and {b} overlap; a batch writes each destination byte at most once")
+            raise InvalidRequest(
+                f"destination segments {a} and {b} overlap; a batch writes each destination byte at most once"
+            )
         if shift is None:
             return
         # Destination intervals are now sorted and disjoint, so their ends rise too: for each

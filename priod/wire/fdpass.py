@@ -20,7 +20,17 @@ from dataclasses import dataclass
 
 from priod.errors import ProtocolError
 
-__all__ = ["MAX_FDS_PER_FRAME", "RECV_BYTES", "Peer", "close_all", "close_connection", "close_received", "fds_from_ancdata", "peer_credentials", "recvmsg"]
+__all__ = [
+    "MAX_FDS_PER_FRAME",
+    "RECV_BYTES",
+    "Peer",
+    "close_all",
+    "close_connection",
+    "close_received",
+    "fds_from_ancdata",
+    "peer_credentials",
+    "recvmsg",
+]
 
 MAX_FDS_PER_FRAME = 4
 RECV_BYTES = 256 * 1024
@@ -51,7 +61,9 @@ def peer_credentials(sock: socket.socket) -> Peer:
 _recv_buffers = threading.local()
 
 
-def recvmsg(sock: socket.socket, flags: int = 0, nbytes: int = RECV_BYTES) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
+def recvmsg(
+    sock: socket.socket, flags: int = 0, nbytes: int = RECV_BYTES
+) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
     """One ``recvmsg`` into this thread's reusable buffer: data, ancillary data, flags.
 
     ``sock.recvmsg(RECV_BYTES)`` allocates a fresh 256 KiB bytes object per call (an mmap and
@@ -63,7 +75,9 @@ def recvmsg(sock: socket.socket, flags: int = 0, nbytes: int = RECV_BYTES) -> tu
     buf = getattr(_recv_buffers, "buf", None)
     if buf is None:
         buf = _recv_buffers.buf = memoryview(bytearray(RECV_BYTES))
-    nbytes, ancdata, msg_flags, _ = sock.recvmsg_into([buf if nbytes >= RECV_BYTES else buf[:nbytes]], _ANC_SPACE, flags)
+    nbytes, ancdata, msg_flags, _ = sock.recvmsg_into(
+        [buf if nbytes >= RECV_BYTES else buf[:nbytes]], _ANC_SPACE, flags
+    )
     return bytes(buf[:nbytes]), ancdata, msg_flags
 
 
@@ -83,7 +97,9 @@ def fds_from_ancdata(ancdata: list[tuple[int, int, bytes]], flags: int) -> list[
             fds.extend(arr)
     if flags & _MSG_CTRUNC or len(fds) > MAX_FDS_PER_FRAME:
         close_received(fds)
-        raise ProtocolError(f"more than {MAX_FDS_PER_FRAME} file descriptors sent with one frame; send at most {MAX_FDS_PER_FRAME}")
+        raise ProtocolError(
+            f"more than {MAX_FDS_PER_FRAME} file descriptors sent with one frame; send at most {MAX_FDS_PER_FRAME}"
+        )
     return fds
 
 
@@ -164,4 +180,3 @@ def close_connection(sock: socket.socket) -> None:
         close_received([sock.detach()])
     else:
         sock.close()
-

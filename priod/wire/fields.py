@@ -69,4 +69,3 @@ def _kinds(hint: Any) -> tuple[type, ...]:
     if origin is Union or origin is types.UnionType:
         return tuple(a for a in get_args(hint) if isinstance(a, type))
     return (origin if origin is not None else hint,)
-

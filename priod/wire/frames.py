@@ -88,7 +88,9 @@ class DecodeLimits:
         )
 
 
-REQUEST_LIMITS = DecodeLimits(max_str_len=1024, max_bin_len=1 << 24, max_array_len=0, max_map_len=32, max_ext_len=0, flat=True)
+REQUEST_LIMITS = DecodeLimits(
+    max_str_len=1024, max_bin_len=1 << 24, max_array_len=0, max_map_len=32, max_ext_len=0, flat=True
+)
 """What the daemon decodes a client's frame with (docs/protocol.md, "Frames"). Every request is
 a flat map of fewer than 16 keys whose longest values are a client name or class name (str) and
 a bin: a 64-byte CUDA IPC handle, or a batch's segment table (24 bytes a segment). A bin is one
@@ -96,7 +98,9 @@ object however long, and the frame size bounds it, so its limit is loose: a tabl
 many segments is then refused as a request (``bad_request``, naming the cap), not as a frame
 that closes the connection. No request holds an array, a map or an ext."""
 
-REPLY_LIMITS = DecodeLimits(max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 20, max_ext_len=1 << 20)
+REPLY_LIMITS = DecodeLimits(
+    max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=1 << 20, max_map_len=1 << 20, max_ext_len=1 << 20
+)
 """What a client decodes the daemon's replies with: generous (a status reply nests lists of
 lanes and clients), bounded by the frame size anyway."""
 
@@ -160,7 +164,9 @@ class _BodyDecoder:
                 msg = self._flat_items(body)
         except (_Nested, msgpack.StackError) as exc:
             if not lim.flat:
-                raise ProtocolError("frame body nests deeper than msgpack's 1024 levels; send one map with 'id' and 'op'") from None
+                raise ProtocolError(
+                    "frame body nests deeper than msgpack's 1024 levels; send one map with 'id' and 'op'"
+                ) from None
             raise ProtocolError(
                 f"frame body nests {'an array or a map' if isinstance(exc, _Nested) else 'containers'} inside the request "
                 "(nesting limit: depth 1); a request is one flat map whose values are nil, bool, int, float, str or bin; "
@@ -170,10 +176,16 @@ class _BodyDecoder:
             raise ProtocolError("frame body is not a msgpack map, expected a map with 'id' and 'op'") from None
         except ValueError as exc:
             if "exceeds max_" not in str(exc):
-                raise ProtocolError(f"frame body is not valid msgpack ({type(exc).__name__}); encode each frame as one msgpack map") from exc
-            raise ProtocolError(f"frame body exceeds a decoding limit ({exc}); accepted: {lim.describe()}; see docs/protocol.md") from None
+                raise ProtocolError(
+                    f"frame body is not valid msgpack ({type(exc).__name__}); encode each frame as one msgpack map"
+                ) from exc
+            raise ProtocolError(
+                f"frame body exceeds a decoding limit ({exc}); accepted: {lim.describe()}; see docs/protocol.md"
+            ) from None
         except Exception as exc:  # msgpack raises several unrelated types for bad input
-            raise ProtocolError(f"frame body is not valid msgpack ({type(exc).__name__}); encode each frame as one msgpack map") from exc
+            raise ProtocolError(
+                f"frame body is not valid msgpack ({type(exc).__name__}); encode each frame as one msgpack map"
+            ) from exc
         if not isinstance(msg, dict):
             raise ProtocolError(f"frame body is a msgpack {type(msg).__name__}, expected a map with 'id' and 'op'")
         return msg
@@ -211,7 +223,9 @@ class _BodyDecoder:
         except ValueError as exc:
             # An array or a map inside: "nests", as the small path says (which lets arrays up to
             # max_array_len through msgpack and refuses them in its hook).
-            if "exceeds max_map_len(0)" in str(exc) or ("exceeds max_array_len(0)" in str(exc) and lim.max_array_len > 0):
+            if "exceeds max_map_len(0)" in str(exc) or (
+                "exceeds max_array_len(0)" in str(exc) and lim.max_array_len > 0
+            ):
                 raise _Nested from None
             raise
         if up.tell() != len(body):
@@ -285,7 +299,12 @@ class FrameDecoder:
 
     def is_one_frame(self, data: bytes) -> bool:
         """``data`` is exactly one whole frame, beginning at a frame boundary."""
-        return self._need is None and not self._buf and len(data) >= HEADER.size and HEADER.unpack_from(data)[0] == len(data) - HEADER.size
+        return (
+            self._need is None
+            and not self._buf
+            and len(data) >= HEADER.size
+            and HEADER.unpack_from(data)[0] == len(data) - HEADER.size
+        )
 
     def feed(self, data: bytes) -> list[Message]:
         out: list[Message] = []

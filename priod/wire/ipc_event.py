@@ -94,7 +94,9 @@ class SimEvent:
 
     def __init__(self, region: _SimRegion, offset: int = 0) -> None:
         if region.array is None or region.device is None:
-            raise ValueError("a sim event lives in a device region allocated under the sim engine (its .array is mapped)")
+            raise ValueError(
+                "a sim event lives in a device region allocated under the sim engine (its .array is mapped)"
+            )
         if not 0 <= offset < len(region.array):
             raise ValueError(f"offset {offset} is outside the region's {len(region.array)} bytes")
         self._flag = region.array[offset : offset + 1]

@@ -118,7 +118,9 @@ class Hello(_Request):
 
     def check(self) -> None:
         if self.v != PROTOCOL_VERSION:
-            raise InvalidRequest(f"protocol version {self.v} is not supported; this daemon speaks version {PROTOCOL_VERSION}: upgrade the client library")
+            raise InvalidRequest(
+                f"protocol version {self.v} is not supported; this daemon speaks version {PROTOCOL_VERSION}: upgrade the client library"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,12 +212,18 @@ class RegisterDevice(_Request):
         _need_offset("offset", self.offset)
         _need_uuid(self.device_uuid)
         if self.kind is not None and self.kind not in REGISTER_KINDS:
-            raise InvalidRequest(f"kind = {self.kind!r} is invalid; register_device takes kind {' or '.join(map(repr, REGISTER_KINDS))}")
+            raise InvalidRequest(
+                f"kind = {self.kind!r} is invalid; register_device takes kind {' or '.join(map(repr, REGISTER_KINDS))}"
+            )
         if self.kind in REGISTER_FDS:
             if self.size is None or self.size < 1:
-                raise InvalidRequest(f"size = {self.size} is invalid; kind {self.kind!r} needs the whole allocation's size in bytes (at least 1)")
+                raise InvalidRequest(
+                    f"size = {self.size} is invalid; kind {self.kind!r} needs the whole allocation's size in bytes (at least 1)"
+                )
             if self.offset + self.nbytes > self.size:
-                raise InvalidRequest(f"offset {self.offset} + nbytes {self.nbytes} is past the allocation's size {self.size}; the buffer must lie within it")
+                raise InvalidRequest(
+                    f"offset {self.offset} + nbytes {self.nbytes} is past the allocation's size {self.size}; the buffer must lie within it"
+                )
         if self.kind == "pool_fd" and len(self.handle) != POOL_EXPORT_BYTES:
             raise InvalidRequest(
                 f"handle is {len(self.handle)} bytes; kind 'pool_fd' needs the allocation's {POOL_EXPORT_BYTES}-byte CUmemPoolPtrExportData "
@@ -269,7 +277,12 @@ class Copy(_Request):
     ) -> None:
         d = self.__dict__
         d["dst"], d["src"], d["nbytes"], d["dst_offset"], d["src_offset"] = dst, src, nbytes, dst_offset, src_offset
-        d["priority"], d["deadline_ms"], d["wait_event"], d["signal_event"] = priority, deadline_ms, wait_event, signal_event
+        d["priority"], d["deadline_ms"], d["wait_event"], d["signal_event"] = (
+            priority,
+            deadline_ms,
+            wait_event,
+            signal_event,
+        )
 
     @classmethod
     def decode(cls, msg: Message) -> Self:
@@ -308,7 +321,14 @@ class Copy(_Request):
         return _with_options(msg, self.deadline_ms, self.wait_event, self.signal_event)
 
     def check(self) -> None:
-        if self.nbytes >= 1 and self.dst_offset >= 0 and self.src_offset >= 0 and self.deadline_ms is None and self.wait_event is None and self.signal_event is None:
+        if (
+            self.nbytes >= 1
+            and self.dst_offset >= 0
+            and self.src_offset >= 0
+            and self.deadline_ms is None
+            and self.wait_event is None
+            and self.signal_event is None
+        ):
             return  # the common case in one test (once per copy on the daemon's loop); the rest names what is wrong
         _need_size(self.nbytes, "copy")
         _need_offset("dst_offset", self.dst_offset)
@@ -318,7 +338,9 @@ class Copy(_Request):
         check_handle("signal_event", self.signal_event)
 
 
-def _with_options(msg: Message, deadline_ms: float | None, wait_event: bytes | None, signal_event: bytes | None) -> Message:
+def _with_options(
+    msg: Message, deadline_ms: float | None, wait_event: bytes | None, signal_event: bytes | None
+) -> Message:
     """``msg`` (a copy's or a batch's) with the optional fields that are set."""
     if deadline_ms is not None:
         msg["deadline_ms"] = deadline_ms
@@ -332,7 +354,9 @@ def _with_options(msg: Message, deadline_ms: float | None, wait_event: bytes | N
 def _check_deadline(deadline_ms: float | None) -> None:
     if deadline_ms is not None:
         if not math.isfinite(deadline_ms):
-            raise InvalidRequest(f"deadline_ms = {deadline_ms} is invalid; give a finite number of milliseconds, or leave it out")
+            raise InvalidRequest(
+                f"deadline_ms = {deadline_ms} is invalid; give a finite number of milliseconds, or leave it out"
+            )
         # A deadline orders only its own connection's copies (scheduler.py), but an absurd
         # one is a client bug or an attempt to jump a queue: refuse it. One hour at most.
         if not 0 <= deadline_ms <= MAX_DEADLINE_MS:
@@ -379,7 +403,14 @@ class CopyBatch(_Request):
     def encode(self, req_id: int) -> Message:
         # Written out, as `Copy.encode`: 1.8 against 9.5 us on the client, 2 ms asleep between
         # calls (this VM).
-        msg: Message = {"id": req_id, "op": "copy_batch", "dst": self.dst, "src": self.src, "segments": self.segments, "priority": self.priority}
+        msg: Message = {
+            "id": req_id,
+            "op": "copy_batch",
+            "dst": self.dst,
+            "src": self.src,
+            "segments": self.segments,
+            "priority": self.priority,
+        }
         return _with_options(msg, self.deadline_ms, self.wait_event, self.signal_event)
 
     def check(self) -> None:
@@ -402,11 +433,39 @@ class Cancel(_Request):
     target: int
 
 
-Request = Hello | Ping | StatusRequest | AllocHost | RegisterHost | AllocDevice | RegisterDevice | Free | Share | Copy | CopyBatch | Cancel | OpenHoldPage
+Request = (
+    Hello
+    | Ping
+    | StatusRequest
+    | AllocHost
+    | RegisterHost
+    | AllocDevice
+    | RegisterDevice
+    | Free
+    | Share
+    | Copy
+    | CopyBatch
+    | Cancel
+    | OpenHoldPage
+)
 
 REQUEST_TYPES: dict[str, type[Request]] = {
     t.op: t
-    for t in (Hello, Ping, StatusRequest, AllocHost, RegisterHost, AllocDevice, RegisterDevice, Free, Share, Copy, CopyBatch, Cancel, OpenHoldPage)
+    for t in (
+        Hello,
+        Ping,
+        StatusRequest,
+        AllocHost,
+        RegisterHost,
+        AllocDevice,
+        RegisterDevice,
+        Free,
+        Share,
+        Copy,
+        CopyBatch,
+        Cancel,
+        OpenHoldPage,
+    )
 }
 """Every operation a client may send; anything else is refused with ``bad_request``."""
 
@@ -445,4 +504,3 @@ def decode_request(msg: Message, *, greeted: bool = True, fds: int = 0) -> Reque
     req = kind.decode(msg)
     req.check()
     return req
-

@@ -37,7 +37,9 @@ class _Reply(Wire):
     @classmethod
     def decode(cls, msg: Message) -> Self:
         """The client's side: the daemon is trusted to send what docs/protocol.md says."""
-        return cls(**{name: msg.get(name, default if default is not MISSING else None) for name, _, default in cls._fields()})
+        return cls(
+            **{name: msg.get(name, default if default is not MISSING else None) for name, _, default in cls._fields()}
+        )
 
     def encode(self, req_id: int) -> Message:
         return {"id": req_id, "ok": True, **self._fields_dict()}
@@ -69,7 +71,14 @@ class RegionReply(_Reply):
     """The region's GPU by UUID: what the client maps to its own ordinal (None for host memory)."""
 
     def encode(self, req_id: int) -> Message:
-        msg = {"id": req_id, "ok": True, "region": self.region, "nbytes": self.nbytes, "kind": self.kind, "device": self.device}
+        msg = {
+            "id": req_id,
+            "ok": True,
+            "region": self.region,
+            "nbytes": self.nbytes,
+            "kind": self.kind,
+            "device": self.device,
+        }
         if self.export is not None:
             msg["export"] = self.export
         if self.device_uuid is not None:
@@ -130,7 +139,13 @@ class CopyReply(_Reply):
     @classmethod
     def decode(cls, msg: Message) -> Self:
         return cls(
-            msg["nbytes"], msg["queued_us"], msg["transfer_us"], msg["total_us"], msg["path"], msg.get("missed_deadline", False), msg.get("event_wait_us")
+            msg["nbytes"],
+            msg["queued_us"],
+            msg["transfer_us"],
+            msg["total_us"],
+            msg["path"],
+            msg.get("missed_deadline", False),
+            msg.get("event_wait_us"),
         )
 
 

@@ -1,7 +1,7 @@
 """Unix stream sockets carrying frames plus file descriptors (SCM_RIGHTS), for asyncio and blocking code.
 
-asyncio's streams and transports expose no ancillary data, so fds cannot ride on them
-(ecosystem.md section 3). `FramedSocket` therefore drives a raw non-blocking socket with
+asyncio's streams and transports expose no ancillary data, so fds cannot ride on them.
+`FramedSocket` therefore drives a raw non-blocking socket with
 ``loop.add_reader`` / ``add_writer``, the pattern AnyIO uses. A sender attaches fds to the first
 byte of a frame (one ``sendmsg`` per frame that carries fds). A ``recvmsg`` on Linux returns the
 fds of at most one send and stops after that send's bytes, but it may begin with bytes sent
@@ -25,8 +25,28 @@ import time
 from collections.abc import Callable, Sequence
 
 from priod.errors import ConnectionClosed, ProtocolError
-from priod.wire.fdpass import MAX_FDS_PER_FRAME, RECV_BYTES, Peer, close_all, close_connection, close_received, fds_from_ancdata, peer_credentials, recvmsg
-from priod.wire.frames import DEFAULT_MAX_FRAME, HEADER, REPLY_LIMITS, REQUEST_LIMITS, DecodeLimits, FrameDecoder, FrameEncoder, Message, encode
+from priod.wire.fdpass import (
+    MAX_FDS_PER_FRAME,
+    RECV_BYTES,
+    Peer,
+    close_all,
+    close_connection,
+    close_received,
+    fds_from_ancdata,
+    peer_credentials,
+    recvmsg,
+)
+from priod.wire.frames import (
+    DEFAULT_MAX_FRAME,
+    HEADER,
+    REPLY_LIMITS,
+    REQUEST_LIMITS,
+    DecodeLimits,
+    FrameDecoder,
+    FrameEncoder,
+    Message,
+    encode,
+)
 
 __all__ = ["MAX_FDS_PER_FRAME", "BlockingFramedSocket", "FramedSocket", "Peer", "close_received", "peer_credentials"]
 
@@ -37,7 +57,6 @@ read of 17-byte pings, decoded at once, was some 5 MiB), while undecoded bytes c
 OUTPUT_JOIN_BYTES = 64 * 1024
 """A frame without fds queued behind others joins the last of them, up to this size: queued on
 its own, a 17-byte reply costs some 350 bytes of objects."""
-
 
 
 def _last_frame_start(data: bytes, offset: int) -> int | None:
@@ -84,7 +103,9 @@ class _Inbox:
         to_boundary = self.decoder.bytes_to_boundary(data)
         start = _last_frame_start(data, to_boundary) if to_boundary is not None else None
         if start is None:
-            raise ProtocolError("file descriptors arrived in the middle of a frame; send them with a frame's first byte")
+            raise ProtocolError(
+                "file descriptors arrived in the middle of a frame; send them with a frame's first byte"
+            )
         return start
 
     def attach(self, fds: list[int]) -> None:
@@ -170,7 +191,11 @@ class FramedSocket:
 
     def _may_read(self) -> bool:
         """Nothing holds reading back: output within max_output, room in the inbox and the raw buffer."""
-        return self.output_buffered <= self._max_output and len(self._messages) < self._max_inbox and self._raw_bytes < RECV_BYTES // 2
+        return (
+            self.output_buffered <= self._max_output
+            and len(self._messages) < self._max_inbox
+            and self._raw_bytes < RECV_BYTES // 2
+        )
 
     def _pause_reading(self) -> None:
         if self._reading:
@@ -195,7 +220,11 @@ class FramedSocket:
                 close_received(fds)
                 self._fail(ConnectionClosed("peer closed the connection"))
                 return
-            if (len(data) <= DECODE_SLICE or self._inbox.decoder.is_one_frame(data)) and not self._raw and not self._messages:
+            if (
+                (len(data) <= DECODE_SLICE or self._inbox.decoder.is_one_frame(data))
+                and not self._raw
+                and not self._messages
+            ):
                 # The usual read, a request or a few, with nothing waiting: decoded at once (at
                 # most a slice's worth of messages, as `_decode_some` would make of it, or one
                 # frame of any size, a batch's: one message, and not 58 us of copies slice by
@@ -360,7 +389,13 @@ class FramedSocket:
             if sent == len(frame):
                 return
             frame = frame[sent:]
-        if not fds and len(out) > 1 and len(frame) < OUTPUT_JOIN_BYTES and not out[-1][1] and len(out[-1][0]) < OUTPUT_JOIN_BYTES:
+        if (
+            not fds
+            and len(out) > 1
+            and len(frame) < OUTPUT_JOIN_BYTES
+            and not out[-1][1]
+            and len(out[-1][0]) < OUTPUT_JOIN_BYTES
+        ):
             # Join the last queued frame, never the first (it may be half sent, and only it is
             # ever viewed by a memoryview), nor one with fds (they would go with this frame).
             tail = out[-1][0]
@@ -478,7 +513,14 @@ class BlockingFramedSocket:
     """The same framing over a blocking socket, for `priod.SyncClient` and scripts (the client's
     side: replies are decoded within `REPLY_LIMITS` unless ``limits`` says otherwise)."""
 
-    def __init__(self, sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, spin_s: float = 0.0, limits: DecodeLimits = REPLY_LIMITS) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        spin_s: float = 0.0,
+        limits: DecodeLimits = REPLY_LIMITS,
+    ) -> None:
         if sock.gettimeout() == 0.0:
             sock.setblocking(True)  # a socket with a timeout keeps it
         self.sock = sock

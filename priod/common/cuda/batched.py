@@ -109,7 +109,17 @@ class BatchedDma:
         self._batch = ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, n, p, p, n, p, p)(address)
 
     def copy(
-        self, dst: int, src: int, dst_offsets: U64, src_offsets: U64, sizes: U64, kind: Any, stream: Any, *, each_call: Callable[[], None] | None = None, call_segments: int = 0
+        self,
+        dst: int,
+        src: int,
+        dst_offsets: U64,
+        src_offsets: U64,
+        sizes: U64,
+        kind: Any,
+        stream: Any,
+        *,
+        each_call: Callable[[], None] | None = None,
+        call_segments: int = 0,
     ) -> None:
         """Enqueue ``sizes[i]`` bytes from ``src + src_offsets[i]`` to ``dst + dst_offsets[i]``
         for each i on ``stream`` (``kind``: the runtime's cudaMemcpyKind, for the loop).
@@ -122,7 +132,15 @@ class BatchedDma:
         pointers[2] = sizes
         self.copy_pointers(pointers, kind, stream, each_call=each_call, call_segments=call_segments)
 
-    def copy_pointers(self, pointers: U64, kind: Any, stream: Any, *, each_call: Callable[[], None] | None = None, call_segments: int = 0) -> None:
+    def copy_pointers(
+        self,
+        pointers: U64,
+        kind: Any,
+        stream: Any,
+        *,
+        each_call: Callable[[], None] | None = None,
+        call_segments: int = 0,
+    ) -> None:
         """`copy` of a table already in the driver's form: a C-ordered (3, N) uint64 array of
         destination addresses, source addresses and sizes."""
         count = pointers.shape[1]

@@ -14,6 +14,9 @@ Besides: `gpu_available` (the probe behind ``--backend auto``), `device_count`, 
 (`handle_to_bytes`, `handle_from_bytes`, and `IpcTable`, which opens each handle once per
 process: the daemon keeps one table for the client memory it imports, the client library one
 for the daemon memory it opens).
+
+Tests put stand-ins in place of the bindings with `use_bindings` (``priod.testing.FakeCuda``
+does), so every caller of `bindings`, `check` and `status_codes` meets the fakes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from priod.errors import CudaError, EngineError, InvalidRequest
 __all__ = [
     "INSTALL_HINT",
     "SIM_HINT",
+    "BindingsOverride",
     "DeviceScope",
     "IpcTable",
     "bindings",
@@ -45,6 +49,7 @@ __all__ = [
     "one_gpu",
     "pool_export_from_bytes",
     "status_codes",
+    "use_bindings",
 ]
 
 INSTALL_HINT = "pip install 'priod[cuda13]' (NVIDIA driver >= 580) or 'priod[cuda12]' (driver >= 525)"
@@ -83,6 +88,55 @@ def bindings() -> tuple[Any, Any]:
                 _RT_OK = runtime.cudaError_t.cudaSuccess
                 _rt = runtime
     return _rt, _drv
+
+
+class BindingsOverride:
+    """What `use_bindings` replaced: `restore` (or the end of a ``with`` block) puts it back."""
+
+    def __init__(self, previous: tuple[Any, Any, Any, Any, Any]) -> None:
+        self._previous: tuple[Any, Any, Any, Any, Any] | None = previous
+
+    def restore(self) -> None:
+        """Put back the modules and status codes in use before (once; later calls do nothing)."""
+        global _rt, _drv, _RT_OK, _DRV_OK, _NOT_READY
+        with _bindings_lock:
+            if self._previous is None:
+                return
+            _drv, _RT_OK, _DRV_OK, _NOT_READY = self._previous[1:]
+            _rt, self._previous = self._previous[0], None
+        one_gpu.cache_clear()
+
+    def __enter__(self) -> BindingsOverride:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def use_bindings(runtime: Any, driver: Any) -> BindingsOverride:
+    """Use ``runtime`` and ``driver`` as cuda.bindings' ``runtime`` and ``driver`` modules, from
+    now until the returned `BindingsOverride` is restored: the seam for tests, whose fakes then
+    answer every CUDA call of priod (``priod.testing.FakeCuda`` is one).
+
+    The status codes come from them as from the real modules: ``runtime.cudaError_t.cudaSuccess``
+    and ``.cudaErrorNotReady``, ``driver.CUresult.CUDA_SUCCESS``. ``(None, None)`` stands for
+    bindings not loaded yet: the next `bindings` imports them. `one_gpu`'s answer is forgotten
+    both here and on restore, since it came from the bindings. Overrides nest if restored in
+    the reverse order (``with use_bindings(rt, drv): ...`` does)."""
+    global _rt, _drv, _RT_OK, _DRV_OK, _NOT_READY
+    if (runtime is None) != (driver is None):
+        raise ValueError("use_bindings takes both modules, or neither (None, None: not loaded yet)")
+    codes = (
+        (None, None, None)
+        if runtime is None
+        else (runtime.cudaError_t.cudaSuccess, driver.CUresult.CUDA_SUCCESS, runtime.cudaError_t.cudaErrorNotReady)
+    )
+    with _bindings_lock:
+        previous = (_rt, _drv, _RT_OK, _DRV_OK, _NOT_READY)
+        _drv, (_RT_OK, _DRV_OK, _NOT_READY) = driver, codes
+        _rt = runtime  # last, as in `bindings`: a thread that sees it set sees the rest
+    one_gpu.cache_clear()
+    return BindingsOverride(previous)
 
 
 def status_codes() -> tuple[Any, Any]:

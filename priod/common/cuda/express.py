@@ -29,7 +29,6 @@ import numpy.typing as npt
 
 from priod.common.cuda.driver import bindings, check
 from priod.errors import CudaError
-from priod.wire.batch import LARGEST
 
 
 class Device(Protocol):
@@ -41,6 +40,7 @@ class Device(Protocol):
     function: Any
     table_function: Any
     kernel_registers: int
+
 
 U64 = npt.NDArray[np.uint64]
 
@@ -150,7 +150,9 @@ class ExpressKernel:
         try:
             dev.module = check(drv.cuModuleLoadData(ptx))
             dev.function = check(drv.cuModuleGetFunction(dev.module, KERNEL_NAME))
-            dev.kernel_registers = int(check(drv.cuFuncGetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, dev.function)))
+            dev.kernel_registers = int(
+                check(drv.cuFuncGetAttribute(drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, dev.function))
+            )
             dev.table_function = check(drv.cuModuleGetFunction(dev.module, TABLE_KERNEL_NAME))
         except CudaError as exc:
             # An older driver than the PTX's ISA (CUDA_ERROR_UNSUPPORTED_PTX_VERSION) lands
@@ -175,7 +177,9 @@ class ExpressKernel:
         args[2] = nbytes
         check(self._cu_launch(dev.function, blocks, 1, 1, threads, 1, 1, 0, stream, self._kparams, 0))
 
-    def launch_table(self, dev: Device, dst: int, src: int, cells: U64, stream: Any, side: Any = None, *, largest: int | None = None) -> None:
+    def launch_table(
+        self, dev: Device, dst: int, src: int, cells: U64, stream: Any, side: Any = None, *, largest: int | None = None
+    ) -> None:
         """Copy a batch's segments, ``cells`` an (N, 3) uint64 array of (dst_offset, src_offset,
         nbytes) rows, offsets relative to ``dst`` and ``src`` (the kernel's table layout: a
         C-ordered array goes in without a copy): one launch of
@@ -205,7 +209,7 @@ class ExpressKernel:
         # launch. Not ctypes.memmove from ``cells.ctypes.data``: that attribute is Python code
         # in numpy, 40-52 us cold there.
         if largest is None:
-            largest = int(LARGEST(cells[:, 2]))
+            largest = int(np.maximum.reduce(cells[:, 2]))  # the ufunc itself (wire/batch.py, LARGEST, says why)
         # Threads for one 16-byte unrolled step each of the batch's largest segment, as `launch`
         # sizes its grid; rows share the wave (a row gets at least one block).
         wanted = max(1, -(-(largest // 16) // EXPRESS_UNROLL))

@@ -19,7 +19,7 @@ import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,7 @@ from priod.wire.batch import Cells
 
 __all__ = [
     "AllOf",
+    "ChunkJob",
     "Completion",
     "DeviceExport",
     "DeviceMemory",
@@ -154,6 +155,30 @@ class IpcEvent(ABC):
         pending completes on its own; the client's event is not destroyed, only our import."""
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkJob:
+    """One chunk for an engine to start: where it runs, what it copies, and how it may queue."""
+
+    lane: LaneKey
+    path: Path
+    dst: Memory
+    src: Memory
+    _: KW_ONLY
+    dst_offset: int = 0
+    src_offset: int = 0
+    nbytes: int = 0
+    """A contiguous chunk's size; a batch chunk's rows carry their own."""
+    cells: Cells | None = None
+    """A batch chunk's (N, 3) uint64 rows ``(dst_offset, src_offset, nbytes)``, C order; None
+    for a contiguous chunk."""
+    peaks: tuple[int, int, int] | None = None
+    """A batch chunk's largest destination offset, source offset and size where the caller has
+    them (a whole batch's, `Segments.peaks`), so that an engine bounding the rows again need not
+    look for them."""
+    strict: bool = False
+    gated: bool = False
+
+
 class Engine(ABC):
     """A copy backend. All methods are called from the daemon's event-loop thread."""
 
@@ -206,50 +231,38 @@ class Engine(ABC):
         """Free (or close the imported handle of) device memory. Nothing is in flight on it."""
 
     @abstractmethod
-    def submit(
-        self,
-        lane: LaneKey,
-        path: Path,
-        dst: Memory,
-        dst_offset: int,
-        src: Memory,
-        src_offset: int,
-        nbytes: int,
-        *,
-        strict: bool = False,
-        gated: bool = False,
-    ) -> Completion:
+    def submit(self, job: ChunkJob) -> Completion:
         """Start one chunk and return at once. DMA chunks of one lane run in submission order.
 
-        ``strict`` marks an urgent DMA chunk: an engine with a separate queue for those (CUDA:
-        a second stream, which small copies can use to pass the bulk stream) may use it.
-        ``gated`` (a bulk DMA chunk): it may not begin while its lane's gate is closed
-        (`set_gates`); an engine without gates runs it as any other.
+        A contiguous chunk (``job.cells is None``) copies ``job.nbytes`` from ``job.src_offset``
+        to ``job.dst_offset``. A batch chunk copies each row ``(dst_offset, src_offset, nbytes)``
+        of ``job.cells``, in no set order, as one unit (one completion, FIFO with the lane's
+        other chunks); the caller has checked the table (priod/wire/batch.py). ``strict`` marks an
+        urgent DMA chunk: an engine with a separate queue for those (CUDA: a second stream, which
+        small copies can use to pass the bulk stream) may use it. ``gated`` (a bulk DMA chunk):
+        it may not begin while its lane's gate is closed (`set_gates`); an engine without gates
+        runs it as any other.
         """
 
-    def submit_segments(
-        self,
-        lane: LaneKey,
-        path: Path,
-        dst: Memory,
-        src: Memory,
-        cells: Cells,
-        *,
-        strict: bool = False,
-        gated: bool = False,
-        peaks: tuple[int, int, int] | None = None,
-    ) -> Completion:
-        """Start one chunk of a batch: for each row ``(dst_offset, src_offset, nbytes)`` of
-        ``cells`` (an (N, 3) uint64 table, C order), ``nbytes`` bytes from
-        ``src_offset`` to ``dst_offset``, in no set order, as one unit (one completion, FIFO with
-        the lane's other chunks). The caller has checked the table (priod/wire/batch.py).
-        ``peaks``: the table's largest destination offset, source offset and size, where the
-        caller has them (a whole batch's, `Segments.peaks`), so that an engine bounding the
-        rows again need not look for them.
-
-        This default submits one chunk per segment; engines with a batched call override it.
-        """
-        parts = [self.submit(lane, path, dst, d, src, s_, n, strict=strict, gated=gated) for d, s_, n in cells.tolist()]
+    def submit_rows(self, job: ChunkJob) -> Completion:
+        """A batch chunk as one contiguous chunk per row: for engines without a batched call."""
+        assert job.cells is not None
+        parts = [
+            self.submit(
+                ChunkJob(
+                    job.lane,
+                    job.path,
+                    job.dst,
+                    job.src,
+                    dst_offset=d,
+                    src_offset=s_,
+                    nbytes=n,
+                    strict=job.strict,
+                    gated=job.gated,
+                )
+            )
+            for d, s_, n in job.cells.tolist()
+        ]
         return parts[0] if len(parts) == 1 else AllOf(parts)
 
     def set_gates(self, closed: frozenset[LaneKey]) -> None:  # noqa: B027 - optional hook
@@ -318,7 +331,9 @@ class Engine(ABC):
         Raises:
             InvalidRequest: the handle does not open, naming what to send instead.
         """
-        raise InvalidRequest(f"the {self.name} engine has no IPC events; send the copy without wait_event and signal_event")
+        raise InvalidRequest(
+            f"the {self.name} engine has no IPC events; send the copy without wait_event and signal_event"
+        )
 
     def record_event(self, event: IpcEvent, after: list[Completion]) -> None:
         """Record ``event`` so that it completes once every chunk in ``after`` has (the copy's

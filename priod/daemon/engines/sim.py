@@ -39,10 +39,20 @@ import numpy.typing as npt
 
 from priod.common.gpus import sim_uuid
 from priod.common.types import Direction, LaneInfo, LaneKey, Path
-from priod.daemon.engines.base import Completion, DeviceExport, DeviceMemory, Engine, HostMemory, IpcEvent, Memory, map_fd, release_mapping
+from priod.daemon.engines.base import (
+    ChunkJob,
+    Completion,
+    DeviceExport,
+    DeviceMemory,
+    Engine,
+    HostMemory,
+    IpcEvent,
+    Memory,
+    map_fd,
+    release_mapping,
+)
 from priod.daemon.engines.sim_model import HostBus, Job, Link, SimCompletion, SimIpcEvent, Worker
 from priod.errors import InvalidRequest
-from priod.wire.batch import Cells
 from priod.wire.ipc_event import parse_sim_handle
 
 __all__ = ["SimEngine", "SimSettings", "sealed_memfd"]
@@ -117,7 +127,9 @@ class SimEngine(Engine):
         want the same waits every run; None: seeded from the OS."""
         self.cfg = cfg or SimSettings()
         if self.cfg.uuids and len(self.cfg.uuids) != self.cfg.devices:
-            raise ValueError(f"[sim] uuids lists {len(self.cfg.uuids)} UUIDs for {self.cfg.devices} devices; give one per device, or none")
+            raise ValueError(
+                f"[sim] uuids lists {len(self.cfg.uuids)} UUIDs for {self.cfg.devices} devices; give one per device, or none"
+            )
         self._uuids = {i: (self.cfg.uuids[i] if self.cfg.uuids else sim_uuid(i)) for i in range(self.cfg.devices)}
         self._wake: Callable[[], None] = lambda: None
         self._cotenant_lock = threading.Lock()
@@ -135,7 +147,11 @@ class SimEngine(Engine):
             for peer in range(self.cfg.devices):
                 if peer != device:
                     # DMA only: no express kernel over peer memory is modelled (nor built on cuda).
-                    self._add_lane(LaneKey(device, Direction.PEER, peer), Link(self.cfg.peer_gbps * 1e9, self.cfg.express_share), (Path.DMA,))
+                    self._add_lane(
+                        LaneKey(device, Direction.PEER, peer),
+                        Link(self.cfg.peer_gbps * 1e9, self.cfg.express_share),
+                        (Path.DMA,),
+                    )
         self._started = time.perf_counter()
         self._closed = False
 
@@ -148,7 +164,9 @@ class SimEngine(Engine):
 
     def lanes(self) -> list[LaneInfo]:
         return [
-            LaneInfo(key, link.bandwidth, self.cfg.express_min_bytes, self.cfg.express_max_bytes if key.peer is None else 0)
+            LaneInfo(
+                key, link.bandwidth, self.cfg.express_min_bytes, self.cfg.express_max_bytes if key.peer is None else 0
+            )
             for key, link in sorted(self._links.items())
         ]
 
@@ -160,36 +178,41 @@ class SimEngine(Engine):
 
     def alloc_device(self, nbytes: int, device: int) -> DeviceMemory:
         if not 0 <= device < self.cfg.devices:
-            raise InvalidRequest(f"device {device} does not exist; the sim engine has devices 0..{self.cfg.devices - 1} ([sim] devices)")
+            raise InvalidRequest(
+                f"device {device} does not exist; the sim engine has devices 0..{self.cfg.devices - 1} ([sim] devices)"
+            )
         fd = sealed_memfd(f"priod-sim-gpu{device}", nbytes)
         return SimDeviceMemory(fd, nbytes, device)
 
     def import_device(self, ipc_handle: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
-        raise InvalidRequest("register_device needs the cuda engine; under sim, use alloc_device (its memory is a memfd you can map)")
+        raise InvalidRequest(
+            "register_device needs the cuda engine; under sim, use alloc_device (its memory is a memfd you can map)"
+        )
 
     def release_device(self, mem: DeviceMemory) -> None:
         assert isinstance(mem, SimDeviceMemory)
         release_mapping(mem)
         os.close(mem.fd)
 
-    def submit(
-        self,
-        lane: LaneKey,
-        path: Path,
-        dst: Memory,
-        dst_offset: int,
-        src: Memory,
-        src_offset: int,
-        nbytes: int,
-        *,
-        strict: bool = False,
-        gated: bool = False,
-    ) -> Completion:
+    def submit(self, job: ChunkJob) -> Completion:
+        return self._submit_range(job) if job.cells is None else self._submit_table(job)
+
+    def _submit_range(self, job: ChunkJob) -> Completion:
+        lane, path, dst, dst_offset, src, src_offset, nbytes = (
+            job.lane,
+            job.path,
+            job.dst,
+            job.dst_offset,
+            job.src,
+            job.src_offset,
+            job.nbytes,
+        )
+        strict, gated = job.strict, job.gated
         # One copy engine per lane: strict DMA chunks queue with the rest (the scheduler
         # already put them first), as they would on a single hardware queue; only a gated chunk
         # waiting at a closed gate lets them pass (`Worker._take_turn`).
         completion = SimCompletion()
-        job = Job(
+        work = Job(
             _view(dst),
             _view(src),
             nbytes,
@@ -202,27 +225,21 @@ class SimEngine(Engine):
             strict,
         )
         worker = self._workers[(lane, path)]
-        if not worker.run_inline(job):
-            worker.put(job)
+        if not worker.run_inline(work):
+            worker.put(work)
         return completion
 
-    def submit_segments(
-        self,
-        lane: LaneKey,
-        path: Path,
-        dst: Memory,
-        src: Memory,
-        cells: Cells,
-        *,
-        strict: bool = False,
-        gated: bool = False,
-        peaks: tuple[int, int, int] | None = None,
-    ) -> Completion:
-        """One job for the whole chunk: its segments move one after another on the lane's
+    def _submit_table(self, job: ChunkJob) -> Completion:
+        """One sim job for the whole chunk: its segments move one after another on the lane's
         thread, paced by their bytes together, as one entry of the lane's FIFO."""
-        nbytes = int(np.add.reduce(cells[:, 2]))  # the ufunc itself: ndarray.sum() runs Python code of numpy's first (batch.LARGEST)
+        lane, path, dst, src, strict, gated = job.lane, job.path, job.dst, job.src, job.strict, job.gated
+        cells = job.cells
+        assert cells is not None
+        nbytes = int(
+            np.add.reduce(cells[:, 2])
+        )  # the ufunc itself: ndarray.sum() runs Python code of numpy's first (batch.LARGEST)
         completion = SimCompletion()
-        job = Job(
+        work = Job(
             _view(dst),
             _view(src),
             nbytes,
@@ -232,10 +249,10 @@ class SimEngine(Engine):
             gated=gated,
             strict=strict,
         )
-        job.segments = cells.tolist()
+        work.segments = cells.tolist()
         worker = self._workers[(lane, path)]
-        if not worker.run_inline(job):
-            worker.put(job)
+        if not worker.run_inline(work):
+            worker.put(work)
         return completion
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
@@ -275,7 +292,9 @@ class SimEngine(Engine):
         from arrival to end. The engine time-slices between contexts (`Worker.foreign_copy`):
         the copy waits for the daemon's chunks queued there, or for ``[sim] context_slice_us``
         if the daemon keeps the engine fed, which is what holding bulk back avoids."""
-        return self._workers[(lane, Path.DMA)].foreign_copy(nbytes, self.cfg.context_slice_us / 1e6, self.cfg.context_switch_us / 1e6)
+        return self._workers[(lane, Path.DMA)].foreign_copy(
+            nbytes, self.cfg.context_slice_us / 1e6, self.cfg.context_switch_us / 1e6
+        )
 
     def set_cotenant_stall(self, us: float) -> None:
         """Switch the co-tenant compute model: express chunks submitted from now on each wait

@@ -125,7 +125,19 @@ class SimIpcEvent(IpcEvent):
 
 
 class Job:
-    __slots__ = ("completion", "dst", "dst_offset", "fail", "gated", "nbytes", "segments", "src", "src_offset", "stall_s", "strict")
+    __slots__ = (
+        "completion",
+        "dst",
+        "dst_offset",
+        "fail",
+        "gated",
+        "nbytes",
+        "segments",
+        "src",
+        "src_offset",
+        "stall_s",
+        "strict",
+    )
 
     def __init__(
         self,
@@ -399,7 +411,9 @@ class Worker(threading.Thread):
         with self._contexts:
             self._slice_s = slice_s
             self._foreign_since = arrived
-            while self._running or (self.submitted != self.completed and not self._at_gate and time.perf_counter() < arrived + slice_s):
+            while self._running or (
+                self.submitted != self.completed and not self._at_gate and time.perf_counter() < arrived + slice_s
+            ):
                 self._contexts.wait(0.0005)
             self._foreign_running = True
             self._foreign_since = None

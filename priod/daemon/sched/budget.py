@@ -18,18 +18,20 @@ client's flood of small copies would fill the engine's FIFO queue ahead of other
   (``parked``; queues.py parks and unparks them).
 
 No clocks: the caller passes ``now``.
+
+This module sits below lanes.py and queues.py, which import it: it names what it reads of a
+lane and a request by the protocols `BudgetLane` and `Charge`, and a tenant's parked groups
+by a type parameter (`Tenant`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Sized
+from typing import Generic, Protocol, TypeVar
 
+from priod.common.types import LaneInfo
+from priod.daemon.sched.records import Request
 from priod.wire.batch import SEGMENT_COST_S
-
-if TYPE_CHECKING:
-    from priod.daemon.sched.lanes import Lane
-    from priod.daemon.sched.queues import Group, Track
 
 EXPRESS, STRICT, BULK = 0, 1, 2
 """Kinds of chunk in flight, counted per tenant: express, strict DMA, non-strict DMA."""
@@ -38,8 +40,14 @@ TenantKey = tuple[str, Hashable]
 """``("uid", uid)``, or ``("owner", connection)`` where the uid is unknown."""
 
 
-class Tenant:
-    """One client on one lane: its urgent budget and its chunks in flight."""
+G = TypeVar("G")
+"""What a tenant parks: a class group (`lanes.Group`, which names its tenant in turn)."""
+
+
+class Tenant(Generic[G]):
+    """One client on one lane: its urgent budget and its chunks in flight.
+
+    Generic in its parked groups (``Tenant[Group]``), so that this module need not name them."""
 
     __slots__ = ("inflight", "parked", "pending", "stamp", "tokens", "tracks")
 
@@ -51,13 +59,52 @@ class Tenant:
         """Strict bytes admitted and not finished (``urgent_inflight_bytes`` bounds it)."""
         self.inflight = [0, 0, 0]
         """Chunks in flight by kind (EXPRESS, STRICT, BULK); each is at most ``depth``."""
-        self.parked: list[Group] = []
+        self.parked: list[G] = []
         """Its class groups taken off their rings while it was at a cap; put back on a completion."""
         self.tracks = 0
         """Its requests on this lane, queued or in flight."""
 
 
-def tenant(lane: Lane, key: TenantKey, now: float) -> Tenant:
+class BudgetLane(Protocol[G]):
+    """What this module reads and keeps of a lane (a `lanes.Lane`)."""
+
+    sweep_at: int
+
+    @property
+    def tenants(self) -> dict[TenantKey, Tenant[G]]: ...
+    @property
+    def info(self) -> LaneInfo: ...
+    @property
+    def budget_rate(self) -> float: ...
+    @property
+    def burst(self) -> float: ...
+    @property
+    def min_strict_cost(self) -> int: ...
+    @property
+    def pending_cap(self) -> int: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def rr(self) -> Sized:
+        """Its non-strict classes with queued work (only whether there are any is read here)."""
+        ...
+
+
+class Charge(Protocol[G]):
+    """What `admit` reads and sets of a strict request's record (a `lanes.Track`)."""
+
+    charged: int
+    admitted: bool
+
+    @property
+    def req(self) -> Request: ...
+    @property
+    def lane(self) -> BudgetLane[G]: ...
+    @property
+    def tenant(self) -> Tenant[G]: ...
+
+
+def tenant(lane: BudgetLane[G], key: TenantKey, now: float) -> Tenant[G]:
     """``key``'s tenant on ``lane``; a new one with a full bucket where the lane has none."""
     tenant = lane.tenants.get(key)
     if tenant is None:
@@ -67,13 +114,13 @@ def tenant(lane: Lane, key: TenantKey, now: float) -> Tenant:
     return tenant
 
 
-def refill(lane: Lane, tenant: Tenant, now: float) -> None:
+def refill(lane: BudgetLane[G], tenant: Tenant[G], now: float) -> None:
     if now > tenant.stamp:
         tenant.tokens = min(lane.burst, tenant.tokens + lane.budget_rate * (now - tenant.stamp))
         tenant.stamp = now
 
 
-def admit(t: Track, now: float) -> bool:
+def admit(t: Charge[G], now: float) -> bool:
     """Charge a strict request to its tenant's budget; False: past it (nothing charged).
 
     A request costs its bytes (a batch, its segments' engine time as bytes too), but at least
@@ -105,7 +152,7 @@ def admit(t: Track, now: float) -> bool:
     return True
 
 
-def sweep(lane: Lane, now: float) -> None:
+def sweep(lane: BudgetLane[G], now: float) -> None:
     """Forget tenants with no requests whose bucket is full again (nothing is lost by it)."""
     for key, tenant in list(lane.tenants.items()):
         if not tenant.tracks:

@@ -134,7 +134,9 @@ class Dispatcher:
             g.ring.rotate(-1)
             cq.ring.rotate(-1)
 
-    def _serve_strict(self, lane: Lane, cq: ClassQueue, chunk: int, bound: int, dma_ok: bool, now: float, out: list[Chunk]) -> bool:
+    def _serve_strict(
+        self, lane: Lane, cq: ClassQueue, chunk: int, bound: int, dma_ok: bool, now: float, out: list[Chunk]
+    ) -> bool:
         """Hand out what one strict class may now, a chunk per tenant in turn. True: some of
         its DMA work waits for the lane's strict budget (or for a higher class's)."""
         ring = cq.ring

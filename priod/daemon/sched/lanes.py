@@ -6,18 +6,25 @@ lane, and lanes never wait on each other. What is derived from the policy (chunk
 in-flight bounds, the classes, each tenant's urgent rate) is set in one place, `Lane.configure`,
 on start and on every reload; `Lane.bound` says which of the two bounds holds now.
 
+The records of what waits on a lane are here too (`Track`, and the class queues `ClassQueue`,
+`Group`, `Sub`; queues.py describes them and has the operations on them): a lane holds its
+queues and every request's record points back at its lane, so they live in one module, below
+queues.py and dispatch.py, which use them.
+
 No clocks: the caller passes ``now``.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
+from collections.abc import Hashable
 
 from priod.common.types import LaneInfo, Path
 from priod.daemon.sched.budget import BULK, EXPRESS, STRICT, Tenant, TenantKey
-from priod.daemon.sched.policy import ALIGN, LaneParams, Policy, lane_params
-from priod.daemon.sched.queues import ClassQueue, Track
+from priod.daemon.sched.policy import ALIGN, ClassSpec, LaneParams, Policy, lane_params
+from priod.daemon.sched.records import Request
 
 _EXPRESS = Path.EXPRESS
 """A module global: read per chunk, where ``Path.EXPRESS`` costs ~55 ns more on Python 3.11
@@ -110,7 +117,7 @@ class Lane:
         close), bulk runs the beat bound."""
         self.gate = False
         """``gate_bulk``: bulk DMA chunks under the short bound are handed out gated."""
-        self.tenants: dict[TenantKey, Tenant] = {}
+        self.tenants: dict[TenantKey, Tenant[Group]] = {}
         """Kept past a tenant's last request until its bucket is full again (see `budget.sweep`)."""
         self.sweep_at = 64
         self.budget_rate = 0.0
@@ -131,14 +138,18 @@ class Lane:
         """Fresh class queues and parameters for ``policy`` (requests are re-placed by the caller)."""
         self.params = lane_params(self.info, policy)
         # quantum >= the largest chunk, so a class's every turn hands out at least one (dispatch.py).
-        self.classes = {c.name: ClassQueue(c, max(self.params.chunk_bytes, self.params.batch_chunk_bytes)) for c in policy.classes}
+        self.classes = {
+            c.name: ClassQueue(c, max(self.params.chunk_bytes, self.params.batch_chunk_bytes)) for c in policy.classes
+        }
         self.strict = [cq for cq in self.classes.values() if cq.spec.strict]
         self.nonstrict = [cq for cq in self.classes.values() if not cq.spec.strict]
         self.rr = deque()
         self.fifo = deque()
         self.queued = 0
         self.window = policy.urgent_window_ms / 1e3
-        self.beat_lead = policy.beat_block_us / 1e6 + BEAT_MARGIN_S if policy.beat_block_us and policy.mode == "priod" else 0.0
+        self.beat_lead = (
+            policy.beat_block_us / 1e6 + BEAT_MARGIN_S if policy.beat_block_us and policy.mode == "priod" else 0.0
+        )
         self.burst_start = -math.inf  # a new policy learns its beat afresh
         self.beat_gaps = ()
         self.beat_until = -math.inf
@@ -151,7 +162,7 @@ class Lane:
         for tn in self.tenants.values():
             tn.parked.clear()  # their groups went with the old class queues
 
-    def count(self, tenant: Tenant, path: Path, strict: bool, size: int, n: int) -> None:
+    def count(self, tenant: Tenant[Group], path: Path, strict: bool, size: int, n: int) -> None:
         """Count a chunk of ``size`` bytes into flight (``n`` = 1) or out of it (``n`` = -1):
         the lane's bytes of its kind (express, strict DMA, non-strict DMA), its tenant's chunks."""
         if path is _EXPRESS:
@@ -226,3 +237,201 @@ class Lane:
             chunk = max(min(chunk, self.min_chunk), int(chunk * scale) // ALIGN * ALIGN)
             bound = chunk * depth
         return chunk, bound
+
+
+# -- what waits on a lane: the records that queues.py and dispatch.py work on ----------------
+class Track:
+    """The scheduler's private record of one request, beside the caller-visible `Request`."""
+
+    __slots__ = (
+        "admitted",
+        "charged",
+        "cq",
+        "group",
+        "lane",
+        "queued",
+        "req",
+        "route",
+        "seq",
+        "since",
+        "sub",
+        "tenant",
+        "tkey",
+    )
+
+    def __init__(
+        self, req: Request, lane: Lane, cq: ClassQueue, seq: int, tkey: TenantKey, tenant: Tenant[Group]
+    ) -> None:
+        self.req = req
+        self.lane = lane
+        self.cq = cq
+        self.seq = seq
+        self.tkey = tkey
+        self.tenant = tenant
+        self.since = req.arrival
+        """When it last got a chunk (its arrival before the first): what aging measures."""
+        self.queued = False
+        """Still has bytes to hand out and is neither cancelled nor failed."""
+        self.group: Group | None = None
+        self.sub: Sub | None = None
+        self.admitted = False
+        """A strict request that passed the urgent budget (checked when it first comes up)."""
+        self.charged = 0
+        """What it counts in its tenant's ``pending`` until it finishes."""
+        self.route: Path | None = None
+        """A strict request's path, chosen when it first comes up."""
+
+
+class Sub:
+    """One connection's waiting requests in one class on one lane.
+
+    Requests with a deadline wait in a heap (earliest first), the rest in a FIFO. Entries are
+    removed lazily: a cancelled or fully handed-out request stays until it reaches the head,
+    so cancel is O(1) and ``live`` is the truth.
+    """
+
+    __slots__ = ("_edf", "_fifo", "in_ring", "live", "owner")
+
+    def __init__(self, owner: Hashable) -> None:
+        self.owner = owner
+        self.live = 0
+        self.in_ring = False
+        self._edf: list[tuple[float, int, Track]] = []
+        self._fifo: deque[Track] = deque()
+
+    def push(self, t: Track) -> None:
+        if t.req.deadline is None:
+            self._fifo.append(t)
+        else:
+            # seq breaks ties, so tracks themselves are never compared.
+            heapq.heappush(self._edf, (t.req.deadline, t.seq, t))
+
+    def head(self) -> Track:
+        """The request to serve next. Only called while ``live > 0``."""
+        edf = self._edf
+        while edf:
+            t = edf[0][2]
+            if t.queued:
+                return t
+            heapq.heappop(edf)
+        fifo = self._fifo
+        while True:
+            t = fifo[0]
+            if t.queued:
+                return t
+            fifo.popleft()
+
+    def pop_head(self, t: Track) -> None:
+        """Take ``t``, the head just returned by `head`, out (it moves to another class)."""
+        if self._edf and self._edf[0][2] is t:
+            heapq.heappop(self._edf)
+        else:
+            self._fifo.popleft()
+
+    def clear(self) -> None:
+        self._edf.clear()
+        self._fifo.clear()
+
+
+class Group:
+    """One tenant's connections in one class on one lane: a ring of `Sub`, one chunk each in turn."""
+
+    __slots__ = ("cq", "in_ring", "key", "live", "parked", "prune_at", "ring", "subs", "tenant")
+
+    def __init__(self, cq: ClassQueue, key: TenantKey, tenant: Tenant[Group]) -> None:
+        self.cq = cq
+        self.key = key
+        self.tenant = tenant
+        self.live = 0
+        self.in_ring = False
+        """It sits in its class's ring (possibly with nothing live: removed lazily)."""
+        self.parked = False
+        """Off the ring while its tenant is at a cap of chunks in flight."""
+        self.subs: dict[Hashable, Sub] = {}
+        self.ring: deque[Sub] = deque()
+        self.prune_at = 8
+
+    def head(self) -> Track:
+        """The next request of the connection whose turn it is. Only called while ``live > 0``."""
+        ring = self.ring
+        while True:
+            sub = ring[0]
+            if sub.live:
+                return sub.head()
+            ring.popleft()
+            sub.in_ring = False
+
+    def sub(self, owner: Hashable) -> Sub:
+        """``owner``'s sub-queue. Empty ones are kept for the next request (no allocation per
+        copy) and dropped once they are half of what is kept."""
+        sub = self.subs.get(owner)
+        if sub is None:
+            subs = self.subs
+            if len(subs) >= self.prune_at:
+                for key in [k for k, s in subs.items() if not s.live and not s.in_ring]:
+                    del subs[key]
+                self.prune_at = max(8, 2 * len(subs))
+            sub = subs[owner] = Sub(owner)
+        return sub
+
+    def drained(self) -> None:
+        """Nothing live is left: empty the ring (its entries are all empty)."""
+        for sub in self.ring:
+            sub.in_ring = False
+        self.ring.clear()
+
+
+class ClassQueue:
+    """One class's waiting requests on one lane: a ring of tenant groups, and its DRR state."""
+
+    __slots__ = (
+        "active",
+        "deficit",
+        "groups",
+        "in_turn",
+        "live",
+        "prune_at",
+        "quantum",
+        "queued_bytes",
+        "ring",
+        "spec",
+    )
+
+    def __init__(self, spec: ClassSpec, chunk_bytes: int) -> None:
+        self.spec = spec
+        self.quantum = spec.weight * chunk_bytes
+        self.deficit = 0
+        self.in_turn = False
+        """Its quantum for the current round-robin turn was already added."""
+        self.active = False
+        """It sits in its lane's round-robin list."""
+        self.live = 0
+        self.queued_bytes = 0
+        self.groups: dict[TenantKey, Group] = {}
+        self.ring: deque[Group] = deque()
+        """Tenants with work here, round robin: the head has the turn."""
+        self.prune_at = 8
+
+    def group(self, key: TenantKey, tenant: Tenant[Group]) -> Group:
+        """``key``'s group. Empty ones are kept for the next request (no allocation per copy)
+        and dropped once they are half of what is kept."""
+        g = self.groups.get(key)
+        if g is None:
+            groups = self.groups
+            if len(groups) >= self.prune_at:
+                for k in [k for k, old in groups.items() if not old.live and not old.in_ring]:
+                    del groups[k]
+                self.prune_at = max(8, 2 * len(groups))
+            g = groups[key] = Group(self, key, tenant)
+        elif not g.live:
+            g.tenant = tenant  # the tenant may have been swept and come back since
+            g.parked = False  # a stale entry in its old tenant's list is skipped
+        return g
+
+    def drained(self) -> None:
+        """Nothing live is left: empty the ring (its entries are all empty)."""
+        for g in self.ring:
+            g.in_ring = False
+            if g.ring:  # usually drained already, as its last request left (`leave_class`)
+                g.drained()
+        self.ring.clear()

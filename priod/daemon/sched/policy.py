@@ -163,30 +163,51 @@ def validate_policy(policy: Policy) -> None:
             raise ConfigError(message)
 
     modes = get_args(Mode)
-    need(policy.mode in modes, f"[scheduler] mode = {policy.mode!r} is invalid; set it to one of {', '.join(repr(m) for m in modes)}")
-    need(policy.max_block_us > 0, f"[scheduler] max_block_us = {policy.max_block_us} is invalid; set it > 0 (microseconds)")
+    need(
+        policy.mode in modes,
+        f"[scheduler] mode = {policy.mode!r} is invalid; set it to one of {', '.join(repr(m) for m in modes)}",
+    )
+    need(
+        policy.max_block_us > 0,
+        f"[scheduler] max_block_us = {policy.max_block_us} is invalid; set it > 0 (microseconds)",
+    )
     need(1 <= policy.depth <= MAX_DEPTH, f"[tuning] depth = {policy.depth} is invalid; set 1 <= depth <= {MAX_DEPTH}")
     need(
         policy.min_chunk_bytes >= ALIGN,
         f"[tuning] min_chunk_bytes = {policy.min_chunk_bytes} is invalid; set min_chunk_bytes >= {ALIGN}",
     )
     need(policy.aging_ms > 0, f"[scheduler] aging_ms = {policy.aging_ms} is invalid; set it > 0")
-    need(policy.batch_block_us >= 0, f"[tuning] batch_block_us = {policy.batch_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
-    need(policy.urgent_block_us >= 0, f"[tuning] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)")
+    need(
+        policy.batch_block_us >= 0,
+        f"[tuning] batch_block_us = {policy.batch_block_us} is invalid; set it >= 0 (0: keep max_block_us)",
+    )
+    need(
+        policy.urgent_block_us >= 0,
+        f"[tuning] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)",
+    )
     need(policy.beat_block_us >= 0, f"[tuning] beat_block_us = {policy.beat_block_us} is invalid; set it >= 0 (0: off)")
     need(policy.urgent_window_ms >= 0, f"[tuning] urgent_window_ms = {policy.urgent_window_ms} is invalid; set it >= 0")
     for name in ("direct_hold_max_ms", "direct_hold_burst_ms"):
         value = getattr(policy, name)
-        need(0 <= value < math.inf, f"[tuning] {name} = {value} is invalid; set a finite number of milliseconds >= 0 (0: direct copies hold nothing)")
+        need(
+            0 <= value < math.inf,
+            f"[tuning] {name} = {value} is invalid; set a finite number of milliseconds >= 0 (0: direct copies hold nothing)",
+        )
     need(policy.explore_ms > 0, f"[tuning] explore_ms = {policy.explore_ms} is invalid; set it > 0")
-    need(policy.explore_every >= 1, f"[tuning] explore_every = {policy.explore_every} is invalid; set a whole number >= 1 (1: explore_ms alone)")
+    need(
+        policy.explore_every >= 1,
+        f"[tuning] explore_every = {policy.explore_every} is invalid; set a whole number >= 1 (1: explore_ms alone)",
+    )
     rate = policy.urgent_budget_bytes_per_s
     need(
         0 < rate < math.inf,
         f"[scheduler] urgent_budget_bytes_per_s = {rate} is invalid; set a finite number of bytes per second > 0",
     )
     share = policy.urgent_budget_share
-    need(0 < share <= 1, f"[scheduler] urgent_budget_share = {share} is invalid; set 0 < urgent_budget_share <= 1 (of a lane's bandwidth)")
+    need(
+        0 < share <= 1,
+        f"[scheduler] urgent_budget_share = {share} is invalid; set 0 < urgent_budget_share <= 1 (of a lane's bandwidth)",
+    )
     need(
         policy.urgent_burst_bytes >= ALIGN,
         f"[scheduler] urgent_burst_bytes = {policy.urgent_burst_bytes} is invalid; set urgent_burst_bytes >= {ALIGN}",
@@ -208,7 +229,10 @@ def validate_policy(policy: Policy) -> None:
         need(c.weight >= 1, f"[classes.{c.name}] weight = {c.weight} is invalid; set weight >= 1")
         for key, ids in (("uids", c.uids), ("gids", c.gids)):
             bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
-            need(not bad, f"[classes.{c.name}] {key} = {list(ids)} is invalid; list whole numbers >= 0, or leave it empty for everyone")
+            need(
+                not bad,
+                f"[classes.{c.name}] {key} = {list(ids)} is invalid; list whole numbers >= 0, or leave it empty for everyone",
+            )
     need(not all(c.strict for c in classes), "[classes] needs at least one class without strict = true, for bulk work")
 
 
@@ -239,6 +263,7 @@ def lane_params(info: LaneInfo, policy: Policy) -> LaneParams:
     ``inflight = bandwidth * max_block_us`` (at least ``depth`` minimum chunks), split into
     ``depth`` chunks, each a multiple of 4 KiB.
     """
+
     def chunk_for(block_us: float) -> int:
         inflight = int(info.bandwidth * block_us / 1e6)
         return max(ALIGN, max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN)
@@ -249,5 +274,14 @@ def lane_params(info: LaneInfo, policy: Policy) -> LaneParams:
     beat = chunk_for(policy.beat_block_us) if policy.beat_block_us else 0
     express_max = info.express_max if policy.express else 0
     return LaneParams(
-        chunk, chunk * policy.depth, info.express_min, express_max, short, short * policy.depth, batch, batch * policy.depth, beat, beat * policy.depth
+        chunk,
+        chunk * policy.depth,
+        info.express_min,
+        express_max,
+        short,
+        short * policy.depth,
+        batch,
+        batch * policy.depth,
+        beat,
+        beat * policy.depth,
     )

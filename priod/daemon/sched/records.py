@@ -88,9 +88,18 @@ class Chunk:
     """A bulk DMA chunk handed out under the lane's short bound: the engine makes it wait behind
     the lane's gate, which the daemon closes while a client's direct copy holds the lane."""
 
-    def __init__(self, request: Request, offset: int, nbytes: int, path: Path, strict: bool, gated: bool = False) -> None:
+    def __init__(
+        self, request: Request, offset: int, nbytes: int, path: Path, strict: bool, gated: bool = False
+    ) -> None:
         d = self.__dict__
-        d["request"], d["offset"], d["nbytes"], d["path"], d["strict"], d["gated"] = request, offset, nbytes, path, strict, gated
+        d["request"], d["offset"], d["nbytes"], d["path"], d["strict"], d["gated"] = (
+            request,
+            offset,
+            nbytes,
+            path,
+            strict,
+            gated,
+        )
 
 
 @dataclass(frozen=True, init=False)
@@ -104,10 +113,21 @@ class Finished:
     error: Exception | None = None
 
     def __init__(
-        self, request: Request, outcome: Literal["done", "cancelled", "failed"], bytes_done: int, missed_deadline: bool = False, error: Exception | None = None
+        self,
+        request: Request,
+        outcome: Literal["done", "cancelled", "failed"],
+        bytes_done: int,
+        missed_deadline: bool = False,
+        error: Exception | None = None,
     ) -> None:
         d = self.__dict__
-        d["request"], d["outcome"], d["bytes_done"], d["missed_deadline"], d["error"] = request, outcome, bytes_done, missed_deadline, error
+        d["request"], d["outcome"], d["bytes_done"], d["missed_deadline"], d["error"] = (
+            request,
+            outcome,
+            bytes_done,
+            missed_deadline,
+            error,
+        )
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,13 @@ _OUTCOMES: tuple[str, ...] = ("done", "cancelled", "failed")
 # Enum members read as module globals where they are read per chunk: on Python 3.11 a member
 # read off its class (``RequestState.DONE``) costs ~55 ns more than a global (EnumType's
 # __getattr__ takes enum classes off the interpreter's fast attribute path).
-_QUEUED, _ACTIVE, _DONE, _CANCELLED, _FAILED = RequestState.QUEUED, RequestState.ACTIVE, RequestState.DONE, RequestState.CANCELLED, RequestState.FAILED
+_QUEUED, _ACTIVE, _DONE, _CANCELLED, _FAILED = (
+    RequestState.QUEUED,
+    RequestState.ACTIVE,
+    RequestState.DONE,
+    RequestState.CANCELLED,
+    RequestState.FAILED,
+)
 _EXPRESS = Path.EXPRESS
 _DMA = Path.DMA
 
@@ -79,7 +85,9 @@ class Scheduler:
         still waits for about ``max_block_us`` of bulk, not that times the slowdown."""
         validate_policy(policy)
         if not (0 <= host_bandwidth < math.inf):
-            raise ConfigError(f"host bandwidth = {host_bandwidth} is invalid; give a finite number of bytes/s >= 0 (0: none)")
+            raise ConfigError(
+                f"host bandwidth = {host_bandwidth} is invalid; give a finite number of bytes/s >= 0 (0: none)"
+            )
         self._policy = policy
         self._lanes: dict[LaneKey, Lane] = {}
         for info in sorted(lanes, key=lambda i: i.key):
@@ -90,7 +98,11 @@ class Scheduler:
             self._lanes[info.key] = lane
         self._lane_list = list(self._lanes.values())
         self._host_bandwidth = host_bandwidth
-        self._host_lanes = [ln for ln in self._lane_list if ln.key.direction in (Direction.H2D, Direction.D2H)] if host_bandwidth > 0 else []
+        self._host_lanes = (
+            [ln for ln in self._lane_list if ln.key.direction in (Direction.H2D, Direction.D2H)]
+            if host_bandwidth > 0
+            else []
+        )
         self._tracks: dict[int, Track] = {}
         self._by_owner: dict[Hashable, set[int]] = {}
         """Each owner's requests queued or in flight. An owner's set stays while it is about,
@@ -232,7 +244,9 @@ class Scheduler:
             raise NotFound(f"no copy with id {request_id} is queued or in flight; it may have finished already")
         req = t.req
         if req.state is RequestState.CANCELLED or req.state is RequestState.FAILED:
-            raise NotFound(f"copy {request_id} is already {req.state.value}; its reply comes when its last chunk in flight lands")
+            raise NotFound(
+                f"copy {request_id} is already {req.state.value}; its reply comes when its last chunk in flight lands"
+            )
         req.state = RequestState.CANCELLED
         self._stop(t)
         if req.inflight_chunks:
@@ -441,7 +455,12 @@ class Scheduler:
 
     def _finish(self, t: Track, outcome: Literal["done", "cancelled", "failed"]) -> Finished:
         req = t.req
-        missed = outcome == "done" and req.deadline is not None and req.last_done is not None and req.last_done > req.deadline
+        missed = (
+            outcome == "done"
+            and req.deadline is not None
+            and req.last_done is not None
+            and req.last_done > req.deadline
+        )
         del self._tracks[req.id]
         ids = self._by_owner.get(req.owner)
         if ids is not None:  # None: the owner was dropped while this copy was in flight
@@ -451,10 +470,25 @@ class Scheduler:
         tenant.pending -= t.charged
         t.charged = 0
         self._finished[outcome] += 1
-        if outcome == "done" and t.cq.spec.strict and req.path is not None and req.first_submit is not None and req.last_done is not None:
+        if (
+            outcome == "done"
+            and t.cq.spec.strict
+            and req.path is not None
+            and req.first_submit is not None
+            and req.last_done is not None
+        ):
             p = t.lane.params
-            if p.express_max and p.express_min <= req.nbytes <= p.express_max:  # a size with a choice (`Dispatcher._route`)
-                self._chooser.observe(t.lane.key, req.path, req.nbytes, req.last_done - req.first_submit, req.last_done, req.segments is not None)
+            if (
+                p.express_max and p.express_min <= req.nbytes <= p.express_max
+            ):  # a size with a choice (`Dispatcher._route`)
+                self._chooser.observe(
+                    t.lane.key,
+                    req.path,
+                    req.nbytes,
+                    req.last_done - req.first_submit,
+                    req.last_done,
+                    req.segments is not None,
+                )
         if missed:
             self._misses += 1
         return Finished(req, outcome, req.done_bytes, missed, req.error if outcome == "failed" else None)

@@ -33,7 +33,12 @@ __all__ = ["HOST_ENDS", "Device", "Lane", "open_device"]
 Attempt = Callable[[tuple[Any, ...]], None]
 """Checks a CUDA result and keeps its error for later (used on the way out, in close)."""
 
-HOST_ENDS = {Direction.H2D: (True, False), Direction.D2H: (False, True), Direction.D2D: (False, False), Direction.PEER: (False, False)}
+HOST_ENDS = {
+    Direction.H2D: (True, False),
+    Direction.D2H: (False, True),
+    Direction.D2D: (False, False),
+    Direction.PEER: (False, False),
+}
 """Per direction: whether the source, and whether the destination, is host memory."""
 
 _KIND_NAMES = {
@@ -144,7 +149,9 @@ class Device:
         self.table_function: Any = None
         """``priod_copy_table``, a batch's chunk in one launch (None: launch per segment)."""
         self.kernel_registers = 0
-        self.h2d, self.d2h, self.d2d = (self._new_lane(LaneKey(index, d)) for d in (Direction.H2D, Direction.D2H, Direction.D2D))
+        self.h2d, self.d2h, self.d2d = (
+            self._new_lane(LaneKey(index, d)) for d in (Direction.H2D, Direction.D2H, Direction.D2D)
+        )
         self.peers: dict[int, Lane] = {}
         """Peer lanes from this GPU, by destination ordinal (empty on a one-GPU engine)."""
         self.gates: Gates | None = None

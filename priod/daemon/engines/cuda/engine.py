@@ -32,7 +32,7 @@ from priod.common.cuda.batched import BULK_CALL_SEGMENTS, GATED_CALL_SEGMENTS, B
 from priod.common.cuda.driver import bindings, check, device_count, event_handle_from_bytes
 from priod.common.cuda.express import ExpressKernel, read_ptx
 from priod.common.types import Direction, LaneInfo, LaneKey, Path
-from priod.daemon.engines.base import Completion, DeviceMemory, Engine, HostMemory, IpcEvent, Memory
+from priod.daemon.engines.base import ChunkJob, Completion, DeviceMemory, Engine, HostMemory, IpcEvent, Memory
 from priod.daemon.engines.cuda.calibrate import Log, calibrate
 from priod.daemon.engines.cuda.device import Device, Lane, open_device, open_gates
 from priod.daemon.engines.cuda.events import CudaIpcEvent, Done, EventCompletion
@@ -40,7 +40,7 @@ from priod.daemon.engines.cuda.memory import CudaDeviceMemory, CudaHostMemory, R
 from priod.daemon.engines.cuda.peer import open_peer_lanes
 from priod.daemon.engines.cuda.pusher import Pusher
 from priod.errors import CudaError, EngineError, InvalidRequest
-from priod.wire.batch import Cells, column_peaks
+from priod.wire.batch import column_peaks
 
 __all__ = ["CudaEngine"]
 
@@ -124,7 +124,14 @@ class CudaEngine(Engine):
             if self._gates_error:
                 self._log.info("cuda bulk gates off", reason=self._gates_error)
             for dev in self._devices.values():
-                calibrate(dev, calibrate_bytes, use=self._use, kernel=self._kernel, express=self._express_wanted, log=self._log)
+                calibrate(
+                    dev,
+                    calibrate_bytes,
+                    use=self._use,
+                    kernel=self._kernel,
+                    express=self._express_wanted,
+                    log=self._log,
+                )
             open_peer_lanes(self._devices, self._use, calibrate_bytes, self._log)  # nothing with one GPU
         except BaseException:
             self.close()
@@ -206,24 +213,19 @@ class CudaEngine(Engine):
         pool memory is reached only by the GPUs given access to it (peer access, which
         cudaMalloc memory gets from cudaDeviceEnablePeerAccess, does not extend to it): its
         own, and these."""
-        return [other for other, dev in self._devices.items() if other != device and (lane := dev.peers.get(device)) is not None and lane.peer_access]
+        return [
+            other
+            for other, dev in self._devices.items()
+            if other != device and (lane := dev.peers.get(device)) is not None and lane.peer_access
+        ]
 
     def release_device(self, mem: DeviceMemory) -> None:
         self._regions.release_device(mem)
 
-    def submit(
-        self,
-        lane: LaneKey,
-        path: Path,
-        dst: Memory,
-        dst_offset: int,
-        src: Memory,
-        src_offset: int,
-        nbytes: int,
-        *,
-        strict: bool = False,
-        gated: bool = False,
-    ) -> Completion:
+    def submit(self, job: ChunkJob) -> Completion:
+        return self._submit_range(job) if job.cells is None else self._submit_table(job)
+
+    def _submit_range(self, job: ChunkJob) -> Completion:
         """Start one chunk. DMA chunks go on the lane's low-priority stream in FIFO order, or,
         with ``strict=True``, on its high-priority DMA stream (so that small host-to-device
         copies pass the bulk ones); express chunks run the copy kernel.
@@ -233,8 +235,24 @@ class CudaEngine(Engine):
                 range falls outside them.
             EngineError: Express asked of a lane that has none; CudaError when CUDA refuses.
         """
+        lane, path, dst, dst_offset, src, src_offset, nbytes = (
+            job.lane,
+            job.path,
+            job.dst,
+            job.dst_offset,
+            job.src,
+            job.src_offset,
+            job.nbytes,
+        )
+        strict, gated = job.strict, job.gated
         dev, info, s_host, d_host = self._ends(lane, dst, src)
-        if nbytes < 0 or src_offset < 0 or dst_offset < 0 or src_offset + nbytes > src.nbytes or dst_offset + nbytes > dst.nbytes:
+        if (
+            nbytes < 0
+            or src_offset < 0
+            or dst_offset < 0
+            or src_offset + nbytes > src.nbytes
+            or dst_offset + nbytes > dst.nbytes
+        ):
             raise InvalidRequest(
                 f"copy of {nbytes} bytes from offset {src_offset} (of {src.nbytes}) "
                 f"to offset {dst_offset} (of {dst.nbytes}) is out of range"
@@ -258,31 +276,33 @@ class CudaEngine(Engine):
                 check(rt.cudaMemcpyAsync(dp, sp, nbytes, info.kind, stream))
         else:
             if info.express_max == 0:
-                raise EngineError(f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA")
+                raise EngineError(
+                    f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA"
+                )
             stream = info.express
             sp = (s_host.device_pointer if s_host is not None else src.pointer) + src_offset  # type: ignore[attr-defined]
             dp = (d_host.device_pointer if d_host is not None else dst.pointer) + dst_offset  # type: ignore[attr-defined]
             self._kernel.launch(dev, dp, sp, nbytes, info.express_cu)
         return self._record(dev, info, stream)
 
-    def submit_segments(
-        self,
-        lane: LaneKey,
-        path: Path,
-        dst: Memory,
-        src: Memory,
-        cells: Cells,
-        *,
-        strict: bool = False,
-        gated: bool = False,
-        peaks: tuple[int, int, int] | None = None,
-    ) -> Completion:
+    def _submit_table(self, job: ChunkJob) -> Completion:
         """Start one chunk of a batch (``cells``: its (N, 3) rows), followed by one event. DMA: one ``cuMemcpyBatchAsync``
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
         stream `submit` would use; a bulk chunk of several segments is enqueued by the pusher's
         thread (`_push_batch`), an urgent one at once. Express: the copy kernel's table form, one
         launch per `TABLE_MAX` (256) segments (a launch per segment where the kernel has no table form). A
         peer lane's chunk (DMA only) is one ``cudaMemcpyPeerAsync`` per segment."""
+        lane, path, dst, src, strict, gated, peaks = (
+            job.lane,
+            job.path,
+            job.dst,
+            job.src,
+            job.strict,
+            job.gated,
+            job.peaks,
+        )
+        cells = job.cells
+        assert cells is not None
         dev, info, s_host, d_host = self._ends(lane, dst, src)
         if not len(cells):
             return Done()
@@ -293,8 +313,12 @@ class CudaEngine(Engine):
         # three reductions cost an urgent batch's launch ~36 us at p50 on a thread just woken).
         dst_max, src_max, largest = peaks if peaks is not None else column_peaks(cells)
         fits = dst_max + largest <= dst.nbytes and src_max + largest <= src.nbytes
-        if not fits and (int((dst_offsets + sizes).max()) > dst.nbytes or int((src_offsets + sizes).max()) > src.nbytes):
-            raise InvalidRequest(f"a segment of this chunk falls outside its region ({dst.nbytes} / {src.nbytes} bytes)")
+        if not fits and (
+            int((dst_offsets + sizes).max()) > dst.nbytes or int((src_offsets + sizes).max()) > src.nbytes
+        ):
+            raise InvalidRequest(
+                f"a segment of this chunk falls outside its region ({dst.nbytes} / {src.nbytes} bytes)"
+            )
         self._use(lane.device)
         if path is _DMA:
             stream = info.strict if strict else info.dma
@@ -306,7 +330,12 @@ class CudaEngine(Engine):
                 # batches to per-segment copies for good (`BatchedDma`).
                 copy_peer = self._rt.cudaMemcpyPeerAsync
                 dst_dev, src_dev = lane.peer, lane.device
-                for d, s_, n in zip((dst_offsets + np.uint64(dp)).tolist(), (src_offsets + np.uint64(sp)).tolist(), sizes.tolist(), strict=True):
+                for d, s_, n in zip(
+                    (dst_offsets + np.uint64(dp)).tolist(),
+                    (src_offsets + np.uint64(sp)).tolist(),
+                    sizes.tolist(),
+                    strict=True,
+                ):
                     check(copy_peer(d, dst_dev, s_, src_dev, n, stream))
             elif not strict and len(sizes) > 1:
                 return self._push_batch(dev, info, dp, sp, dst_offsets, src_offsets, sizes, stream, gated)
@@ -316,11 +345,15 @@ class CudaEngine(Engine):
                 self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
         else:
             if info.express_max == 0:
-                raise EngineError(f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA")
+                raise EngineError(
+                    f"lane {lane} has no express path ({self._express_error or 'express is off'}); submit it as DMA"
+                )
             stream = info.express
             sp = s_host.device_pointer if s_host is not None else src.pointer  # type: ignore[attr-defined]
             dp = d_host.device_pointer if d_host is not None else dst.pointer  # type: ignore[attr-defined]
-            self._kernel.launch_table(dev, dp, sp, cells, info.express_cu, largest=largest)  # the rows as they came: no table built
+            self._kernel.launch_table(
+                dev, dp, sp, cells, info.express_cu, largest=largest
+            )  # the rows as they came: no table built
         return self._record(dev, info, stream)
 
     def _push_batch(
@@ -346,12 +379,16 @@ class CudaEngine(Engine):
 
         def enqueue() -> None:
             check(rt.cudaSetDevice(device))  # the runtime's current device is per thread
-            batched.copy(dp, sp, dst_offsets, src_offsets, sizes, kind, stream, each_call=each_call, call_segments=call_segments)
+            batched.copy(
+                dp, sp, dst_offsets, src_offsets, sizes, kind, stream, each_call=each_call, call_segments=call_segments
+            )
             check(rt.cudaEventRecord(event, stream))
 
         return EventCompletion(event, pool, info.busy, stream, ticket=self._pusher.push(enqueue))
 
-    def _ends(self, lane: LaneKey, dst: Memory, src: Memory) -> tuple[Device, Lane, CudaHostMemory | None, CudaHostMemory | None]:
+    def _ends(
+        self, lane: LaneKey, dst: Memory, src: Memory
+    ) -> tuple[Device, Lane, CudaHostMemory | None, CudaHostMemory | None]:
         """The device and lane of a chunk, and which ends are host memory; InvalidRequest if the
         memories do not fit the lane."""
         # The hot path: no Enum hashing (Enum.__hash__ is Python code), identity tests instead.
@@ -436,14 +473,20 @@ class CudaEngine(Engine):
         if not isinstance(last, EventCompletion) or last.stream is None:
             raise EngineError("a signal_event needs the copy's last chunk in flight; none was")
         rt, device, stream, handle = self._rt, event.device, last.stream, event.event
-        waits = [c.event for c in after[:-1] if isinstance(c, EventCompletion) and c.stream is not stream and c.event is not None]
+        waits = [
+            c.event
+            for c in after[:-1]
+            if isinstance(c, EventCompletion) and c.stream is not stream and c.event is not None
+        ]
 
         def record() -> None:
             for chunk_event in waits:
                 check(rt.cudaStreamWaitEvent(stream, chunk_event, 0))
             check(rt.cudaEventRecord(handle, stream))
 
-        self._after_pusher(device, any(isinstance(c, EventCompletion) and c.pending for c in after), record, "cuda signal_event")
+        self._after_pusher(
+            device, any(isinstance(c, EventCompletion) and c.pending for c in after), record, "cuda signal_event"
+        )
 
     def _after_pusher(self, device: int, queued: bool, calls: Callable[[], None], what: str) -> None:
         """Make CUDA ``calls`` on ``device`` that must follow what the pusher's thread has
@@ -569,7 +612,12 @@ class CudaEngine(Engine):
 
 _H2D, _D2H, _D2D, _PEER = Direction.H2D, Direction.D2H, Direction.D2D, Direction.PEER
 _DMA = Path.DMA
-_ENDS_TEXT = {Direction.H2D: "host -> device", Direction.D2H: "device -> host", Direction.D2D: "device -> device", Direction.PEER: "device -> device"}
+_ENDS_TEXT = {
+    Direction.H2D: "host -> device",
+    Direction.D2H: "device -> host",
+    Direction.D2D: "device -> device",
+    Direction.PEER: "device -> device",
+}
 
 
 def _host(mem: Memory) -> CudaHostMemory | None:

@@ -99,7 +99,9 @@ class EventCompletion(Completion):
 
     __slots__ = ("_busy", "_done", "_event", "_pool", "stream", "ticket")
 
-    def __init__(self, event: Any, pool: EventPool, busy: Busy, stream: Any = None, ticket: Ticket | None = None) -> None:
+    def __init__(
+        self, event: Any, pool: EventPool, busy: Busy, stream: Any = None, ticket: Ticket | None = None
+    ) -> None:
         self._event = event
         self._pool = pool
         self._done = False
@@ -128,7 +130,11 @@ class EventCompletion(Completion):
             if not ticket.done:
                 return False
             if ticket.error is not None:
-                raise ticket.error if isinstance(ticket.error, PriodError) else EngineError(f"enqueueing the chunk failed: {ticket.error!r}")
+                raise (
+                    ticket.error
+                    if isinstance(ticket.error, PriodError)
+                    else EngineError(f"enqueueing the chunk failed: {ticket.error!r}")
+                )
             self.ticket = None
         pool = self._pool
         if self._event is None or pool.closed:

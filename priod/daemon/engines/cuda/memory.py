@@ -37,7 +37,16 @@ from priod.common.cuda.driver import IpcTable, bindings, check, handle_to_bytes,
 from priod.daemon.engines.base import DeviceExport, DeviceMemory, HostMemory
 from priod.errors import CudaError, InvalidRequest
 
-__all__ = ["CudaDeviceMemory", "CudaHostMemory", "PoolTable", "Regions", "VmmMapping", "vmm_import", "vmm_map", "vmm_unmap"]
+__all__ = [
+    "CudaDeviceMemory",
+    "CudaHostMemory",
+    "PoolTable",
+    "Regions",
+    "VmmMapping",
+    "vmm_import",
+    "vmm_map",
+    "vmm_unmap",
+]
 
 
 class CudaHostMemory(HostMemory):
@@ -128,9 +137,15 @@ class PoolTable:
         _, drv = bindings()
         with self._lock:
             try:
-                pool = check(drv.cuMemPoolImportFromShareableHandle(fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
+                pool = check(
+                    drv.cuMemPoolImportFromShareableHandle(
+                        fd, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+                    )
+                )
             except CudaError as exc:
-                raise InvalidRequest(f"the fd passed with register_device (kind 'pool_fd') does not import as a CUDA memory pool ({exc}): {POOL_FD_HINT}") from exc
+                raise InvalidRequest(
+                    f"the fd passed with register_device (kind 'pool_fd') does not import as a CUDA memory pool ({exc}): {POOL_FD_HINT}"
+                ) from exc
             pool_key = int(pool)
             entry = self._pools.get(pool_key)
             if entry is None:
@@ -217,11 +232,16 @@ def _import_pointer(drv: Any, pool: Any, export: bytes) -> tuple[int, int]:
     try:
         pointer = int(check(drv.cuMemPoolImportPointer(pool, pool_export_from_bytes(export))))
     except CudaError as exc:
-        raise InvalidRequest(f"the export data passed with register_device (kind 'pool_fd') names no allocation of that pool ({exc}): {POOL_FD_HINT}") from exc
+        raise InvalidRequest(
+            f"the export data passed with register_device (kind 'pool_fd') names no allocation of that pool ({exc}): {POOL_FD_HINT}"
+        ) from exc
     try:
         base, size = check(drv.cuMemGetAddressRange(pointer))
         if int(base) != pointer:
-            raise CudaError("CUDA_ERROR_INVALID_VALUE", f"the imported allocation at 0x{pointer:x} lies inside a range from 0x{int(base):x}")
+            raise CudaError(
+                "CUDA_ERROR_INVALID_VALUE",
+                f"the imported allocation at 0x{pointer:x} lies inside a range from 0x{int(base):x}",
+            )
     except BaseException:
         drv.cuMemFree(pointer)
         raise
@@ -313,7 +333,9 @@ class Regions:
         self.device_mems[id(mem)] = mem
         return mem
 
-    def import_device_fd(self, fd: int, size: int, offset: int, nbytes: int, device: int, peers: Sequence[int] = ()) -> CudaDeviceMemory:
+    def import_device_fd(
+        self, fd: int, size: int, offset: int, nbytes: int, device: int, peers: Sequence[int] = ()
+    ) -> CudaDeviceMemory:
         """Import a client's ``cuMemCreate`` allocation from its POSIX fd, map all ``size``
         bytes of it here with read/write access for ``device`` (and ``peers``), and take
         ``nbytes`` at ``offset``. ``fd`` stays the caller's: the imported handle keeps the
@@ -332,7 +354,9 @@ class Regions:
         self.device_mems[id(mem)] = mem
         return mem
 
-    def import_device_pool(self, fd: int, export: bytes, offset: int, nbytes: int, device: int, peers: Sequence[int] = ()) -> CudaDeviceMemory:
+    def import_device_pool(
+        self, fd: int, export: bytes, offset: int, nbytes: int, device: int, peers: Sequence[int] = ()
+    ) -> CudaDeviceMemory:
         """Import a client's stream-ordered pool from its POSIX fd and the allocation that
         ``export`` (its ``CUmemPoolPtrExportData``) names, the allocation once however many
         regions use it (`PoolTable`), with read/write access for ``peers`` besides ``device``,
@@ -345,7 +369,9 @@ class Regions:
         key, pointer, size = self.pools.acquire(fd, export, device, peers)
         if offset + nbytes > size:
             self.pools.release(key)
-            raise InvalidRequest(f"offset {offset} + nbytes {nbytes} is past the end of the pool allocation, {size} bytes: {POOL_FD_HINT}")
+            raise InvalidRequest(
+                f"offset {offset} + nbytes {nbytes} is past the end of the pool allocation, {size} bytes: {POOL_FD_HINT}"
+            )
         mem = CudaDeviceMemory(pointer + offset, nbytes, device, owned=False)
         mem.pool = key
         self.device_mems[id(mem)] = mem
@@ -393,7 +419,9 @@ class Regions:
                 "count": self._register_count,
                 "bytes": self._register_bytes,
                 "ms_total": round(self._register_ms, 3),
-                "ms_per_gib": round(self._register_ms / (self._register_bytes / 2**30), 3) if self._register_bytes else None,
+                "ms_per_gib": round(self._register_ms / (self._register_bytes / 2**30), 3)
+                if self._register_bytes
+                else None,
                 "recent": recent,
             },
             "host_regions": len(self.hosts),
@@ -420,7 +448,9 @@ def vmm_import(drv: Any, fd: int) -> Any:
     try:
         return check(drv.cuMemImportFromShareableHandle(fd, kind))
     except CudaError as exc:
-        raise InvalidRequest(f"the fd passed with register_device (kind 'vmm_fd') does not import as a CUDA allocation ({exc}): {VMM_FD_HINT}") from exc
+        raise InvalidRequest(
+            f"the fd passed with register_device (kind 'vmm_fd') does not import as a CUDA allocation ({exc}): {VMM_FD_HINT}"
+        ) from exc
 
 
 def vmm_map(drv: Any, handle: Any, size: int, devices: Sequence[int]) -> VmmMapping:
@@ -430,9 +460,17 @@ def vmm_map(drv: Any, handle: Any, size: int, devices: Sequence[int]) -> VmmMapp
     mapped = False
     try:
         prop = check(drv.cuMemGetAllocationPropertiesFromHandle(handle))
-        granularity = int(check(drv.cuMemGetAllocationGranularity(prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+        granularity = int(
+            check(
+                drv.cuMemGetAllocationGranularity(
+                    prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                )
+            )
+        )
         if granularity <= 0 or size % granularity:
-            raise InvalidRequest(f"size = {size} is not a multiple of the allocation's granularity ({granularity} bytes): {VMM_FD_HINT}")
+            raise InvalidRequest(
+                f"size = {size} is not a multiple of the allocation's granularity ({granularity} bytes): {VMM_FD_HINT}"
+            )
         base = int(check(drv.cuMemAddressReserve(size, granularity, 0, 0)))
         try:
             check(drv.cuMemMap(base, size, 0, handle, 0))

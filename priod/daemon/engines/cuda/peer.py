@@ -49,7 +49,13 @@ def open_peer_lanes(devices: dict[int, Device], use: Callable[[int], None], cali
                 if err is ok or err is rt.cudaError_t.cudaErrorPeerAccessAlreadyEnabled:
                     lane.peer_access = True
                 else:
-                    log.warning("cuda peer access", src=a, dst=b, error=str(error(err)), effect="copies stage through host memory")
+                    log.warning(
+                        "cuda peer access",
+                        src=a,
+                        dst=b,
+                        error=str(error(err)),
+                        effect="copies stage through host memory",
+                    )
                 rt.cudaGetLastError()  # the refusal is not sticky, but would linger as the last error
             lane.dma = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, least))
             lane.strict = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
@@ -80,4 +86,3 @@ def _calibrate(devices: dict[int, Device], use: Callable[[int], None], nbytes: i
         for index, ptr in buffers.items():
             use(index)
             rt.cudaFree(ptr)
-
