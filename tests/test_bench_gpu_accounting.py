@@ -1,6 +1,6 @@
 """scripts/bench_gpu.py's bulk figures, on any machine: the daemon counts the chunks it ran on a
 lane, so urgent copies made through it come out of that count, and direct ones (the client's
-own DMA, never counted there) do not. Until session 10 they did, and the direct rows' bulk read
+own DMA, never counted there) do not. Results files from before counted them, and the direct rows' bulk read
 about 0.02 of the link low."""
 
 from __future__ import annotations
@@ -56,18 +56,18 @@ def test_bulk_per_size_takes_each_size_apart_and_only_its_own_lane(bench: Any) -
 
 
 def _render(bench: Any, name: str) -> list[str]:
-    with gzip.open(ROOT / "docs" / "gpu" / name) as f:
+    with gzip.open(ROOT / "tests" / "data" / name) as f:
         return list(bench.render(json.load(f)).splitlines())
 
 
 def test_the_table_shows_bulk_per_size_and_falls_back_for_older_results(bench: Any) -> None:
-    """Session 10's recorded run: the 64 KiB direct row shows bulk while those copies ran (0.927
+    """A recorded H200 run (tests/data): the 64 KiB direct row shows bulk while those copies ran (0.927
     of raw, h2d, no co-tenant), the row summary the whole phase (0.907). A results file from
     before has no per-size figures: its table shows the whole phase's bulk, as it did."""
-    lines = _render(bench, "bench_gpu_1201_session10.json.gz")
+    lines = _render(bench, "bench_gpu_with_per_size_bulk.json.gz")
     row = next(ln for ln in lines if ln.startswith("h2d   h2d 64 KiB direct ") and " none " in ln)
     assert row.split()[-2:] == ["0.927", "0.927"]  # x raw, link (64 KiB every 5 ms: 0.02% of it)
     assert any("whole urgent phase h2d 50.2 (x raw 0.907)" in ln for ln in lines)
-    old = _render(bench, "bench_gpu_1201_session9_run1.json.gz")
+    old = _render(bench, "bench_gpu_without_per_size_bulk.json.gz")
     row = next(ln for ln in old if ln.startswith("h2d   h2d 64 KiB direct ") and " none " in ln)
     assert row.split()[-2:] == ["0.881", "0.900"]  # the whole phase, as recorded then

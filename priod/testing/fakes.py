@@ -212,10 +212,7 @@ class ManualEngine(Engine):
         self.device_memory.remove(mem)
         self._free(mem)
 
-    def submit(self, job: ChunkJob) -> Completion:
-        return self._submit_range(job) if job.cells is None else self.submit_rows(job)
-
-    def _submit_range(self, job: ChunkJob) -> Completion:
+    def submit_range(self, job: ChunkJob) -> Completion:
         """Record the chunk (in `submitted`) and return it; nothing moves until the test says so."""
         lane, path, dst, dst_offset, src, src_offset, nbytes = (
             job.lane,

@@ -230,7 +230,6 @@ class Engine(ABC):
     def release_device(self, mem: DeviceMemory) -> None:
         """Free (or close the imported handle of) device memory. Nothing is in flight on it."""
 
-    @abstractmethod
     def submit(self, job: ChunkJob) -> Completion:
         """Start one chunk and return at once. DMA chunks of one lane run in submission order.
 
@@ -243,9 +242,15 @@ class Engine(ABC):
         it may not begin while its lane's gate is closed (`set_gates`); an engine without gates
         runs it as any other.
         """
+        return self.submit_range(job) if job.cells is None else self.submit_table(job)
 
-    def submit_rows(self, job: ChunkJob) -> Completion:
-        """A batch chunk as one contiguous chunk per row: for engines without a batched call."""
+    @abstractmethod
+    def submit_range(self, job: ChunkJob) -> Completion:
+        """Start a contiguous chunk (`submit`)."""
+
+    def submit_table(self, job: ChunkJob) -> Completion:
+        """Start a batch chunk (`submit`): here one contiguous chunk per row, for engines
+        without a batched call."""
         assert job.cells is not None
         parts = [
             self.submit(

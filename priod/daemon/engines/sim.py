@@ -194,10 +194,7 @@ class SimEngine(Engine):
         release_mapping(mem)
         os.close(mem.fd)
 
-    def submit(self, job: ChunkJob) -> Completion:
-        return self._submit_range(job) if job.cells is None else self._submit_table(job)
-
-    def _submit_range(self, job: ChunkJob) -> Completion:
+    def submit_range(self, job: ChunkJob) -> Completion:
         lane, path, dst, dst_offset, src, src_offset, nbytes = (
             job.lane,
             job.path,
@@ -229,7 +226,7 @@ class SimEngine(Engine):
             worker.put(work)
         return completion
 
-    def _submit_table(self, job: ChunkJob) -> Completion:
+    def submit_table(self, job: ChunkJob) -> Completion:
         """One sim job for the whole chunk: its segments move one after another on the lane's
         thread, paced by their bytes together, as one entry of the lane's FIFO."""
         lane, path, dst, src, strict, gated = job.lane, job.path, job.dst, job.src, job.strict, job.gated

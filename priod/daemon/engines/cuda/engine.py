@@ -222,10 +222,7 @@ class CudaEngine(Engine):
     def release_device(self, mem: DeviceMemory) -> None:
         self._regions.release_device(mem)
 
-    def submit(self, job: ChunkJob) -> Completion:
-        return self._submit_range(job) if job.cells is None else self._submit_table(job)
-
-    def _submit_range(self, job: ChunkJob) -> Completion:
+    def submit_range(self, job: ChunkJob) -> Completion:
         """Start one chunk. DMA chunks go on the lane's low-priority stream in FIFO order, or,
         with ``strict=True``, on its high-priority DMA stream (so that small host-to-device
         copies pass the bulk ones); express chunks run the copy kernel.
@@ -285,7 +282,7 @@ class CudaEngine(Engine):
             self._kernel.launch(dev, dp, sp, nbytes, info.express_cu)
         return self._record(dev, info, stream)
 
-    def _submit_table(self, job: ChunkJob) -> Completion:
+    def submit_table(self, job: ChunkJob) -> Completion:
         """Start one chunk of a batch (``cells``: its (N, 3) rows), followed by one event. DMA: one ``cuMemcpyBatchAsync``
         where the driver has it, else a ``cudaMemcpyAsync`` per segment (`BatchedDma`), on the
         stream `submit` would use; a bulk chunk of several segments is enqueued by the pusher's
