@@ -203,6 +203,15 @@ def format_status(st: dict[str, Any]) -> str:
                 "  counters read stepping back (no copy counted): "
                 + " ".join(f"{lane}={n}" for lane, n in back.items())
             )
+        timed = direct.get("timed")
+        if timed:  # direct copies the daemon's scans timed (an upper bound each; protocol.md, hold_page)
+            lines.append(
+                "  timed, p50 / p99 us: "
+                + " ".join(f"{lane}={t['copies']} ({t['p50_us']:.0f} / {t['p99_us']:.0f})" for lane, t in timed.items())
+            )
+        refused = direct.get("refused")
+        if refused:  # uids told on their pages that their hold budget is spent
+            lines.append("  hold budgets spent now (uids): " + " ".join(f"{lane}={n}" for lane, n in refused.items()))
     clients = st.get("clients_total", len(st["clients"]))  # a non-root viewer sees only its own lines
     lines += [
         "",

@@ -16,7 +16,7 @@ __all__ = ["measure_mode", "run_demo"]
 
 async def _measure(path: str, seconds: float, urgent_bytes: int, bulk_bytes: int) -> dict[str, float]:
     bulk = await Client.connect(path, name="demo-bulk")
-    urgent = await Client.connect(path, name="demo-urgent")
+    urgent = await Client.connect(path, name="demo-urgent", copy_path="daemon")  # the scheduler is what the demo shows
     try:
         stop = asyncio.Event()
         load = asyncio.ensure_future(bulk_load(bulk, bulk_bytes, stop, priority="bulk"))

@@ -238,7 +238,7 @@ def attack_copies(p: dict[str, Any]) -> dict[str, Any]:
         flag = _stop_flag()
         stop = asyncio.Event()
         with effective_uid(p["uid"]):
-            client = await Client.connect(p["path"], name="attacker")
+            client = await Client.connect(p["path"], copy_path="daemon", name="attacker")
         host = await client.alloc_host(p["nbytes"])
         dev = await client.alloc_device(p["nbytes"])
         answers: dict[str, Counter[str]] = {str(v): Counter() for v in p.get("bad_deadlines", ())}
@@ -486,7 +486,7 @@ def attack_holds(p: dict[str, Any]) -> dict[str, Any]:
     budget stands between this client and holding bulk back for good."""
     flag = _stop_flag()
     with effective_uid(p["uid"]):
-        client = SyncClient(p["path"], name="attacker")
+        client = SyncClient(p["path"], copy_path="daemon", name="attacker")
     page = client.hold_page()
     slots = [page.slot(ln["device_uuid"], ln["direction"], ln["device"]) for ln in page.lanes]
     print("ready", flush=True)
@@ -646,7 +646,7 @@ def serves(d: DaemonProcess) -> str:
     """Whether a new client gets a 64 KiB urgent copy and a bulk one done and checked: "yes",
     or "no: " and why (a daemon whose copy pump has died still accepts connections)."""
     try:
-        with SyncClient(d.socket_path, name="health", timeout=REPLY_TIMEOUT_S) as c:
+        with SyncClient(d.socket_path, copy_path="daemon", name="health", timeout=REPLY_TIMEOUT_S) as c:
             host, dev = c.alloc_host(64 * KiB), c.alloc_device(64 * KiB)
             for i, cls in enumerate(("urgent", "bulk")):
                 if host.array is not None:
@@ -738,7 +738,7 @@ class Run:
     # 1 and 3: an honest urgent copy's latency -------------------------------------------------
     async def urgent_latency(self, out: dict[str, Any], env: dict[str, str] | None, **flood: Any) -> None:
         with self.daemon(out, env) as d:
-            client = await Client.connect(d.socket_path, name="honest")
+            client = await Client.connect(d.socket_path, copy_path="daemon", name="honest")
             meter = CpuMeter(d.proc.pid)
             try:
                 t0, log0, c0 = time.monotonic(), os.path.getsize(d.log_path), meter.sample()
@@ -849,7 +849,7 @@ class Run:
     async def bombs(self, out: dict[str, Any]) -> None:
         p = self.plan
         with self.daemon(out) as d:
-            client = await Client.connect(d.socket_path, name="honest")
+            client = await Client.connect(d.socket_path, copy_path="daemon", name="honest")
             try:
                 out["honest_unloaded"] = await ping_rtts(client, p.ping_s)
                 before = rss_mib(d)
@@ -881,7 +881,7 @@ class Run:
         async def root_connects() -> dict[str, Any]:
             t0 = time.perf_counter()
             try:
-                c = await Client.connect(d.socket_path, name="honest")
+                c = await Client.connect(d.socket_path, copy_path="daemon", name="honest")
                 await c.ping()
                 await c.close()
                 return {"connected": True, "ms": (time.perf_counter() - t0) * 1e3}
@@ -898,7 +898,7 @@ class Run:
             t0 = time.perf_counter()
             try:
                 with effective_uid(ATTACKER_UIDS[1]):
-                    c = SyncClient(d.socket_path, name="other-uid", timeout=10)
+                    c = SyncClient(d.socket_path, copy_path="daemon", name="other-uid", timeout=10)
                 c.ping()
                 c.close()
                 return {"uid": ATTACKER_UIDS[1], "connected": True, "ms": (time.perf_counter() - t0) * 1e3}
@@ -934,7 +934,7 @@ class Run:
                 deadline = time.monotonic() + 60
                 stuck = 0
                 while time.monotonic() < deadline:
-                    with SyncClient(d.socket_path, timeout=30) as c:
+                    with SyncClient(d.socket_path, timeout=30, copy_path="daemon") as c:
                         stuck = sum(
                             1 for x in c.status()["clients"] if x["pid"] == proc.proc.pid and x["output_buffered"] > 0
                         )
@@ -949,7 +949,7 @@ class Run:
     async def mute(self, out: dict[str, Any]) -> None:
         p = self.plan
         with self.daemon(out, {"PRIOD_SERVER__MAX_OUTPUT_BYTES": str(MUTE_MAX_OUTPUT)}) as d:
-            client = await Client.connect(d.socket_path, name="honest")
+            client = await Client.connect(d.socket_path, copy_path="daemon", name="honest")
             try:
                 await asyncio.sleep(0.5)
                 out["ping_unloaded"] = await ping_rtts(client, min(p.ping_s, 1.5))

@@ -304,8 +304,8 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
     """(c): tiny-copy round trips against the echo floor, interleaved; then pipelined copies/s."""
     out: dict[str, Any] = {"rtt_bytes": args.rtt_bytes, "tiny_bytes": args.tiny_bytes, "window": args.window}
     meter = CpuMeter(d.proc.pid)
-    sync = SyncClient(d.socket_path, name="bench-rtt-sync")
-    aclient = await Client.connect(d.socket_path, name="bench-rtt")
+    sync = SyncClient(d.socket_path, copy_path="daemon", name="bench-rtt-sync")
+    aclient = await Client.connect(d.socket_path, copy_path="daemon", name="bench-rtt")
     try:
         s_host, s_dev = sync.alloc_host(args.rtt_bytes), sync.alloc_device(args.rtt_bytes)
         a_host, a_dev = await aclient.alloc_host(args.rtt_bytes), await aclient.alloc_device(args.rtt_bytes)
@@ -395,7 +395,7 @@ async def measure_mode(mode: str, args: argparse.Namespace, plan: Plan, echo_pat
     out: dict[str, Any] = {"mode": mode}
     with daemon_process(env, backend=args.backend, config=args.config) as d:
         meter = CpuMeter(d.proc.pid)
-        client = await Client.connect(d.socket_path, name=f"bench-{mode}")
+        client = await Client.connect(d.socket_path, copy_path="daemon", name=f"bench-{mode}")
         try:
             st = await client.status()
             lane = h2d_lane(st)

@@ -72,7 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     replies: list[dict[str, Any]] = []
     loop_cpu: dict[str, list[float]] = {"single": [], "batch": []}
     with daemon_process(env, backend=args.backend, start_timeout=120) as d:
-        async with priod.connect(d.socket_path, name="bench_batch") as c:
+        async with priod.connect(d.socket_path, copy_path="daemon", name="bench_batch") as c:
             host, dev, back = (
                 await c.alloc_host(slots * block),
                 await c.alloc_device(slots * block),

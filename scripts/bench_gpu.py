@@ -16,6 +16,8 @@ Rows, per direction set (h2d, d2h, both at once):
   direct      the urgent copies are the measuring process's own DMA (priod.client.direct: its own
               buffers, its own context, each copy announced on its hold page), while priod runs
               bulk and holds it back during each one; direct-idle: the same, no bulk
+  front       the front door: `copy(priority="urgent")` between daemon regions opened in the
+              measuring process, which takes the direct path by itself (priod.client.route)
   ahead       as direct, each copy announced AHEAD_US before it is issued (`DirectPair.held`),
               as a client that knows its next blocks a little ahead can; latency from the issue
 The anchor and priod rows run once per co-tenant (--cotenant, default none,gemm): "gemm" is a
@@ -421,7 +423,7 @@ def bulk_client(path: str, direction: str, nbytes: int, stop: Any, q: Any) -> No
     _dump_stacks_later()
 
     async def run() -> None:
-        c = await priod.connect(path, name=f"bulk-{direction}")
+        c = await priod.connect(path, copy_path="daemon", name=f"bulk-{direction}")
         h, d = await c.alloc_host(nbytes), await c.alloc_device(nbytes)
         dst, src = (d, h) if direction == "h2d" else (h, d)
         pending = [c.start_copy(dst, src, priority="bulk") for _ in range(2)]
@@ -461,6 +463,7 @@ def urgent_client(
     warm: int = 5,
     direct: Any = None,
     ahead_us: float = 0.0,
+    front: bool = False,
 ) -> dict[str, Any]:
     """Urgent copies one at a time from a blocking client that busy-polls for its reply
     (``spin_us``), as a latency-critical caller would; client-observed latency per copy, and the
@@ -479,7 +482,7 @@ def urgent_client(
     lane_bytes: dict[
         str, tuple[dict[str, int], dict[str, int], float]
     ] = {}  # per size: lane bytes before, after, wall s
-    with priod.SyncClient(path, name="urgent", spin_us=spin_us) as c:
+    with priod.SyncClient(path, copy_path="auto" if front else "daemon", name="urgent", spin_us=spin_us) as c:
         one: Callable[[str, int], Any]
         if direct is not None:
             from priod.client.direct import DirectCopies
@@ -507,6 +510,16 @@ def urgent_client(
                 dst, src = (d, h) if direction == "h2d" else (h, d)
                 return c.copy(dst, src, n, priority="urgent")
 
+            if front:
+                # The front door: `copy(priority="urgent")` as any user calls it, with the device
+                # region open in this process; the host region is pinned here on first need (off
+                # the copy's path), and from then on the copies take the direct path by themselves.
+                d.device_view()
+                for direction in directions:
+                    deadline = time.monotonic() + 30
+                    while one(direction, 4096).path != "direct" and time.monotonic() < deadline:
+                        time.sleep(0.001)
+
         for direction in directions:
             for n in SIZES:
                 key = f"{direction}/{n}"
@@ -524,7 +537,8 @@ def urgent_client(
                     lat.append((time.perf_counter() - t0) * 1e6)
                     if direct is None:
                         paths.setdefault(key, set()).add(r.path)
-                        daemon.setdefault(key, []).append((r.queued_us, r.transfer_us, r.total_us))
+                        if r.path != "direct":  # the daemon made it: its own timings
+                            daemon.setdefault(key, []).append((r.queued_us, r.transfer_us, r.total_us))
                     pause(interval_s)
                 cpu[key] = (daemon_cpu(cpu_pid) - c0, time.perf_counter() - w0)
                 lane_bytes[key] = (b0, c.status()["lane_bytes"], cpu[key][1])
@@ -573,11 +587,13 @@ def priod_row(
     backend: str = "cuda",
     direct: bool = False,
     ahead_us: float = 0.0,
+    front: bool = False,
 ) -> dict[str, Any]:
     """priod-idle (urgent copies only), then urgent copies under bulk from one client process per
     direction. ``direct``: the urgent copies are direct ones (this process's own DMA, `priod.client.direct`);
-    ``ahead_us``: each announced that long before it is issued."""
-    urgent = functools.partial(urgent_client, direct=CudaCopies() if direct else None, ahead_us=ahead_us)
+    ``ahead_us``: each announced that long before it is issued; ``front``: `copy(priority="urgent")`
+    between daemon regions opened here, which takes the direct path by itself."""
+    urgent = functools.partial(urgent_client, direct=CudaCopies() if direct else None, ahead_us=ahead_us, front=front)
     env = {
         "PRIOD_SCHEDULER__EXPRESS": "true" if express else "false",
         "PRIOD_LOG__LEVEL": '"warning"',
@@ -592,7 +608,7 @@ def priod_row(
         idle = urgent(dmn.socket_path, load.directions, load.count, pid)
         stop, q = SPAWN.Event(), SPAWN.Queue()
         log("idle via priod done; starting bulk clients")
-        with ExitStack() as stack, priod.SyncClient(dmn.socket_path) as sc:
+        with ExitStack() as stack, priod.SyncClient(dmn.socket_path, copy_path="daemon") as sc:
             procs = [
                 stack.enter_context(child(bulk_client, dmn.socket_path, d, load.bulk_bytes, stop, q))
                 for d in load.directions
@@ -628,7 +644,7 @@ def priod_row(
         lane = f"gpu0/{d}"
         moved_urgent = urgent_bytes(loaded, d)
         alone[d] = (b4[lane] - b3[lane]) / (t4 - t3) / 1e9
-        results[d] = bulk_rate(b2[lane] - b1[lane], moved_urgent, t2 - t1, direct)
+        results[d] = bulk_rate(b2[lane] - b1[lane], moved_urgent, t2 - t1, direct or front)
         urgent_rate[d] = moved_urgent / (t2 - t1) / 1e9
     moved_alone = sum(b4[f"gpu0/{d}"] - b3[f"gpu0/{d}"] for d in load.directions)
     cpu = {
@@ -642,13 +658,13 @@ def priod_row(
         "loaded": cpu_per_copy_us(loaded, load.count, cpu["bulk_alone_cpu_s_per_s"]),
     }
     return {
-        "row": ("ahead" if ahead_us else "direct") if direct else "express" if express else "dma",
+        "row": ("ahead" if ahead_us else "direct") if direct else "front" if front else "express" if express else "dma",
         "bulk_poll": bulk_poll,
         "cotenant": ct,
         "idle_via_priod": idle,
         "loaded": loaded,
         "bulk_gbps": results,
-        "bulk_gbps_per_size": bulk_per_size(loaded, load.directions, load.count, direct),
+        "bulk_gbps_per_size": bulk_per_size(loaded, load.directions, load.count, direct or front),
         "urgent_gbps": urgent_rate,
         "loaded_s": t2 - t1,
         "bulk_alone_gbps": alone,
@@ -722,7 +738,7 @@ def main() -> int:
     bulk = int(args.bulk_gib * GiB)
     modes = csv_choices(ap, args.bulk_poll, ("timer", "spin"), "--bulk-poll")
     cotenants = csv_choices(ap, args.cotenant, COTENANTS, "--cotenant")
-    kinds = csv_choices(ap, args.rows, ("dma", "express", "direct", "ahead"), "--rows")
+    kinds = csv_choices(ap, args.rows, ("dma", "express", "direct", "ahead", "front"), "--rows")
     try:
         DAEMON_ENV.update(settings_env(args.set))
     except ValueError as exc:
@@ -753,6 +769,7 @@ def main() -> int:
                         bulk_poll=mode,
                         direct=kind in ("direct", "ahead"),
                         ahead_us=AHEAD_US if kind == "ahead" else 0.0,
+                        front=kind == "front",
                     )
                     r["label"] = r["row"] if i == 0 else f"{r['row']}/{mode}"
                     rows.append(r)
@@ -807,13 +824,14 @@ def table_lines(s: dict[str, Any], key: str) -> list[Line]:
             if r["row"] == "anchor":
                 lines.append(Line("anchor", cot, r["loaded"][key], mean_of(r["bulk_gbps"]), mean_of(r["urgent_gbps"])))
         for r in priod_rows:
-            if r["row"] in ("express", "direct", "ahead"):
+            if r["row"] in ("express", "direct", "ahead", "front"):
                 idle = r["idle_via_priod"]
                 label = (
                     r["label"]
                     .replace("express", "priod-idle")
                     .replace("direct", "direct-idle")
                     .replace("ahead", "ahead-idle")
+                    .replace("front", "front-idle")
                 )
                 lines.append(
                     Line(
@@ -910,7 +928,7 @@ def row_summary(r: dict[str, Any], raw_gbps: dict[str, float]) -> str:
     alone = ", ".join(f"{d} {v:.1f} (x raw {v / raw_gbps[d]:.3f})" for d, v in r["bulk_alone_gbps"].items())
     loaded = ", ".join(f"{d} {v:.1f} (x raw {v / raw_gbps[d]:.3f})" for d, v in r["bulk_gbps"].items())
     holds = ""
-    if r["row"] in ("direct", "ahead"):
+    if r["row"] in ("direct", "ahead", "front"):
         # What the daemon saw of the client's hold page: copies counted should be what was
         # announced, and holds cut or counters stepping back mean copies that held nothing.
         d = r.get("direct", {})

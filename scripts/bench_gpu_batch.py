@@ -366,7 +366,7 @@ def priod_rows(args: argparse.Namespace, cotenants: list[str], save: Any, result
     blocks, block = args.blocks, args.block_kib * KiB
     with (
         daemon_process(env, backend=args.backend, start_timeout=180) as d,
-        priod.SyncClient(d.socket_path, name="urgent", spin_us=2000) as c,
+        priod.SyncClient(d.socket_path, copy_path="daemon", name="urgent", spin_us=2000) as c,
     ):
         for cot in cotenants:
             part = results["cotenants"].setdefault(cot, {})
@@ -374,7 +374,7 @@ def priod_rows(args: argparse.Namespace, cotenants: list[str], save: Any, result
                 log(f"priod-idle, co-tenant {cot}")
                 part["priod_idle"] = urgent_rows(c, args.direction, blocks, block, args.count, args.timeout)
                 if args.direct:
-                    with priod.SyncClient(d.socket_path, name="direct") as dc:
+                    with priod.SyncClient(d.socket_path, copy_path="daemon", name="direct") as dc:
                         part["direct_idle"] = direct_rows(dc, args.direction, blocks, block, args.count)
                 save()
                 log(f"priod-bulk, co-tenant {cot}: a bulk client streams {args.bulk_mib} MiB copies")
@@ -386,7 +386,7 @@ def priod_rows(args: argparse.Namespace, cotenants: list[str], save: Any, result
                     part["priod_bulk"] = urgent_rows(c, args.direction, blocks, block, args.count, args.timeout)
                     t1 = time.perf_counter()
                     if args.direct:
-                        with priod.SyncClient(d.socket_path, name="direct") as dc:
+                        with priod.SyncClient(d.socket_path, copy_path="daemon", name="direct") as dc:
                             part["direct_bulk"] = direct_rows(dc, args.direction, blocks, block, args.count)
                     t2 = time.perf_counter()
                     res = bulk.stop(timeout=args.timeout + 60)

@@ -212,7 +212,7 @@ def main() -> int:
     env = {"PRIOD_LOG__LEVEL": '"warning"', **dict(s.split("=", 1) for s in args.set)}
     with (
         daemon_process(env, backend=args.backend, start_timeout=180) as d,
-        priod.SyncClient(d.socket_path, name="bench-events", spin_us=2000) as c,
+        priod.SyncClient(d.socket_path, copy_path="daemon", name="bench-events", spin_us=2000) as c,
     ):
         events = Events(c, args.backend)
         try:

@@ -44,7 +44,7 @@ LATENCY = ("p50", "p99")
 def bulk_worker(path: str, kind: str, src_dev: int, dst_dev: int, nbytes: int, stop: Any, q: Any) -> None:
     """Bulk copies, two in flight, until ``stop``: ``kind`` h2d (host -> gpu ``dst_dev``), d2h
     (gpu ``src_dev`` -> host) or peer (gpu ``src_dev`` -> gpu ``dst_dev``). Reports (seconds, bytes) per copy."""
-    with priod.SyncClient(path, name=f"bulk-{kind}-{src_dev}-{dst_dev}") as c:
+    with priod.SyncClient(path, copy_path="daemon", name=f"bulk-{kind}-{src_dev}-{dst_dev}") as c:
         host = c.alloc_host(nbytes) if kind != "peer" else None
         a = c.alloc_device(nbytes, src_dev) if kind != "h2d" else host
         b = c.alloc_device(nbytes, dst_dev) if kind != "d2h" else host
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = args.bulk_mib * MiB
     with (
         daemon_process(env, backend=args.backend, start_timeout=180) as d,
-        priod.SyncClient(d.socket_path, name="urgent", spin_us=2000) as c,
+        priod.SyncClient(d.socket_path, copy_path="daemon", name="urgent", spin_us=2000) as c,
     ):
         st = c.status()
         res["lanes"] = {ln["lane"]: ln["bandwidth_gbps"] for ln in st["lanes"]}

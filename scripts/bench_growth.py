@@ -194,7 +194,7 @@ def bulk_child(cfg: dict[str, Any], index: int, go: Any, stop: Any, q: Any) -> N
 
 async def bulk_load(cfg: dict[str, Any], index: int, go: Any, stop: Any, q: Any) -> dict[str, Any]:
     n, pipeline = cfg["bulk_bytes"], cfg["pipeline"]
-    c = await priod.connect(cfg["socket"], name=f"growth-bulk{index}")
+    c = await priod.connect(cfg["socket"], copy_path="daemon", name=f"growth-bulk{index}")
     try:
         src, chk, dev = await c.alloc_host(n), await c.alloc_host(n), await c.alloc_device(n)
         assert src.array is not None and chk.array is not None
@@ -255,7 +255,7 @@ def direct_series(cfg: dict[str, Any], index: int, go: Any, start_at: Any, q: An
     from priod.client.direct import DirectCopies
 
     size, warm, count, interval_s = cfg["size"], cfg["warm"], cfg["count"], cfg["interval_s"]
-    with priod.SyncClient(cfg["socket"], name=f"growth-direct{index}") as c:
+    with priod.SyncClient(cfg["socket"], copy_path="daemon", name=f"growth-direct{index}") as c:
         direct = DirectCopies(c.hold_page())
         pinned, pinned_chk = cp.cuda.alloc_pinned_memory(size), cp.cuda.alloc_pinned_memory(size)
         src = np.frombuffer(pinned, dtype=np.uint8, count=size)
@@ -298,7 +298,7 @@ def urgent_series(cfg: dict[str, Any], index: int, go: Any, start_at: Any, q: An
     if cfg.get("direct"):
         return direct_series(cfg, index, go, start_at, q)
     size, warm, count, interval_s = cfg["size"], cfg["warm"], cfg["count"], cfg["interval_s"]
-    with priod.SyncClient(cfg["socket"], name=f"growth-urgent{index}", spin_us=cfg["spin_us"]) as c:
+    with priod.SyncClient(cfg["socket"], copy_path="daemon", name=f"growth-urgent{index}", spin_us=cfg["spin_us"]) as c:
         src, chk, dev = c.alloc_host(size), c.alloc_host(size), c.alloc_device(size)
         assert src.array is not None and chk.array is not None
         base = urgent_base(size, index)
@@ -493,7 +493,7 @@ def run_point(n: int, args: argparse.Namespace) -> dict[str, Any]:
             log(
                 f"N={n}: every client is ready; bulk for {args.lead_s:.1f} s, then {args.warm}+{args.count} urgent copies each"
             )
-            with priod.SyncClient(d.socket_path, name="growth-status") as sc:
+            with priod.SyncClient(d.socket_path, copy_path="daemon", name="growth-status") as sc:
                 t_go = time.monotonic()
                 start_at.value = t_go + args.lead_s
                 go.set()

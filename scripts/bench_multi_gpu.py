@@ -71,7 +71,7 @@ async def _measure(path: str, pid: int, gpus: int, args: argparse.Namespace) -> 
     stop = asyncio.Event()
     done = [0]
     urgent: list[float] = []
-    async with priod.connect(path, name="bulk") as bulk, priod.connect(path, name="probe") as probe:
+    async with priod.connect(path, copy_path="daemon", name="bulk") as bulk, priod.connect(path, name="probe") as probe:
         links: list[tuple[Region, Region]] = []
         loaded: set[str] = set()
         for g in range(gpus):

@@ -34,7 +34,7 @@ MiB = 1 << 20
 
 
 def bulk(path: str, stop: Any) -> None:
-    with priod.SyncClient(path, name="bulk") as c:
+    with priod.SyncClient(path, copy_path="daemon", name="bulk") as c:
         h, d = c.alloc_host(256 * MiB), c.alloc_device(256 * MiB)
         while not stop.is_set():
             c.copy(d, h, priority="bulk")
@@ -42,7 +42,7 @@ def bulk(path: str, stop: Any) -> None:
 
 def churn(path: str, kind: str, nbytes: int, stop: Any, q: Any) -> None:
     alloc_ms, free_ms = [], []
-    with priod.SyncClient(path, name=f"churn-{kind}") as c:
+    with priod.SyncClient(path, copy_path="daemon", name=f"churn-{kind}") as c:
         while not stop.is_set():
             t0 = time.perf_counter()
             r = c.alloc_host(nbytes) if kind == "host" else c.alloc_device(nbytes)
@@ -80,7 +80,7 @@ def main() -> int:
         stop_bulk = ctx.Event()
         b = ctx.Process(target=bulk, args=(dmn.socket_path, stop_bulk))
         b.start()
-        with priod.SyncClient(dmn.socket_path, name="urgent", spin_us=2000) as c:
+        with priod.SyncClient(dmn.socket_path, copy_path="daemon", name="urgent", spin_us=2000) as c:
             h, d = c.alloc_host(MiB), c.alloc_device(MiB)
             time.sleep(3.0)  # bulk warm
             for phase in ("quiet", "host", "device", "quiet again"):

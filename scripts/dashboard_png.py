@@ -229,7 +229,7 @@ def sim_on_gpu_node(s: Samples) -> int:
 async def refused_client(socket_path: str, stop: threading.Event, every_s: float) -> int:
     """Asks for more pinned memory than [limits] max_pinned_bytes, over and over: refusals."""
     n = 0
-    async with connect(socket_path) as c:
+    async with connect(socket_path, copy_path="daemon") as c:
         while not stop.is_set():
             try:
                 await c.alloc_host(1 << 40)

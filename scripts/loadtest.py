@@ -370,7 +370,7 @@ async def open_session(spec: dict[str, Any], prof: Profile, stats: WorkerStats, 
     staged = spec["verify"] == "staged"
     idx = spec["client"]
     client = await Client.connect(
-        spec["socket"], name=f"loadtest/{idx}/{prof.name}", wait_s=spec.get("connect_wait_s", 10.0)
+        spec["socket"], copy_path="daemon", name=f"loadtest/{idx}/{prof.name}", wait_s=spec.get("connect_wait_s", 10.0)
     )
     try:
         host = await client.alloc_host(total)
@@ -646,7 +646,7 @@ class Monitor:
         self.client: SyncClient | None = None
         self.samples: list[dict[str, float]] = []
         try:
-            self.client = SyncClient(path, name="loadtest/monitor", timeout=10)
+            self.client = SyncClient(path, copy_path="daemon", name="loadtest/monitor", timeout=10)
         except PriodError:
             self.client = None
 

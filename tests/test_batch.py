@@ -314,7 +314,7 @@ def daemon() -> Iterator[DaemonProcess]:
 async def test_scattered_blocks_land_byte_for_byte(daemon: DaemonProcess, direction: str) -> None:
     """512 scattered 16 KiB blocks in one batch land exactly where their segments say, each way,
     and nothing else in the destination changes; the reply counts bytes and segments."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         size = 1024 * BLOCK
         host, dev, dev2 = await c.alloc_host(size), await c.alloc_device(size), await c.alloc_device(size)
         src, dst = {"h2d": (host, dev), "d2h": (dev, host), "d2d": (dev, dev2)}[direction]
@@ -333,7 +333,7 @@ async def test_scattered_blocks_land_byte_for_byte(daemon: DaemonProcess, direct
 async def test_one_region_batch_and_sequence_of_triples(daemon: DaemonProcess) -> None:
     """Within one device region, disjoint source and destination segments copy; a list of
     triples works as well as an array, and an urgent batch may take the express path."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         dev = await c.alloc_device(1 << 20)
         assert dev.array is not None
         dev.array[:] = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -347,7 +347,10 @@ async def test_one_region_batch_and_sequence_of_triples(daemon: DaemonProcess) -
 async def test_hostile_batches_get_clear_errors_and_harm_no_one(daemon: DaemonProcess) -> None:
     """Every bad table is refused with bad_request naming the fix, nothing of it is copied, the
     connection goes on, and another client's copy meanwhile lands intact."""
-    async with priod.connect(daemon.socket_path) as bad, priod.connect(daemon.socket_path) as honest:
+    async with (
+        priod.connect(daemon.socket_path, copy_path="daemon") as bad,
+        priod.connect(daemon.socket_path) as honest,
+    ):
         h, d = await bad.alloc_host(1 << 20), await bad.alloc_device(1 << 20)
         assert d.array is not None
         d.array[:] = 7
@@ -388,7 +391,7 @@ async def test_hostile_batches_get_clear_errors_and_harm_no_one(daemon: DaemonPr
 
 async def test_segment_limit_refuses_at_once(daemon: DaemonProcess) -> None:
     """Past [limits] max_queued_segments the batch is refused with LimitExceeded naming it."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         h, d = await c.alloc_host(64 << 20), await c.alloc_device(64 << 20)
         big = c.start_copy_batch(d, h, scattered(30000, 1024, 65536, seed=3), priority="bulk")
         with pytest.raises(
@@ -402,7 +405,7 @@ async def test_segment_limit_refuses_at_once(daemon: DaemonProcess) -> None:
 async def test_cancel_mid_batch_reports_whole_segments(daemon: DaemonProcess) -> None:
     """A cancelled batch says how many of its first segments landed whole; exactly those (and
     at most the next one, in part) changed the destination."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         size = 96 << 20
         h, d = await c.alloc_host(size), await c.alloc_device(size)
         assert h.array is not None and d.array is not None
@@ -431,7 +434,7 @@ async def test_cancel_mid_batch_reports_whole_segments(daemon: DaemonProcess) ->
 async def test_urgent_batch_overtakes_a_bulk_batch(daemon: DaemonProcess) -> None:
     """An urgent batch sent after a large bulk batch (same lane, same client) finishes first,
     long before the bulk one, and both land intact."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         size = 64 << 20
         h, d = await c.alloc_host(size), await c.alloc_device(size)
         uh, ud = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
@@ -455,7 +458,7 @@ async def test_urgent_batch_overtakes_a_bulk_batch(daemon: DaemonProcess) -> Non
 async def test_copy_timeout_cancels_in_the_daemon(daemon: DaemonProcess) -> None:
     """copy(timeout=) raises CopyTimeout (a Cancelled and a TimeoutError) with the bytes done,
     and the daemon has stopped the copy: the connection holds nothing pending afterwards."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         size = 128 << 20
         h, d = await c.alloc_host(size), await c.alloc_device(size)
         t0 = time.perf_counter()
@@ -478,7 +481,7 @@ def test_sync_client_start_poll_cancel_and_batches(daemon: DaemonProcess) -> Non
     """SyncClient: start_copy returns at once, poll() is None until the copy lands, other
     requests go meanwhile; cancel() reports bytes (segments for a batch); copy_batch and
     timeouts work as on the async client."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         size = 64 << 20
         h, d = c.alloc_host(size), c.alloc_device(size)
         assert h.array is not None and d.array is not None
@@ -515,7 +518,10 @@ async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonPr
     last segment, holds the daemon's loop for about one batch's checks at a time: another
     client's pings keep coming back within milliseconds throughout (median, 90th percentile),
     measured against what one such batch's refusal takes on this machine, alone."""
-    async with priod.connect(daemon.socket_path) as bad, priod.connect(daemon.socket_path) as honest:
+    async with (
+        priod.connect(daemon.socket_path, copy_path="daemon") as bad,
+        priod.connect(daemon.socket_path) as honest,
+    ):
         dev = await bad.alloc_device(8 << 20)
         segs = scattered(MAX_SEGMENTS, 64, 2 * MAX_SEGMENTS, seed=21)
         segs[:, 1] += 4 << 20  # sources in the region's upper half ...
@@ -557,7 +563,7 @@ async def test_a_flood_of_largest_batches_does_not_stall_others(daemon: DaemonPr
 async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonProcess) -> None:
     """A chunk the engine fails ends the batch with EngineError carrying bytes_done (the chunks
     before it) and segments_done (the segments those hold whole); those segments landed."""
-    async with priod.connect(daemon.socket_path) as probe:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as probe:
         lane = next(ln for ln in (await probe.status())["lanes"] if ln["lane"].endswith("h2d"))
     chunk, cost = (
         lane["chunk_bytes"],
@@ -571,7 +577,7 @@ async def test_engine_failure_mid_batch_reports_whole_segments(daemon: DaemonPro
     second = table.cut(first, chunk, cost)
     assert first != second and table.segments_done(first) == 2, (first, second)  # the batch's shape, as designed
     with daemon_process({"PRIOD_LOG__LEVEL": '"error"', "PRIOD_SIM__FAULT_ON_NBYTES": str(second)}) as faulty:
-        async with priod.connect(faulty.socket_path) as c:
+        async with priod.connect(faulty.socket_path, copy_path="daemon") as c:
             h, d = await c.alloc_host(16 * big), await c.alloc_device(16 * big)
             assert h.array is not None and d.array is not None
             h.array[:] = np.random.default_rng(31).integers(0, 256, 16 * big, dtype=np.uint8)
@@ -686,7 +692,7 @@ async def test_a_batch_in_one_chunk_brings_its_peaks_to_the_engine_and_a_piece_d
     daemon = Daemon(cfg, engine)
     await daemon.start()
     try:
-        async with priod.connect(path) as c:
+        async with priod.connect(path, copy_path="daemon") as c:
             size = 128 << 20  # the large batch's 128 slots of 1 MiB
             host, dev = await c.alloc_host(size), await c.alloc_device(size)
             assert host.array is not None and dev.array is not None

@@ -569,7 +569,7 @@ def live_scrape() -> Iterator[Samples]:
     with daemon_process(env) as d:
 
         async def work() -> None:
-            async with priod.connect(d.socket_path) as c:
+            async with priod.connect(d.socket_path, copy_path="daemon") as c:
                 host, dev = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
                 for _ in range(3):
                     await c.copy(dev, host, 65536, priority="urgent")

@@ -13,6 +13,7 @@ the client's CUDA copies themselves (`priod.client.direct.DirectCopies`) are tes
 from __future__ import annotations
 
 import asyncio
+import bisect
 import errno
 import fcntl
 import os
@@ -32,11 +33,14 @@ from priod.cli import format_status
 from priod.client.direct import DirectCopies, DirectPair, HoldPage, direct_pointers, direct_rows, direct_table
 from priod.common.types import Direction, LaneInfo, LaneKey, Path
 from priod.daemon.holds import Holds
+from priod.daemon.metrics import _LATENCY_BUCKETS
 from priod.daemon.pump import Pump
 from priod.daemon.sched.policy import Policy
 from priod.daemon.sched.scheduler import Request, Scheduler
 from priod.errors import InvalidRequest
 from priod.testing import FakeCuda, ManualEngine, daemon_process, wait_until
+from priod.wire.hold_page import CLIENT_BYTES as HOLD_CLIENT_BYTES
+from priod.wire.hold_page import DAEMON_WORD as HOLD_DAEMON_WORD
 from priod.wire.hold_page import PAGE_BYTES
 
 H2D = LaneKey(0, Direction.H2D)
@@ -625,10 +629,10 @@ def h2d_bytes(c: priod.SyncClient) -> int:
 
 
 async def test_bulk_waits_while_a_direct_copy_is_announced_and_lands_whole_after() -> None:
-    with daemon_process(LONG_HOLDS) as d, priod.SyncClient(d.socket_path) as urgent:
+    with daemon_process(LONG_HOLDS) as d, priod.SyncClient(d.socket_path, copy_path="daemon") as urgent:
         page = urgent.hold_page()
         slot = page.slot(page.lanes[0]["device_uuid"], "h2d")
-        async with await priod.connect(d.socket_path) as bulk:
+        async with await priod.connect(d.socket_path, copy_path="daemon") as bulk:
             host, dev = await bulk.alloc_host(16 * MiB), await bulk.alloc_device(16 * MiB)
             back = await bulk.alloc_host(16 * MiB)
             assert host.array is not None and back.array is not None
@@ -668,8 +672,8 @@ async def test_a_client_announcing_copies_fast_under_bulk_is_counted_exactly() -
     back. (The sim's daemon scans too seldom to catch a torn write reliably; the test that does
     is `test_counters_written_while_the_daemon_scans_never_read_as_copies_not_announced`.)"""
     announced = 50_000
-    with daemon_process(LONG_HOLDS) as d, priod.SyncClient(d.socket_path) as watcher:
-        async with await priod.connect(d.socket_path) as bulk:
+    with daemon_process(LONG_HOLDS) as d, priod.SyncClient(d.socket_path, copy_path="daemon") as watcher:
+        async with await priod.connect(d.socket_path, copy_path="daemon") as bulk:
             host, dev = await bulk.alloc_host(4 * MiB), await bulk.alloc_device(4 * MiB)
             streaming = [asyncio.ensure_future(bulk.copy(dev, host, priority="bulk")) for _ in range(4)]
             writer = await asyncio.create_subprocess_exec(
@@ -685,7 +689,7 @@ async def test_a_client_announcing_copies_fast_under_bulk_is_counted_exactly() -
 ANNOUNCER = """
 import sys, time
 import priod
-with priod.SyncClient(sys.argv[1]) as c:
+with priod.SyncClient(sys.argv[1], copy_path="daemon") as c:
     page = c.hold_page()
     slot = page.slot(page.lanes[0]["device_uuid"], "h2d")
     n = int(sys.argv[2])
@@ -701,10 +705,10 @@ print("done")
 
 async def test_a_copy_announced_and_never_ended_delays_bulk_by_hold_max_only() -> None:
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_TUNING__DIRECT_HOLD_MAX_MS": "50"}
-    with daemon_process(env) as d, priod.SyncClient(d.socket_path) as urgent:
+    with daemon_process(env) as d, priod.SyncClient(d.socket_path, copy_path="daemon") as urgent:
         page = urgent.hold_page()
         page.begin(page.slot(page.lanes[0]["device_uuid"], "h2d"))  # and never ended
-        async with await priod.connect(d.socket_path) as bulk:
+        async with await priod.connect(d.socket_path, copy_path="daemon") as bulk:
             host, dev = await bulk.alloc_host(16 * MiB), await bulk.alloc_device(16 * MiB)
             t0 = time.perf_counter()
             await asyncio.wait_for(bulk.copy(dev, host, priority="bulk"), 10)
@@ -715,10 +719,10 @@ async def test_a_copy_announced_and_never_ended_delays_bulk_by_hold_max_only() -
 
 async def test_a_client_that_leaves_mid_copy_releases_its_hold_at_once() -> None:
     with daemon_process(LONG_HOLDS) as d:
-        holder = priod.SyncClient(d.socket_path)
+        holder = priod.SyncClient(d.socket_path, copy_path="daemon")
         page = holder.hold_page()
         page.begin(page.slot(page.lanes[0]["device_uuid"], "h2d"))
-        async with await priod.connect(d.socket_path) as bulk:
+        async with await priod.connect(d.socket_path, copy_path="daemon") as bulk:
             host, dev = await bulk.alloc_host(16 * MiB), await bulk.alloc_device(16 * MiB)
             copy = asyncio.ensure_future(bulk.copy(dev, host, priority="bulk"))
             await asyncio.sleep(0.2)
@@ -726,14 +730,220 @@ async def test_a_client_that_leaves_mid_copy_releases_its_hold_at_once() -> None
             holder.close()  # the page goes with the connection: bulk goes on
             await asyncio.wait_for(copy, 5)
         page.close()
-        with priod.SyncClient(d.socket_path) as c:
+        with priod.SyncClient(d.socket_path, copy_path="daemon") as c:
             wait_until(lambda: c.status()["direct"]["pages"] == 0 or None, 10, "the page to be forgotten")
 
 
 def test_a_second_hold_page_on_one_connection_is_refused(daemon: priod.testing.DaemonProcess) -> None:
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         page = c.hold_page()
         assert sorted(ln["direction"] for ln in page.lanes) == ["d2h", "h2d"]
         with pytest.raises(InvalidRequest, match="already has its hold page"):
             c.hold_page()
+        page.close()
+
+
+# -- what the daemon times and tells -----------------------------------------------------------
+def timed_figures(holds: Holds) -> dict[LaneKey, tuple[list[int], float, list[float]]]:
+    return {lane: (t.buckets, t.total_s, list(t.recent)) for lane, t in holds.timed.items()}
+
+
+def test_direct_copies_one_at_a_time_are_timed_from_the_looks_around_them() -> None:
+    """A copy announced alone, with the daemon looking shortly before and after each end, is
+    counted and timed: as the longest it can have run (from the look before the scan that saw it
+    begin to the scan that saw it over), into the latency buckets and status's p50 / p99."""
+    holds = Holds(hold_max_s=1.0, share=1.0, burst_s=1.0)
+    client = page_pair(holds)
+    slot = client.slot(None, "h2d")
+    t = 0.0
+    holds.scan(t)
+    expected: list[float] = []
+    durations = [100e-6 * (k + 1) for k in range(20)] + [0.02]  # 0.1-2 ms, then one of 20 ms
+    for d in durations:
+        look_before = t
+        client.begin(slot)
+        t += 10e-6
+        holds.scan(t)  # sees it begin
+        end_at = t + d
+        while t + 100e-6 < end_at:  # under way: the pump looks every loop turn while it holds bulk
+            t += 100e-6
+            holds.scan(t)
+        client.end(slot)
+        t = end_at + 10e-6
+        holds.scan(t)  # sees it over
+        expected.append(t - look_before)
+        t += 1e-3
+        holds.scan(t)
+    times = holds.timed[H2D]
+    assert holds.copies == {H2D: len(durations)} and times.count == len(durations) and D2H not in holds.timed
+    assert list(times.recent) == pytest.approx(expected, abs=1e-12)
+    for got, d in zip(times.recent, durations, strict=True):
+        assert d <= got <= d + 2 * 110e-6  # never shorter than the copy, within the looks' spacing
+    assert times.total_s == pytest.approx(sum(expected))
+    bounds = list(_LATENCY_BUCKETS)
+    assert times.buckets == [
+        sum(1 for v in expected if i == bisect.bisect_left(bounds, v)) for i in range(len(bounds) + 1)
+    ]
+    ordered = sorted(expected)
+    assert holds.figures()["timed"] == {
+        "gpu0/h2d": {"copies": 21, "p50_us": round(ordered[10] * 1e6, 1), "p99_us": round(ordered[20] * 1e6, 1)}
+    }
+
+
+def test_copies_the_looks_do_not_bound_are_counted_and_not_timed() -> None:
+    """Counted always, timed only where the looks bound a single copy: several copies between two
+    looks (``begun`` jumps by k: k copies), copies that overlap, and copies of a daemon that
+    looked seldom (no bulk about) are counted and not timed; a copy between two looks 10 us apart
+    is timed at 10 us, the most it can have taken."""
+    holds = Holds(hold_max_s=1.0, share=1.0, burst_s=1.0)
+    client = page_pair(holds)
+    slot = client.slot(None, "d2h")
+    holds.scan(0.0)
+    for _ in range(3):  # three copies between two looks
+        client.begin(slot)
+        client.end(slot)
+    holds.scan(10e-6)
+    assert holds.copies == {D2H: 3} and holds.timed == {}
+    client.begin(slot)  # overlapping: a held block with a copy inside it
+    holds.scan(20e-6)
+    client.begin(slot)
+    client.end(slot)
+    holds.scan(30e-6)
+    client.end(slot)
+    holds.scan(40e-6)
+    assert holds.copies == {D2H: 5} and holds.timed == {}
+    client.begin(slot)  # a copy between looks a second apart: under 1 s is all that is known
+    client.end(slot)
+    holds.scan(1.0)
+    client.begin(slot)  # seen begin, then not looked at for 2 s
+    holds.scan(1.00001)
+    client.end(slot)
+    holds.scan(3.0)
+    assert holds.copies == {D2H: 7} and holds.timed == {}
+    client.begin(slot)  # begun and over between two looks 10 us apart
+    client.end(slot)
+    holds.scan(3.00001)
+    assert holds.copies == {D2H: 8} and list(holds.timed[D2H].recent) == pytest.approx([10e-6])
+    assert holds.figures()["timed"] == {"gpu0/d2h": {"copies": 1, "p50_us": 10.0, "p99_us": 10.0}}
+
+
+def test_a_uid_that_spends_its_hold_budget_is_told_on_its_pages_until_it_refills() -> None:
+    """The daemon's word for a lane reads refused on every page of the uid from the scan at which
+    its bucket runs empty (and the daemon stops holding for it) until the bucket has refilled to
+    ``regrant_s``, found by the scans though the pages stay idle meanwhile; other lanes and other
+    uids read granted throughout, and a page the uid opens meanwhile reads refused from the start."""
+    holds = Holds(hold_max_s=0.005, share=0.25, burst_s=0.010)
+    assert holds.regrant_s == 0.005
+    a, b = page_pair(holds, owner=1), page_pair(holds, owner=2)
+    other = page_pair(holds, owner=3, uid=2000)
+    h2d, d2h = a.slot(None, "h2d"), a.slot(None, "d2h")
+    bucket = holds._buckets[(1000, H2D)]
+    t = 0.0
+    while not a.refused(h2d):  # 1 ms copies, 0.1 ms apart: 4x faster than the budget refills
+        assert bucket.tokens > 0
+        a.begin(h2d)
+        t += 0.0001
+        assert holds.scan(t).held == {H2D}
+        a.end(h2d)
+        t += 0.001
+        holds.scan(t)
+        assert t < 0.1
+    assert bucket.tokens <= 0 and b.refused(h2d)  # the uid's other connection is told too
+    assert not a.refused(d2h) and not other.refused(h2d)
+    a.begin(h2d)  # a copy announced now is not held, as the word said
+    t += 0.0001
+    assert holds.scan(t).held == frozenset()
+    a.end(h2d)
+    t += 0.0001
+    holds.scan(t)
+    late = page_pair(holds, owner=4)
+    assert late.refused(h2d)  # told at open
+    refilled = bucket.at + (holds.regrant_s - bucket.tokens) / holds.share
+    while t < refilled - 0.001:  # the pages stay idle: the scans skip them
+        t += 0.001
+        holds.scan(t)
+        assert a.refused(h2d) and b.refused(h2d) and late.refused(h2d)
+    holds.scan(refilled + 1e-6)
+    assert not a.refused(h2d) and not b.refused(h2d) and not late.refused(h2d)
+    b.begin(h2d)  # and it holds again
+    assert holds.scan(refilled + 0.001).held == {H2D}
+    assert holds.figures()["refused"] == {}
+
+
+def test_what_a_client_writes_in_the_daemons_half_changes_nothing_the_daemon_decides() -> None:
+    """Two daemons see the same copies announced; on one of them the client also writes random
+    words over the daemon's half of its page before every scan. Both decide the same (held lanes,
+    begun lanes, copies, cuts, budgets, timings, refusals) and write the same words at the same
+    scans; the daemon writes a word only when its refusal changes, and never reads it back (the
+    client's garbage stays where nothing changed)."""
+    rng = np.random.default_rng(11)
+    honest, spoiled = (Holds(hold_max_s=0.005, share=0.25, burst_s=0.004) for _ in range(2))
+    ours, theirs = page_pair(honest), page_pair(spoiled)
+    garbage = np.frombuffer(theirs._map, dtype="<u8")[HOLD_DAEMON_WORD:]
+    told = np.frombuffer(ours._map, dtype="<u8")[HOLD_DAEMON_WORD : HOLD_DAEMON_WORD + 2]
+    values = np.array([0, 1, 2, 2**63, 2**64 - 1], dtype=np.uint64)
+    open_ = [False, False]
+    changes = 0
+    for step in range(3000):
+        slot = int(rng.integers(0, 2))
+        busy = step // 500 % 2 == 0  # 100 ms of copies, then 100 ms for the budgets to refill
+        if (rng.random() < 0.3) if busy else open_[slot]:
+            for page in (ours, theirs):
+                (page.end if open_[slot] else page.begin)(slot)
+            open_[slot] = not open_[slot]
+        garbage[:] = rng.choice(values, size=garbage.shape)
+        written = garbage[:2].copy()
+        before = told.copy()
+        now = step * 0.0002
+        assert honest.scan(now) == spoiled.scan(now)
+        changed = told != before
+        changes += int(changed.sum())
+        assert np.array_equal(garbage[:2], np.where(changed, told, written))  # written on a change only
+        assert (honest.copies, honest.cut, honest.stepped_back) == (spoiled.copies, spoiled.cut, spoiled.stepped_back)
+        assert timed_figures(honest) == timed_figures(spoiled)
+    assert changes >= 4 and honest.timed and honest.cut  # refused and granted again, more than once
+    for key, bucket in honest._buckets.items():
+        twin = spoiled._buckets[key]
+        assert (bucket.tokens, bucket.at, bucket.refused) == (twin.tokens, twin.at, twin.refused)
+    del garbage, told
+
+
+def test_a_page_without_the_daemons_half_reads_granted() -> None:
+    """A daemon older than the daemon's half made the client's 4096 bytes alone: the client maps
+    what there is, announces as before, and reads every slot as granted."""
+    fd = os.memfd_create("old-page", os.MFD_CLOEXEC)
+    os.ftruncate(fd, HOLD_CLIENT_BYTES)
+    check = os.dup(fd)
+    try:
+        page = HoldPage(fd, LANES)
+        page.begin(1)
+        assert not page.refused(0) and not page.refused(1)
+        assert np.frombuffer(os.pread(check, 32, 0), dtype="<u8").tolist() == [0, 0, 1, 0]
+        page.close()
+    finally:
+        os.close(check)
+
+
+def test_a_uid_past_its_hold_budget_reads_refused_through_the_daemon_and_granted_after() -> None:
+    """End to end: a client that announces more copies than its hold budget covers reads refused
+    on that lane once the daemon has looked (a status looks), and granted again once the budget has
+    refilled; its other lane reads granted throughout."""
+    env = {
+        "PRIOD_LOG__LEVEL": '"warning"',
+        "PRIOD_TUNING__DIRECT_HOLD_BURST_MS": "2",
+        "PRIOD_SCHEDULER__URGENT_BUDGET_SHARE": "0.1",
+    }
+    with daemon_process(env) as d, priod.SyncClient(d.socket_path, copy_path="daemon") as c:
+        page = c.hold_page()
+        uuid = page.lanes[0]["device_uuid"]
+        h2d, d2h = page.slot(uuid, "h2d"), page.slot(uuid, "d2h")
+        assert not page.refused(h2d)
+        for _ in range(50):  # 2.5 ms of charges against a 2 ms budget
+            page.begin(h2d)
+            page.end(h2d)
+        st = c.status()["direct"]
+        assert page.refused(h2d) and not page.refused(d2h)
+        assert st["refused"] == {"gpu0/h2d": 1} and st["copies"] == {"gpu0/h2d": 50}
+        wait_until(lambda: c.status() and not page.refused(h2d), 10, "the budget to refill")
+        assert c.status()["direct"]["refused"] == {} and not page.refused(d2h)
         page.close()

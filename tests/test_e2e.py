@@ -49,7 +49,7 @@ def test_two_client_processes_every_byte_checked(daemon: DaemonProcess) -> None:
 
 async def test_async_api_round_trip(daemon: DaemonProcess) -> None:
     """The documented async API: alloc, copy both ways with offsets, results carry times."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         h = await c.alloc_host(1 << 20)
         d = await c.alloc_device(1 << 20)
         assert h.array is not None and d.array is not None
@@ -64,7 +64,7 @@ async def test_async_api_round_trip(daemon: DaemonProcess) -> None:
 
 async def test_replies_come_back_out_of_order(daemon: DaemonProcess) -> None:
     """An urgent copy sent after a large bulk copy on the same connection finishes first."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         big_h, big_d = await c.alloc_host(64 << 20), await c.alloc_device(64 << 20)
         small_h, small_d = await c.alloc_host(64 << 10), await c.alloc_device(64 << 10)
         bulk = c.start_copy(big_d, big_h, priority="bulk")
@@ -76,7 +76,7 @@ async def test_replies_come_back_out_of_order(daemon: DaemonProcess) -> None:
 
 async def test_cancel_reports_bytes_done(daemon: DaemonProcess) -> None:
     """Cancel stops a large copy at a chunk boundary and reports how many bytes were copied."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         n = 128 << 20
         h, d = await c.alloc_host(n), await c.alloc_device(n)
         handle = c.start_copy(d, h, n, priority="bulk")
@@ -94,7 +94,7 @@ async def test_cancel_reports_bytes_done(daemon: DaemonProcess) -> None:
 
 async def test_errors_are_clear_and_connection_survives(daemon: DaemonProcess) -> None:
     """Bad requests get errors that say what to do; the same connection then copies fine."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         h, d = await c.alloc_host(4096), await c.alloc_device(4096)
         with pytest.raises(
             priod.InvalidRequest, match=r"^dst_offset 1 \+ nbytes 4096 is outside region \d+ of 4096 bytes"
@@ -118,7 +118,7 @@ async def test_errors_are_clear_and_connection_survives(daemon: DaemonProcess) -
 
 def test_sync_client_same_api(daemon: DaemonProcess) -> None:
     """SyncClient offers the same calls, blocking."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h, d = c.alloc_host(1000), c.alloc_device(1000)
         assert h.array is not None and d.array is not None
         h.array[:] = 7
@@ -132,7 +132,7 @@ async def test_register_host_memfd(daemon: DaemonProcess) -> None:
     """A client's own sealed memfd becomes a host region; an unsealed one is refused with the fix."""
     import fcntl
 
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         fd = os.memfd_create("mine", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 8192)
         with pytest.raises(priod.InvalidRequest, match=r"^seal the memfd against shrinking first"):
@@ -162,7 +162,7 @@ def test_register_device_by_fd_on_sim_is_refused_and_its_fd_closed(
     name = f"priod-{kind}-test"
     fd = os.memfd_create(name)
     try:
-        with priod.SyncClient(daemon.socket_path) as c:
+        with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
             with pytest.raises(
                 priod.InvalidRequest,
                 match=rf"^register_device of {memory} \(kind '{kind}'\) needs the cuda engine; .*alloc_device",
@@ -189,7 +189,7 @@ def test_register_device_by_fd_on_sim_is_refused_and_its_fd_closed(
 
 async def test_dead_client_regions_released(daemon: DaemonProcess) -> None:
     """A client killed mid-transfer: its regions and queued copies go, others are untouched."""
-    async with priod.connect(daemon.socket_path) as watcher:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as watcher:
         mine_h, mine_d = await watcher.alloc_host(1 << 20), await watcher.alloc_device(1 << 20)
         before = await watcher.status()
         victim = _client(daemon, "hold", str(64 << 20))
@@ -217,7 +217,7 @@ async def test_dead_client_regions_released(daemon: DaemonProcess) -> None:
 async def test_many_tiny_pipelined_copies_all_complete(daemon: DaemonProcess) -> None:
     """Hundreds of tiny copies sent at once (finished at submission on an idle lane) all
     complete with the right bytes, including past the daemon's per-turn pump bound."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         h, d = await c.alloc_host(64 * 500), await c.alloc_device(64 * 500)
         assert h.array is not None and d.array is not None
         h.array[:] = np.arange(64 * 500, dtype=np.uint32).astype(np.uint8)
@@ -233,13 +233,15 @@ def test_copies_whose_client_hung_up_before_the_reply_harm_no_one(daemon: Daemon
     finds the connection gone when it answers. That must end only that connection: the daemon
     goes on serving others and stops cleanly (the module's fixture checks its exit status)."""
     for round_ in range(20):
-        with priod.SyncClient(daemon.socket_path, timeout=10) as c:  # a daemon stuck fails in seconds
+        with priod.SyncClient(
+            daemon.socket_path, timeout=10, copy_path="daemon"
+        ) as c:  # a daemon stuck fails in seconds
             h, d = c.alloc_host(4096), c.alloc_device(4096)
             sock = c._sock.sock
             frames = b"".join(encode(Copy(d.id, h.id, 64, priority="urgent").encode(100 + i)) for i in range(8))
             sock.sendall(frames)
             sock.shutdown(2)  # frames and the end arrive together
-        with priod.SyncClient(daemon.socket_path, timeout=10) as other:
+        with priod.SyncClient(daemon.socket_path, timeout=10, copy_path="daemon") as other:
             h2, d2 = other.alloc_host(4096), other.alloc_device(4096)
             assert h2.array is not None
             h2.array[:] = round_

@@ -152,7 +152,7 @@ import asyncio, sys
 import priod
 
 async def main(path: str) -> None:
-    c = await priod.connect(path, name="victim")
+    c = await priod.connect(path, name="victim", copy_path="daemon")
     n = 64 << 20
     h, d = await c.alloc_host(n), await c.alloc_device(n)
     h2, d2 = await c.alloc_host(n), await c.alloc_device(n)
@@ -177,7 +177,7 @@ async def test_sigkill_client_mid_transfer_releases_everything(faulty: DaemonPro
     copies (bulk and urgent, both directions) keep completing and verify, and the daemon's open
     fds, memfd mappings and pinned and device bytes return to where they were."""
     pid = faulty.proc.pid
-    async with priod.connect(faulty.socket_path, name="watcher") as watcher:
+    async with priod.connect(faulty.socket_path, name="watcher", copy_path="daemon") as watcher:
 
         async def alone() -> dict[str, Any] | None:
             st = await watcher.status()  # earlier connections (other tests, the harness's probe) close asynchronously
@@ -189,7 +189,7 @@ async def test_sigkill_client_mid_transfer_releases_everything(faulty: DaemonPro
         base_fds, base_maps = await until(lambda: steady_counts(pid), "the daemon's fds and mappings steady")
         assert all(cl["pinned_bytes"] == 0 and cl["device_bytes"] == 0 for cl in base["clients"])
 
-        other = await priod.connect(faulty.socket_path, name="other")
+        other = await priod.connect(faulty.socket_path, name="other", copy_path="daemon")
         bulk_h, bulk_d = await other.alloc_host(8 * MiB), await other.alloc_device(8 * MiB)
         urg_h, urg_d = await other.alloc_host(MiB), await other.alloc_device(MiB)
         stop = asyncio.Event()
@@ -331,8 +331,8 @@ async def test_client_that_never_reads_is_bounded_and_others_keep_their_promise(
     complete requests has exactly one reply."""
     attacker_pinned = 3 * MiB + 4096  # tells its entry in status() apart
     async with (
-        priod.connect(faulty.socket_path, name="bulk") as bulk_c,
-        priod.connect(faulty.socket_path, name="urgent") as urg_c,
+        priod.connect(faulty.socket_path, name="bulk", copy_path="daemon") as bulk_c,
+        priod.connect(faulty.socket_path, name="urgent", copy_path="daemon") as urg_c,
     ):
         bh, bd = await bulk_c.alloc_host(16 * MiB), await bulk_c.alloc_device(16 * MiB)
         uh, ud = await urg_c.alloc_host(MiB), await urg_c.alloc_device(MiB)
@@ -406,7 +406,7 @@ async def test_engine_error_fails_only_that_request(faulty: DaemonProcess) -> No
     EngineError and a message saying how far it got (on the express path, on the DMA path,
     and as the last chunk of a multi-chunk copy); every other copy sent at the same time, in
     every direction and class, completes and verifies."""
-    async with priod.connect(faulty.socket_path, name="faults") as c:
+    async with priod.connect(faulty.socket_path, name="faults", copy_path="daemon") as c:
         st = await c.status()
         # The urgent copies sent first put the lane on its short bound: bulk is cut into its chunks.
         chunk = next(ln["urgent_chunk_bytes"] for ln in st["lanes"] if ln["lane"] == "gpu0/h2d")
@@ -480,7 +480,7 @@ async def test_daemon_restart_under_load_fails_clearly_and_reconnects(how: str) 
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SERVICE__SHUTDOWN": '"cancel"'}
     with ExitStack() as stack:
         first = stack.enter_context(daemon_process(env, socket_path=path))
-        clients = [await priod.connect(path, name=f"load{i}") for i in range(3)]
+        clients = [await priod.connect(path, name=f"load{i}", copy_path="daemon") for i in range(3)]
         try:
             regions = []
             for c in clients:
@@ -517,7 +517,7 @@ async def test_daemon_restart_under_load_fails_clearly_and_reconnects(how: str) 
             with pytest.raises(priod.ConnectionClosed, match=rf"^connection to priod at {re.escape(path)} lost: "):
                 await clients[0].ping()
 
-            waiting = asyncio.ensure_future(Client.connect(path, name="patient", wait_s=30))
+            waiting = asyncio.ensure_future(Client.connect(path, name="patient", wait_s=30, copy_path="daemon"))
             await asyncio.sleep(0.3)
             assert not waiting.done(), "connect(wait_s=) returned while no daemon listened"
             stack.enter_context(daemon_process(env, socket_path=path))
@@ -562,14 +562,14 @@ async def test_overload_is_refused_at_once_never_hangs() -> None:
     exactly one reply, and afterwards a freed connection slot admits a well-behaved client whose
     copies verify."""
     with daemon_process(OVERLOAD) as d:
-        good = await priod.connect(d.socket_path, name="good")
-        flooders = [await priod.connect(d.socket_path, name=f"flood{i}") for i in range(3)]
+        good = await priod.connect(d.socket_path, name="good", copy_path="daemon")
+        flooders = [await priod.connect(d.socket_path, name=f"flood{i}", copy_path="daemon") for i in range(3)]
         try:
             with pytest.raises(
                 priod.LimitExceeded,
                 match=r"^the daemon already serves 4 clients \(\[server\] max_clients\); retry later$",
             ):
-                await asyncio.wait_for(Client.connect(d.socket_path, name="one-too-many"), 30)
+                await asyncio.wait_for(Client.connect(d.socket_path, name="one-too-many", copy_path="daemon"), 30)
 
             async def flood(c: Client) -> list[tuple[str, float]]:
                 h, dv = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
@@ -614,7 +614,7 @@ async def test_overload_is_refused_at_once_never_hangs() -> None:
 
         async def admitted() -> Client | None:
             try:
-                return await Client.connect(d.socket_path, name="next")
+                return await Client.connect(d.socket_path, name="next", copy_path="daemon")
             except priod.LimitExceeded:
                 return None
 
@@ -637,7 +637,7 @@ async def test_a_reply_that_sets_off_the_next_copy_does_not_reenter_the_pump() -
     here must succeed, the other client's bytes must be exact, and the daemon must log no
     failure."""
     with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}) as d:
-        async with priod.connect(d.socket_path) as flood, priod.connect(d.socket_path) as honest:
+        async with priod.connect(d.socket_path, copy_path="daemon") as flood, priod.connect(d.socket_path) as honest:
             fh, fd = await flood.alloc_host(4096), await flood.alloc_device(4096)
             hh, hd = await honest.alloc_host(MiB), await honest.alloc_device(MiB)
             assert hh.array is not None and hd.array is not None

@@ -258,7 +258,7 @@ class WellBehaved:
     """A SyncClient with regions another client will try to name, and a canary nobody may touch."""
 
     def __init__(self, path: str) -> None:
-        self.c = priod.SyncClient(path, name="well-behaved", timeout=30)
+        self.c = priod.SyncClient(path, name="well-behaved", timeout=30, copy_path="daemon")
         self.host = self.c.alloc_host(65536)
         self.dev = self.c.alloc_device(65536)
         self.canary = self.c.alloc_device(4096)

@@ -162,7 +162,7 @@ def test_copy_batch_through_the_daemon(gpu_daemon: DaemonProcess, priority: str)
     the segments say, and the daemon's DMA path is cuMemcpyBatchAsync (CUDA >= 12.8)."""
     block, n = 64 << 10, 256
     rng = np.random.default_rng(3)
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         h, back = c.alloc_host(2 * n * block), c.alloc_host(2 * n * block)
         d1, d2 = c.alloc_device(2 * n * block), c.alloc_device(2 * n * block)
         assert h.array is not None and back.array is not None

@@ -32,7 +32,7 @@ def test_every_direction_bytes_checked(gpu_daemon: DaemonProcess, priority: str)
 
     rng = np.random.default_rng(7)
     n_region = 4 << 20
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         src, back = c.alloc_host(n_region), c.alloc_host(n_region)
         d1, d2 = c.alloc_device(n_region), c.alloc_device(n_region)
         assert src.array is not None and back.array is not None
@@ -63,7 +63,7 @@ def _cupy_client(path: str, q: mp.Queue[str]) -> None:
     import cupy as cp
 
     try:
-        with priod.SyncClient(path, name="cupy-client") as c:
+        with priod.SyncClient(path, name="cupy-client", copy_path="daemon") as c:
             buf = cp.zeros(5 << 20, dtype=cp.uint8)[1000:]  # an offset into a pool allocation
             region = c.register_device(buf)
             host = c.alloc_host(region.nbytes)
@@ -88,7 +88,7 @@ def test_two_processes_one_with_its_own_cupy_buffer(gpu_daemon: DaemonProcess) -
     q: mp.Queue[str] = ctx.Queue()
     child = ctx.Process(target=_cupy_client, args=(gpu_daemon.socket_path, q))
     child.start()
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         h, d, back = c.alloc_host(8 << 20), c.alloc_device(8 << 20), c.alloc_host(8 << 20)
         assert h.array is not None and back.array is not None
         for i in range(10):
@@ -104,7 +104,7 @@ def test_two_processes_one_with_its_own_cupy_buffer(gpu_daemon: DaemonProcess) -
 def _bulk_round_trips(path: str, n: int, rounds: int, errors: list[str]) -> None:
     """Bulk copies host -> device -> host of ``n`` bytes, ``rounds`` times, checking each."""
     try:
-        with priod.SyncClient(path, name="bulk") as c:
+        with priod.SyncClient(path, name="bulk", copy_path="daemon") as c:
             src, back, d = c.alloc_host(n), c.alloc_host(n), c.alloc_device(n)
             assert src.array is not None and back.array is not None
             for i in range(rounds):
@@ -127,7 +127,7 @@ def test_bulk_and_urgent_together_in_each_poll_mode(bulk_poll: str) -> None:
     errors: list[str] = []
     with (
         daemon_process(env, backend="cuda", start_timeout=120) as dmn,
-        priod.SyncClient(dmn.socket_path, name="urgent") as c,
+        priod.SyncClient(dmn.socket_path, name="urgent", copy_path="daemon") as c,
     ):
         n = 16 << 20
         usrc, uback, ud = c.alloc_host(n), c.alloc_host(n), c.alloc_device(n)
@@ -162,7 +162,7 @@ def _pod_client(path: str, expect_uuid: str, q: mp.Queue[str]) -> None:
             q.put(f"this process's gpu 0 is {mine}, not {expect_uuid}: CUDA_VISIBLE_DEVICES did not apply")
             return
         n = 3 << 20
-        with priod.SyncClient(path, name="pod") as c:
+        with priod.SyncClient(path, name="pod", copy_path="daemon") as c:
             buf = cp.zeros(n, dtype=cp.uint8)
             own = c.register_device(buf)
             theirs = c.alloc_device(n, device=mine)
@@ -194,7 +194,7 @@ def test_a_pod_with_one_visible_gpu_names_it_by_uuid(
     """The daemon's last GPU, seen by a client process as its only one (CUDA_VISIBLE_DEVICES=UUID):
     its buffer and a daemon allocation it names by UUID both land on that GPU (the daemon's
     ordinal comes back), and the bytes are right. The UUIDs match what nvidia-smi prints."""
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         gpus = c.status()["gpus"]
     assert gpus and all(g["uuid"].startswith("GPU-") for g in gpus)
     if shutil.which("nvidia-smi"):

@@ -62,7 +62,7 @@ def test_wait_event_copies_the_kernels_output_not_stale_bytes(gpu_daemon: Daemon
     torch = _torch()
 
     n = 64 * MiB
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         buf = torch.zeros(n, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         src = c.register_device(buf)
@@ -115,7 +115,7 @@ def test_signal_event_orders_a_kernel_after_the_copy_without_host_sync(
 
     n = 256 * MiB
     rng = np.random.default_rng(11)
-    with priod.SyncClient(deep_daemon.socket_path) as c:
+    with priod.SyncClient(deep_daemon.socket_path, copy_path="daemon") as c:
         raw = torch.zeros(n, dtype=torch.uint8, device="cuda")
         t = raw.view(getattr(torch, dtype))  # the tensor the reader kernel works on
         torch.cuda.synchronize()
@@ -147,7 +147,7 @@ def test_handles_that_are_not_events_are_refused(gpu_daemon: DaemonProcess) -> N
     the connection and the daemon go on."""
     torch = _torch()
 
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         h, d = c.alloc_host(MiB), c.alloc_device(MiB)
         buf = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
         from priod.client.cuda_ipc import export_cuda_array
@@ -167,7 +167,10 @@ def test_an_event_destroyed_early_breaks_only_its_own_copy(gpu_daemon: DaemonPro
     daemon serves on. Prints which outcome, for docs/protocol.md."""
     torch = _torch()
 
-    with priod.SyncClient(gpu_daemon.socket_path) as c, priod.SyncClient(gpu_daemon.socket_path) as other:
+    with (
+        priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c,
+        priod.SyncClient(gpu_daemon.socket_path) as other,
+    ):
         h, d = c.alloc_host(MiB), c.alloc_device(MiB)
         oh, od = other.alloc_host(MiB), other.alloc_device(MiB)
         from priod.client.cuda_ipc import ipc_event

@@ -55,8 +55,8 @@ async def test_two_pods_with_different_visible_devices_reach_the_same_gpu_lane(t
     pod_b_visible = {0: U0, 1: U1}
     logged_before = len(_log(two_gpus))
     async with (
-        priod.connect(two_gpus.socket_path, name="pod-a") as a,
-        priod.connect(two_gpus.socket_path, name="pod-b") as b,
+        priod.connect(two_gpus.socket_path, name="pod-a", copy_path="daemon") as a,
+        priod.connect(two_gpus.socket_path, name="pod-b", copy_path="daemon") as b,
     ):
         before = await a.status()
         regions = []
@@ -88,7 +88,7 @@ def _log(d: DaemonProcess) -> list[dict[str, Any]]:
 async def test_uuid_wins_over_ordinal_and_takes_any_nvidia_smi_spelling(two_gpus: DaemonProcess) -> None:
     """A request with both fields goes by the UUID; upper case, and no ``GPU-`` prefix, name the
     same GPU (nvidia-smi prints lower case with the prefix; CUDA gives the bare bytes)."""
-    async with priod.connect(two_gpus.socket_path) as c:
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c:
         reply = await c.raw_request({"op": "alloc_device", "nbytes": 4096, "device": 0, "device_uuid": U1})
         assert (reply["device"], reply["device_uuid"]) == (1, U1)
         for spelling in (U1.upper(), U1[len("GPU-") :]):
@@ -100,7 +100,7 @@ async def test_unknown_or_malformed_uuid_is_refused_naming_the_served_gpus(two_g
     """A UUID the daemon does not serve is refused with the GPUs it does serve and where to
     look; a malformed one shows the expected form. The connection stays usable."""
     stranger = "GPU-11111111-2222-4333-8444-555555555555"
-    async with priod.connect(two_gpus.socket_path) as c:
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c:
         with pytest.raises(
             InvalidRequest,
             match=rf"^this daemon serves no GPU {stranger}; it serves gpu0={U0}, gpu1={U1}\. Check .*nvidia-smi -L",
@@ -117,7 +117,7 @@ async def test_unknown_or_malformed_uuid_is_refused_naming_the_served_gpus(two_g
 async def test_status_shows_each_gpu_and_each_lane_by_uuid(two_gpus: DaemonProcess) -> None:
     """``status`` lists the GPUs (ordinal and UUID), each lane names its GPU's UUID, and the
     engine figures carry them too; ``priod status`` prints them in its table."""
-    async with priod.connect(two_gpus.socket_path) as c:
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c:
         st = await c.status()
     assert st["gpus"] == [{"index": 0, "uuid": U0}, {"index": 1, "uuid": U1}]
     local = {f"gpu{i}/{d}": u for i, u in ((0, U0), (1, U1)) for d in ("d2d", "d2h", "h2d")}

@@ -111,7 +111,7 @@ def test_pool_allocation_registers_by_the_pool_fd(gpu_daemon: DaemonProcess) -> 
     assert buf.size >= lead + n, buf
     rng = np.random.default_rng(23)
     try:
-        with priod.SyncClient(gpu_daemon.socket_path) as c:
+        with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
             region = c.register_device(view)
             host = c.alloc_host(n)
             assert region.nbytes == n and host.array is not None
@@ -160,7 +160,7 @@ def test_pool_without_handle_types_names_the_setting(gpu_daemon: DaemonProcess) 
     pool = _Pool(shareable=False)
     try:
         pointer = pool.alloc(MiB, 0)
-        with priod.SyncClient(gpu_daemon.socket_path) as c:
+        with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
             with pytest.raises(priod.EngineError) as info:
                 c.register_device(_Cai(pointer, MiB))
             message = str(info.value)

@@ -44,7 +44,7 @@ def test_caching_allocator_tensor_inside_a_segment(gpu_daemon: DaemonProcess, to
     assert buf.offset > 0, "the tensor is at its segment's base: this test would not check the offset"
     assert buf.pointer == t.data_ptr() and buf.nbytes == 256 << 10
     rng = np.random.default_rng(5)
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         region = c.register_device(t)
         assert region.nbytes == 256 << 10
         host = c.alloc_host(region.nbytes)
@@ -71,7 +71,7 @@ def test_caching_allocator_tensor_inside_a_segment(gpu_daemon: DaemonProcess, to
 def test_registered_tensor_is_held_until_free(gpu_daemon: DaemonProcess, torch: Any) -> None:
     """The region keeps the tensor: dropping the caller's name does not let the caching
     allocator hand its memory to the next tensor while the daemon may still write it."""
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         t = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
         pointer = t.data_ptr()
         region = c.register_device(t)
@@ -86,7 +86,7 @@ def test_device_region_views_and_tensor_copies(gpu_daemon: DaemonProcess, torch:
     """Region.torch() of a daemon allocation is a CUDA tensor on its memory (DLPack gives the same
     memory); copy_tensor moves rows host -> device and device -> host, bytes checked."""
     dt = getattr(torch, dtype)
-    with priod.SyncClient(gpu_daemon.socket_path) as c:
+    with priod.SyncClient(gpu_daemon.socket_path, copy_path="daemon") as c:
         d, h = c.alloc_device(1 << 20), c.alloc_host(1 << 20)
         assert h.array is not None
         dv, hv = d.torch(dt, (64, -1)), h.torch(dt, (64, -1))
@@ -106,7 +106,7 @@ def test_device_region_views_and_tensor_copies(gpu_daemon: DaemonProcess, torch:
 
 _REGISTER_UNDER = """
 import sys, torch, priod
-with priod.SyncClient(sys.argv[1]) as c:
+with priod.SyncClient(sys.argv[1], copy_path="daemon") as c:
     t = torch.empty(1 << 20, dtype=torch.float32, device="cuda")
     try:
         c.register_device(t)
@@ -165,7 +165,7 @@ def described(t):
     return buf
 
 rng = np.random.default_rng(11)
-with priod.SyncClient(sys.argv[1]) as c:
+with priod.SyncClient(sys.argv[1], copy_path="daemon") as c:
     # small pool: one expandable segment of 2 MiB pages; t (512 KiB bf16) between two neighbours
     pad = torch.full((4096,), 7, dtype=torch.uint8, device="cuda")
     t = torch.zeros(256 << 10, dtype=torch.bfloat16, device="cuda")

@@ -167,7 +167,7 @@ def raw_as(uid: int, path: str, n: int = 1, hello: bool = True) -> Iterator[list
 
 
 def root_status(path: str) -> dict[str, Any]:
-    with priod.SyncClient(path, timeout=30) as c:
+    with priod.SyncClient(path, timeout=30, copy_path="daemon") as c:
         return c.status()
 
 
@@ -208,7 +208,7 @@ def test_idle_connections_of_one_uid_cannot_lock_others_out() -> None:
                         "the daemon already serves 4 clients ([server] max_clients); retry later",
                     )
                 # root gets in beyond max_clients, and sees who holds the slots
-                with priod.SyncClient(path, timeout=30) as root, priod.SyncClient(path, timeout=30):
+                with priod.SyncClient(path, timeout=30, copy_path="daemon") as root, priod.SyncClient(path, timeout=30):
                     st = root.status()
                     assert st["clients_total"] == 6
                     assert sorted(c["uid"] for c in st["clients"]) == [0, 0, OTHER, OTHER, NOBODY, NOBODY]
@@ -238,9 +238,9 @@ async def test_idle_timeout_closes_connections_that_hold_nothing() -> None:
     env = {**QUIET, "PRIOD_SERVER__IDLE_TIMEOUT_S": "1.0"}
     with daemon_process(env) as d:
         async with (
-            priod.connect(d.socket_path) as idle,
-            priod.connect(d.socket_path) as holder,
-            priod.connect(d.socket_path) as busy,
+            priod.connect(d.socket_path, copy_path="daemon") as idle,
+            priod.connect(d.socket_path, copy_path="daemon") as holder,
+            priod.connect(d.socket_path, copy_path="daemon") as busy,
         ):
             await holder.alloc_host(4096)
             for _ in range(10):
@@ -318,7 +318,7 @@ async def test_limits_per_uid_hold_over_all_its_connections() -> None:
             assert (mine[OTHER]["regions"], mine[OTHER]["pinned_bytes"]) == (1, 4 * MiB)
 
         # copies pending, per uid (root's connections here: per-uid limits bind uid 0 too)
-        async with priod.connect(path) as c1, priod.connect(path) as c2:
+        async with priod.connect(path, copy_path="daemon") as c1, priod.connect(path) as c2:
             dev, host = await c1.alloc_device(MiB), await c1.alloc_host(MiB)
             await c1.share(dev, 0)
             await c1.share(host, 0)  # c2 may name them: same uid
@@ -354,7 +354,11 @@ def test_daemon_wide_caps_bind_every_uid() -> None:
     }
     with daemon_process(env, socket_path=socket_path()) as d:
         path = d.socket_path
-        with raw_as(NOBODY, path) as (a,), raw_as(OTHER, path) as (b,), priod.SyncClient(path, timeout=30) as root:
+        with (
+            raw_as(NOBODY, path) as (a,),
+            raw_as(OTHER, path) as (b,),
+            priod.SyncClient(path, timeout=30, copy_path="daemon") as root,
+        ):
             a.ok("alloc_host", nbytes=4 * MiB)
             pinned = (
                 "limit",
@@ -416,7 +420,7 @@ async def test_regions_cannot_use_up_the_daemons_fds(few_fds_daemon: DaemonProce
     assert soft == 1024
     cap = (1024 - (2 * (8 + 16) + 32 + 64)) // 2
     made = 0
-    async with priod.connect(d.socket_path) as hog:
+    async with priod.connect(d.socket_path, copy_path="daemon") as hog:
         with pytest.raises(
             priod.LimitExceeded,
             match=rf"^the daemon holds {cap} regions, its cap \(\[limits\] max_regions_total = 0; 0 means what its open-file limit allows: {cap} now\); ",
@@ -426,7 +430,7 @@ async def test_regions_cannot_use_up_the_daemons_fds(few_fds_daemon: DaemonProce
                 made += 1
         assert made == cap
         assert open_fds(d.proc.pid) < 1024 - 64
-        with priod.SyncClient(d.socket_path, timeout=30) as other:
+        with priod.SyncClient(d.socket_path, timeout=30, copy_path="daemon") as other:
             st = other.status()
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             assert st["holdings"] == {
@@ -445,7 +449,7 @@ async def test_regions_cannot_use_up_the_daemons_fds(few_fds_daemon: DaemonProce
                     other.register_host(fd, 4096)
             finally:
                 os.close(fd)
-    with priod.SyncClient(d.socket_path, timeout=30) as later:
+    with priod.SyncClient(d.socket_path, timeout=30, copy_path="daemon") as later:
         wait_until(
             lambda: later.status()["holdings"]["regions"] == 0, timeout=10.0, what="the hog's regions being released"
         )
@@ -483,7 +487,7 @@ async def test_register_host_takes_only_memory_the_daemon_can_trust(daemon: Daem
     sealed are refused with `bad_request` and the fix. A hole punched in a plain memfd after
     registration is harmless: the daemon reads zeros there, and its writes land in fresh pages
     the client sees (the mapping is shared)."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         cases: list[tuple[str, int, str]] = []
         try:
             cases.append(
@@ -567,7 +571,7 @@ async def test_copy_within_one_region_may_not_overlap(daemon: DaemonProcess) -> 
     """A copy whose source and destination ranges overlap in one region is refused with
     `bad_request` (it used to report ok and leave bytes unlike memmove's); ranges that only
     touch are copied."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         dev = await c.alloc_device(MiB)
         assert dev.array is not None
         pattern = np.random.default_rng(3).integers(0, 256, MiB, dtype=np.uint8)
@@ -593,7 +597,7 @@ def test_status_shows_other_users_clients_only_to_root() -> None:
     with daemon_process(OPEN, socket_path=socket_path()) as d:
         path = d.socket_path
         with (
-            priod.SyncClient(path, timeout=30) as root,
+            priod.SyncClient(path, timeout=30, copy_path="daemon") as root,
             raw_as(NOBODY, path, 2) as (a, a2),
             raw_as(OTHER, path) as (b,),
         ):
@@ -669,7 +673,7 @@ def test_a_uids_request_rate_is_capped_over_its_connections_and_others_are_not()
         t0 = time.monotonic()
         for c in flood:
             c.sock.sendall(b"".join(encode({"id": 1000 + i, "op": "ping"}) for i in range(per_conn)))
-        with priod.SyncClient(d.socket_path, timeout=30) as other:
+        with priod.SyncClient(d.socket_path, timeout=30, copy_path="daemon") as other:
             waits = []
             for _ in range(20):
                 t = time.monotonic()
@@ -694,7 +698,10 @@ def test_another_uids_batches_cannot_touch_or_slow_an_honest_client() -> None:
     from priod.wire.batch import MAX_SEGMENTS
 
     rng = np.random.default_rng(11)
-    with daemon_process(OPEN, socket_path=socket_path()) as d, priod.SyncClient(d.socket_path, timeout=30) as honest:
+    with (
+        daemon_process(OPEN, socket_path=socket_path()) as d,
+        priod.SyncClient(d.socket_path, timeout=30, copy_path="daemon") as honest,
+    ):
         h, dv = honest.alloc_host(MiB), honest.alloc_device(MiB)
         assert h.array is not None and dv.array is not None
         with raw_as(NOBODY, d.socket_path) as (bad,):
@@ -749,7 +756,10 @@ def test_copies_held_on_another_uids_events_hold_nothing_of_anyone_else() -> Non
     and they go away with the connection."""
     from priod.wire.ipc_event import sim_handle
 
-    with daemon_process(OPEN, socket_path=socket_path()) as d, priod.SyncClient(d.socket_path, timeout=30) as honest:
+    with (
+        daemon_process(OPEN, socket_path=socket_path()) as d,
+        priod.SyncClient(d.socket_path, timeout=30, copy_path="daemon") as honest,
+    ):
         h, dv = honest.alloc_host(MiB), honest.alloc_device(MiB)
         assert h.array is not None and dv.array is not None
         with raw_as(NOBODY, d.socket_path) as (bad,):
@@ -828,7 +838,7 @@ def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:
         attacker = threading.Thread(target=renew)
         attacker.start()
         try:
-            with priod.SyncClient(path) as root:
+            with priod.SyncClient(path, copy_path="daemon") as root:
                 host, dev = root.alloc_host(8 * MiB), root.alloc_device(8 * MiB)
                 t0 = time.perf_counter()
                 for _ in range(4):  # 32 MiB: 16 ms at the sim's 2 GB/s when nothing holds it

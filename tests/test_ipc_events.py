@@ -134,7 +134,7 @@ def test_gates_back_off_and_bound_their_polls() -> None:
 async def test_copy_and_batch_wait_for_their_event(daemon: DaemonProcess) -> None:
     """A copy and a batch naming a pending wait event do not start, however long (their bytes
     stay unchanged); once the event is set, they land, and the reply says how long they waited."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         src, dst, evr = await regions(c, 2 * MiB, 1)
         assert src.array is not None and dst.array is not None
         ev = SimEvent(evr, 100)
@@ -171,7 +171,7 @@ async def test_signal_event_is_set_exactly_when_the_bytes_are_in_place() -> None
 
 
 async def _signal_exactly(daemon: DaemonProcess) -> None:
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         n = 64 * MiB
         src, dst, evr = await regions(c, n, 2)
         dst_bytes, src_bytes = dst.array, src.array
@@ -210,7 +210,7 @@ async def test_a_held_copy_holds_up_no_one(daemon: DaemonProcess) -> None:
     """While one client's urgent copy waits on an event that never completes, another client's
     copies on the same lane, and the first client's own other copies, run as if it were not
     there; cancelling it copies nothing, and setting the event afterwards changes nothing."""
-    async with priod.connect(daemon.socket_path) as a, priod.connect(daemon.socket_path) as b:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as a, priod.connect(daemon.socket_path) as b:
         n = 4 * MiB
         src_a, dst_a, evr = await a.alloc_host(n), await a.alloc_device(n), await a.alloc_device(4096)
         src_b, dst_b = await b.alloc_host(n), await b.alloc_device(n)
@@ -243,7 +243,7 @@ async def test_a_held_copy_holds_up_no_one(daemon: DaemonProcess) -> None:
 
 async def test_a_timeout_cancels_a_held_copy(daemon: DaemonProcess) -> None:
     """``copy(..., timeout=)`` of a copy still held for its event cancels it in the daemon."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         src, dst, evr = await c.alloc_host(MiB), await c.alloc_device(MiB), await c.alloc_device(64)
         ev = SimEvent(evr, 63)
         ev.record()
@@ -256,7 +256,7 @@ async def test_a_timeout_cancels_a_held_copy(daemon: DaemonProcess) -> None:
 async def test_hostile_handles_are_refused_and_the_connection_goes_on(daemon: DaemonProcess) -> None:
     """Malformed, foreign and out-of-range handles are refused with a message naming the fix;
     a region of someone else's cannot serve as an event; the connection keeps working."""
-    async with priod.connect(daemon.socket_path) as c, priod.connect(daemon.socket_path) as other:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c, priod.connect(daemon.socket_path) as other:
         src, dst, host_ev = await c.alloc_host(MiB), await c.alloc_device(MiB), await c.alloc_host(4096)
         theirs = await other.alloc_device(4096)
         cases: list[tuple[Any, type[Exception], str]] = [
@@ -292,7 +292,7 @@ async def test_event_and_request_limits_bound_a_flood_of_held_copies() -> None:
 
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_LIMITS__MAX_QUEUED_REQUESTS": "32"}
     with daemon_process(env) as d:
-        async with priod.connect(d.socket_path) as c:
+        async with priod.connect(d.socket_path, copy_path="daemon") as c:
             src, dst, evr = await c.alloc_host(MiB), await c.alloc_device(MiB), await c.alloc_device(4096)
             for i in range(MAX_EVENTS_PER_CONNECTION):
                 ev = SimEvent(evr, i)
@@ -308,7 +308,7 @@ async def test_event_and_request_limits_bound_a_flood_of_held_copies() -> None:
             with pytest.raises(LimitExceeded, match=r"^this connection has 32 copies pending"):
                 await c.copy(dst, src, 64, wait_event=pending)
             assert (await c.status())["held_copies"] == 32
-        async with priod.connect(d.socket_path) as watcher:
+        async with priod.connect(d.socket_path, copy_path="daemon") as watcher:
             for _ in range(100):
                 if (await watcher.status())["held_copies"] == 0:
                     break
@@ -324,7 +324,7 @@ def test_sync_client_records_and_waits(daemon: DaemonProcess) -> None:
     """SyncClient: a started copy's ``wait_recorded`` returns once the signal event is recorded,
     then the copy lands; a blocking ``copy`` with both events skips the progress frame; a batch
     held for its event lands once it is set."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         n = 16 * MiB
         src, dst, evr = c.alloc_host(n), c.alloc_device(n), c.alloc_device(4096)
         assert src.array is not None and dst.array is not None
@@ -426,7 +426,7 @@ async def test_a_long_held_copy_costs_few_polls_on_a_polled_engine() -> None:
     for half a second is polled every turn for its first millisecond, then backs off to one poll
     per 10 ms (not one per loop turn); it lands as soon as its event is set."""
     engine = _PolledSim(SimSettings())
-    async with _inprocess(engine) as (daemon, path), priod.connect(path) as c:
+    async with _inprocess(engine) as (daemon, path), priod.connect(path, copy_path="daemon") as c:
         src, dst, evr = await regions(c, MiB, 6)
         assert src.array is not None and dst.array is not None
         ev = SimEvent(evr, 0)
@@ -451,7 +451,7 @@ async def test_a_signal_that_cannot_be_recorded_fails_the_reply_not_the_bytes() 
     raises, and the copy's reply is an ``engine`` error saying the bytes landed anyway."""
     engine = _PolledSim(SimSettings())
     engine.fail_records = True
-    async with _inprocess(engine) as (_, path), priod.connect(path) as c:
+    async with _inprocess(engine) as (_, path), priod.connect(path, copy_path="daemon") as c:
         src, dst, evr = await regions(c, MiB, 7)
         assert src.array is not None and dst.array is not None
         h = c.start_copy(dst, src, signal_event=SimEvent(evr, 0))

@@ -46,7 +46,7 @@ SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536"
 
 def gpu0(d: DaemonProcess) -> str:
     """The ``gpu`` label of the daemon's GPU 0: its UUID, as `priod status` shows it."""
-    with priod.SyncClient(d.socket_path) as c:
+    with priod.SyncClient(d.socket_path, copy_path="daemon") as c:
         return str(c.status()["gpus"][0]["uuid"])
 
 
@@ -70,7 +70,7 @@ async def test_counters_and_histograms_move_with_copies(metered: tuple[DaemonPro
     misses and refusals by code; latency and queue-wait histograms observe each done copy."""
     d, scrape = metered
     before = await asyncio.to_thread(scrape)
-    async with priod.connect(d.socket_path) as c:
+    async with priod.connect(d.socket_path, copy_path="daemon") as c:
         host, dev = await c.alloc_host(MiB), await c.alloc_device(MiB)
         urgent_path = (await c.copy(dev, host, priority="urgent")).path  # the faster path as measured so far
         for _ in range(3):
@@ -171,7 +171,7 @@ async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[Daem
     h2d = {"gpu": gpu0(d), "direction": "h2d"}
     busy_before = get(await asyncio.to_thread(scrape), "priod_engine_busy_seconds_total", **h2d)
     started = time.monotonic()
-    async with priod.connect(d.socket_path) as c:
+    async with priod.connect(d.socket_path, copy_path="daemon") as c:
         host, dev = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
         # 65 ms each, 13 s in all: far longer than a gauge refresh; cancelled once seen.
         queued = [c.start_copy(dev, host, priority="bulk") for _ in range(200)]
@@ -237,7 +237,7 @@ async def test_reload_drops_queue_depth_of_removed_classes(tmp_path: Path) -> No
     port = free_port()
     scrape = Scraper(port)
     with daemon_process({"PRIOD_METRICS__PORT": str(port)}, config=str(config)) as d:
-        c = await Client.connect(d.socket_path)
+        c = await Client.connect(d.socket_path, copy_path="daemon")
         await c.ping()  # the daemon's signal handlers are in place once it serves requests
         series = {"gpu": gpu0(d), "direction": "h2d", "priority": "normal"}
         await poll(
@@ -288,3 +288,99 @@ def test_the_per_copy_series_expose_what_prometheus_clients_own_types_would() ->
 
     prefixes = ("priod_requests_total", "priod_copied_bytes_total", "priod_request_duration_seconds_")
     assert lines(ours.registry, prefixes) == lines(ref, prefixes)
+
+
+async def test_direct_copies_made_through_a_page_show_in_status_and_the_urgent_latency_histogram(
+    metered: tuple[DaemonProcess, Scraper],
+) -> None:
+    """Copies a client makes itself and announces on its hold page, one at a time with the daemon
+    looking (a status looks) before, during and after each, are counted and timed: status shows
+    them per lane with p50 / p99, and the scrape has them in priod_request_duration_seconds with
+    priority="urgent", path="direct" (the family the urgent-latency panel and alert read), each
+    no shorter than the copy and no longer than the looks around it."""
+    d, scrape = metered
+    lane = {"gpu": gpu0(d), "direction": "h2d", "priority": "urgent", "path": "direct"}
+    before = await asyncio.to_thread(scrape)
+    copies, hold_s = 4, 0.05
+    with priod.SyncClient(d.socket_path, copy_path="daemon") as c:
+        was = c.status()["direct"]  # the module's daemon: other runs' copies are counted there too
+        page = c.hold_page()
+        slot = page.slot(page.lanes[0]["device_uuid"], "h2d")
+        spans = []
+        for _ in range(copies):
+            t0 = time.perf_counter()
+            c.status()  # the look before
+            page.begin(slot)
+            c.status()  # sees it begin
+            time.sleep(hold_s)  # the copy
+            c.status()  # still under way
+            page.end(slot)
+            c.status()  # sees it over
+            spans.append(time.perf_counter() - t0)
+        st = c.status()["direct"]
+        page.close()
+    timed_before = was["timed"].get("gpu0/h2d", {}).get("copies", 0)
+    assert st["copies"]["gpu0/h2d"] - was["copies"].get("gpu0/h2d", 0) == copies
+    assert st["timed"]["gpu0/h2d"]["copies"] - timed_before == copies
+    if not timed_before:  # the percentiles are over these copies alone
+        assert (
+            hold_s * 1e6 <= st["timed"]["gpu0/h2d"]["p50_us"] <= st["timed"]["gpu0/h2d"]["p99_us"] <= max(spans) * 1e6
+        )
+
+    def seen() -> Samples | None:
+        s = scrape()
+        return (
+            s
+            if get(s, "priod_request_duration_seconds_count", **lane)
+            - total(before, "priod_request_duration_seconds_count", **lane)
+            >= copies
+            else None
+        )
+
+    after = await poll(seen, what="the direct copies in the latency histogram")
+    assert (
+        get(after, "priod_request_duration_seconds_count", **lane)
+        - total(before, "priod_request_duration_seconds_count", **lane)
+        == copies
+    )
+    added = get(after, "priod_request_duration_seconds_sum", **lane) - total(
+        before, "priod_request_duration_seconds_sum", **lane
+    )
+    assert copies * hold_s <= added <= sum(spans)
+    h2d = {"gpu": gpu0(d), "direction": "h2d"}
+    assert get(after, "priod_direct_copies_total", **h2d) - total(before, "priod_direct_copies_total", **h2d) == copies
+    assert total(after, "priod_request_duration_seconds_count", path="direct", direction="d2h") == 0
+
+
+def test_the_direct_latency_series_is_what_a_histogram_fed_the_same_copies_would_give() -> None:
+    """Direct copies' durations, kept by the hold scans (holds.py) and moved into the copy series
+    at each refresh, read as a prometheus_client Histogram with the same labels and buckets would."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from priod.daemon.holds import DirectTimes
+    from priod.daemon.metrics import _LATENCY_BUCKETS, Metrics
+
+    ours = Metrics({0: "GPU-0"})
+    ref = CollectorRegistry()
+    duration = Histogram(
+        "priod_request_duration_seconds",
+        "x",
+        ["gpu", "direction", "priority", "path"],
+        buckets=_LATENCY_BUCKETS,
+        registry=ref,
+    )
+    times = DirectTimes()
+    for i, v in enumerate([*_LATENCY_BUCKETS, 1e-7, 3e-5, 0.7, 11.0, 1e-3 + 1e-12]):
+        times.observe(v)
+        duration.labels("GPU-0", "d2h", "urgent", "direct").observe(v)
+        if i % 7 == 0:  # refreshed now and then, and the totals only move forward
+            ours.set_direct_times(LaneKey(0, Direction.D2H), times.buckets, times.total_s)
+    ours.set_direct_times(LaneKey(0, Direction.D2H), times.buckets, times.total_s)
+
+    def lines(registry: CollectorRegistry) -> set[str]:
+        text = generate_latest(registry).decode()
+        return {
+            ln for ln in text.splitlines() if ln.startswith("priod_request_duration_seconds_") and "_created" not in ln
+        }
+
+    assert lines(ours.registry) == lines(ref)

@@ -85,7 +85,7 @@ async def _bulk(path: str, pairs: list[tuple[str, int, int]]) -> AsyncIterator[N
     """Bulk on each (kind, src GPU, dst GPU) of ``pairs`` ("h2d", "d2h", "peer"), two copies in
     flight per pair so the lane never runs dry between replies, until the block ends."""
     stop = asyncio.Event()
-    async with priod.connect(path, name="bulk") as c:
+    async with priod.connect(path, name="bulk", copy_path="daemon") as c:
         tasks = []
         for kind, a, b in pairs:
             src, dst = await _ends(c, kind, a, b, 2 * BULK if kind == "peer" else BULK)
@@ -142,7 +142,7 @@ async def test_bulk_on_gpu0_never_delays_an_urgent_copy_on_gpu1(two_gpus: Daemon
     as with the host idle, while GPU 0's bulk runs at its link's rate meanwhile (so the load was
     real). Sharing a lane, or one loop stalled by the other GPU's work, would add a whole bulk
     copy (32 ms) to the urgent copy."""
-    async with priod.connect(two_gpus.socket_path) as c:
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c:
         src, dst = await _ends(c, "h2d", 1, 1, URGENT)
         await _urgent_p50(c, dst, src, samples=3)  # warm: regions mapped, path figures made
         idle = await _urgent_p50(c, dst, src)
@@ -164,7 +164,7 @@ async def test_each_gpu_bulk_runs_at_its_own_link_rate(two_gpus: DaemonProcess) 
     """Bulk in both directions on both GPUs at once: each of the four host lanes moves near its
     own 1 GB/s (no host cap), so the daemon serves the GPUs side by side, not in turn."""
     pairs = [(kind, gpu, gpu) for gpu in (0, 1) for kind in ("h2d", "d2h")]
-    async with priod.connect(two_gpus.socket_path) as c, _bulk(two_gpus.socket_path, pairs):
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c, _bulk(two_gpus.socket_path, pairs):
         rates = await _lane_rates(c, 0.6)
     for lane in ("gpu0/h2d", "gpu0/d2h", "gpu1/h2d", "gpu1/d2h"):
         assert 0.6e9 < rates[lane] < 1.1e9, rates
@@ -176,7 +176,7 @@ async def test_peer_copy_lands_byte_exact_on_the_peer_lane(two_gpus: DaemonProce
     none of the GPUs' own lanes; the other direction has a lane of its own."""
     n = 3 * MiB + 123
     rng = np.random.default_rng(14)
-    async with priod.connect(two_gpus.socket_path) as c:
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c:
         a, b = await c.alloc_device(4 * MiB, device=0), await c.alloc_device(4 * MiB, device=1)
         assert a.array is not None and b.array is not None
         a.array[:] = rng.integers(0, 256, a.array.size, dtype=np.uint8)
@@ -205,7 +205,7 @@ async def test_peer_copy_lands_byte_exact_on_the_peer_lane(two_gpus: DaemonProce
 async def test_peer_bulk_never_delays_an_urgent_h2d_on_either_gpu(two_gpus: DaemonProcess) -> None:
     """Bulk between the GPUs both ways (at the peer links' rate) leaves urgent h2d copies on
     GPU 0 and on GPU 1 as fast as with no bulk at all: peer copies have their own lanes."""
-    async with priod.connect(two_gpus.socket_path) as c:
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c:
         ends = [await _ends(c, "h2d", gpu, gpu, URGENT) for gpu in (0, 1)]
         idle = []
         for src, dst in ends:
@@ -226,7 +226,7 @@ async def test_urgent_peer_copy_under_peer_bulk_waits_only_for_the_bound(two_gpu
     at most the lane's bulk in flight (``max_block_us`` = 2 ms of the link, 150 us once urgent
     copies are about), as on any DMA lane: its p50 stays within 2x idle + 10 ms, where queuing
     behind one whole bulk copy (64 MiB on the peer lanes) would cost 45 ms at 1.5 GB/s."""
-    async with priod.connect(two_gpus.socket_path) as c:
+    async with priod.connect(two_gpus.socket_path, copy_path="daemon") as c:
         src, dst = await _ends(c, "peer", 0, 1, MiB)
         await _urgent_p50(c, dst, src, MiB, samples=3)
         idle = await _urgent_p50(c, dst, src, MiB)
@@ -246,7 +246,7 @@ async def test_host_cap_bounds_aggregate_bulk_and_urgent_is_still_first(capped: 
     each host lane; an urgent copy to GPU 1 still passes the queued bulk (its p50 far below a
     bulk copy's 64 ms at the shared rate)."""
     pairs = [(kind, gpu, gpu) for gpu in (0, 1) for kind in ("h2d", "d2h")]
-    async with priod.connect(capped.socket_path) as c:
+    async with priod.connect(capped.socket_path, copy_path="daemon") as c:
         src, dst = await _ends(c, "h2d", 1, 1, URGENT)
         await _urgent_p50(c, dst, src, samples=3)
         async with _bulk(capped.socket_path, pairs):
@@ -267,7 +267,7 @@ async def test_four_gpus_each_bulk_at_its_link_rate_and_twelve_peer_lanes() -> N
     """Four sim GPUs under one daemon: 4 x 3 local lanes and 12 peer lanes (one per ordered
     pair), and bulk h2d on all four GPUs at once moves each near its own link rate."""
     with daemon_process(_env(4)) as d:
-        async with priod.connect(d.socket_path) as c:
+        async with priod.connect(d.socket_path, copy_path="daemon") as c:
             st = await c.status()
             peers = sorted(ln["lane"] for ln in st["lanes"] if "peer_gpu" in ln)
             assert peers == sorted(f"gpu{a}/peer/gpu{b}" for a in range(4) for b in range(4) if a != b)
@@ -291,7 +291,7 @@ async def test_metrics_count_peer_copies_under_both_gpus_labels() -> None:
     port = free_port()
     with daemon_process(_env(2, PRIOD_METRICS__PORT=str(port))) as d:
         scrape = Scraper(port)
-        async with priod.connect(d.socket_path) as c:
+        async with priod.connect(d.socket_path, copy_path="daemon") as c:
             u0, u1 = (g["uuid"] for g in (await c.status())["gpus"])
             a, b = await c.alloc_device(2 * MiB, device=0), await c.alloc_device(2 * MiB, device=1)
             await c.copy(b, a, priority="high")

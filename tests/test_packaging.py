@@ -140,7 +140,7 @@ def test_client_only_install_works_without_the_daemon_dependencies(
         import priod, priod.client.cuda_ipc
         from priod.cli import main
         assert priod.__file__.startswith({client_only[0]!r}), priod.__file__
-        with priod.SyncClient({daemon.socket_path!r}, name="client-only") as c:
+        with priod.SyncClient({daemon.socket_path!r}, name="client-only", copy_path="daemon") as c:
             h, d = c.alloc_host(4096), c.alloc_device(4096)
             h.array[:] = 7
             c.copy(d, h, priority="urgent")

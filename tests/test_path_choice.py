@@ -309,7 +309,7 @@ async def test_urgent_copies_leave_a_stalled_express_path_and_come_back() -> Non
     daemon = Daemon(cfg, engine)
     await daemon.start()
     try:
-        async with priod.connect(path) as c:
+        async with priod.connect(path, copy_path="daemon") as c:
             host, dev = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
             bulk_host, bulk_dev = await c.alloc_host(64 << 20), await c.alloc_device(64 << 20)
             assert host.array is not None and dev.array is not None
@@ -365,7 +365,7 @@ async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() 
     daemon = Daemon(cfg, SimEngine(cfg.sim))
     await daemon.start()
     try:
-        async with priod.connect(path) as c:
+        async with priod.connect(path, copy_path="daemon") as c:
             host, dev = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
             bulk_host, bulk_dev = await c.alloc_host(16 << 20), await c.alloc_device(16 << 20)
             assert (

@@ -34,7 +34,7 @@ async def _copy_counting_polls(mode: str) -> int:
     daemon = Daemon(cfg, engine)
     await daemon.start()
     try:
-        async with priod.connect(path) as c:
+        async with priod.connect(path, copy_path="daemon") as c:
             h, d = await c.alloc_host(NBYTES), await c.alloc_device(NBYTES)
             assert h.array is not None and d.array is not None
             h.array[:] = np.arange(NBYTES, dtype=np.uint32).astype(np.uint8)
@@ -75,7 +75,7 @@ async def test_a_completion_found_costs_one_poll_not_three() -> None:
     daemon = Daemon(cfg, engine)
     await daemon.start()
     try:
-        async with priod.connect(path) as c:
+        async with priod.connect(path, copy_path="daemon") as c:
             n = 8 << 20
             h, d = await c.alloc_host(n), await c.alloc_device(n)
             handle = c.start_copy(d, h, n, priority="bulk")

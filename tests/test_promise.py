@@ -20,8 +20,8 @@ SETTINGS = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SCHEDULER__MAX_BLOCK_US": "1
 
 
 async def _urgent_under_bulk(path: str) -> tuple[list[float], list[str], dict[str, float]]:
-    bulk = await priod.connect(path, name="bulk")
-    urgent = await priod.connect(path, name="urgent")
+    bulk = await priod.connect(path, name="bulk", copy_path="daemon")
+    urgent = await priod.connect(path, name="urgent", copy_path="daemon")
     bh, bd = await bulk.alloc_host(BULK), await bulk.alloc_device(BULK)
     uh, ud = await urgent.alloc_host(URGENT), await urgent.alloc_device(URGENT)
     assert uh.array is not None and ud.array is not None

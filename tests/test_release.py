@@ -62,7 +62,10 @@ async def daemon_with_release(request: pytest.FixtureRequest) -> AsyncIterator[t
 @pytest.mark.parametrize("daemon_with_release", ["slow"], indirect=True)
 async def test_a_slow_release_does_not_stall_other_clients(daemon_with_release: tuple[Daemon, threading.Event]) -> None:
     daemon, released = daemon_with_release
-    async with priod.connect(daemon.cfg.socket_path) as a, priod.connect(daemon.cfg.socket_path) as b:
+    async with (
+        priod.connect(daemon.cfg.socket_path, copy_path="daemon") as a,
+        priod.connect(daemon.cfg.socket_path) as b,
+    ):
         doomed = await a.alloc_host(1 << 20)
         h, d = await b.alloc_host(4096), await b.alloc_device(4096)
         assert h.array is not None and d.array is not None
@@ -82,7 +85,7 @@ async def test_a_failed_release_is_logged_and_the_daemon_serves_on(
 ) -> None:
     daemon, released = daemon_with_release
     with structlog.testing.capture_logs() as logs:
-        async with priod.connect(daemon.cfg.socket_path) as c:
+        async with priod.connect(daemon.cfg.socket_path, copy_path="daemon") as c:
             region = await c.alloc_host(1 << 20)
             await c.free(region)
             deadline = time.monotonic() + 5

@@ -283,7 +283,7 @@ def test_notify_protocol_under_socket_activation(tmp_path: Path) -> None:
     listening.close()  # the daemon holds the only copy now, as with systemd's Accept=no
     try:
         ready = listener.wait_for(r"^READY=1\nSTATUS=serving on ")
-        with SyncClient(sock_path, name="activated", timeout=30) as c:
+        with SyncClient(sock_path, name="activated", timeout=30, copy_path="daemon") as c:
             host, dev = c.alloc_host(MiB), c.alloc_device(MiB)
             assert host.array is not None and dev.array is not None
             host.array[:] = 7
@@ -337,7 +337,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 def test_status_cli_table_and_json(daemon: DaemonProcess) -> None:
     """``priod status`` prints lanes with bandwidths, classes, clients and uptime as a table,
     and the same as JSON with ``--json``; it sees this test's connection and its copies."""
-    with SyncClient(daemon.socket_path, name="status-test", timeout=30) as c:
+    with SyncClient(daemon.socket_path, name="status-test", timeout=30, copy_path="daemon") as c:
         host, dev = c.alloc_host(MiB), c.alloc_device(MiB)
         c.copy(dev, host, priority="bulk")
         me = c.server.peer
@@ -448,7 +448,7 @@ async def test_sigterm_finish_completes_queued_work_and_refuses_new() -> None:
     """With [service] shutdown = "finish", SIGTERM lets every queued copy complete and answers
     each one; copies sent after it are refused with ShuttingDown; the daemon exits 0."""
     with daemon_process(SLOW) as d:
-        c = await Client.connect(d.socket_path)
+        c = await Client.connect(d.socket_path, copy_path="daemon")
         handles = await queue_bulk(c, 8)
         d.proc.send_signal(signal.SIGTERM)
         assert wait_log_event(d, "daemon_stopping")["policy"] == "finish"
@@ -457,7 +457,7 @@ async def test_sigterm_finish_completes_queued_work_and_refuses_new() -> None:
             priod.ConnectionClosed,
             match=r"^no priod daemon at .*; start one with 'priod serve' or pass its socket path$",
         ):
-            await Client.connect(d.socket_path)  # no new connections
+            await Client.connect(d.socket_path, copy_path="daemon")  # no new connections
         host, dev = await c.alloc_host(4096), await c.alloc_device(4096)  # other requests still work
         with pytest.raises(
             priod.ShuttingDown, match=r"^the daemon is stopping and takes no new copies; retry once it is back$"
@@ -478,7 +478,7 @@ async def test_sigterm_cancel_answers_queued_work_with_shutting_down() -> None:
     """With [service] shutdown = "cancel", SIGTERM cancels queued copies at the next chunk
     boundary: each gets a reply (done, or ShuttingDown), none hangs, the daemon exits 0."""
     with daemon_process({**SLOW, "PRIOD_SERVICE__SHUTDOWN": '"cancel"', "PRIOD_LOG__LEVEL": '"debug"'}) as d:
-        c = await Client.connect(d.socket_path)
+        c = await Client.connect(d.socket_path, copy_path="daemon")
         handles = await queue_bulk(c, 32)  # about 2 s of work
         d.proc.send_signal(signal.SIGTERM)
         got = await outcomes(handles)
@@ -495,7 +495,7 @@ async def test_sigterm_finish_is_bounded_by_shutdown_timeout() -> None:
     """ "finish" waits at most [service] shutdown_timeout_s: what is still queued then is
     answered with ShuttingDown, and the daemon exits 0 long before the work would be done."""
     with daemon_process({**SLOW, "PRIOD_SERVICE__SHUTDOWN_TIMEOUT_S": "0.3"}) as d:
-        c = await Client.connect(d.socket_path)
+        c = await Client.connect(d.socket_path, copy_path="daemon")
         handles = await queue_bulk(c, 200)  # about 13 s of work
         d.proc.send_signal(signal.SIGTERM)
         got = await outcomes(handles)
@@ -533,7 +533,7 @@ async def test_sighup_reloads_classes_weights_and_limits_keeping_connections(tmp
     config = tmp_path / "priod.toml"
     config.write_text(CONFIG_BEFORE)
     with daemon_process(SLOW, config=str(config)) as d:
-        c = await Client.connect(d.socket_path)
+        c = await Client.connect(d.socket_path, copy_path="daemon")
         host, dev = await c.alloc_host(4096), await c.alloc_device(4096)
         handles = await queue_bulk(c, 8)
         with pytest.raises(priod.InvalidRequest, match=r"^unknown class 'interactive'; the classes are "):
@@ -575,7 +575,7 @@ async def test_sighup_with_a_broken_config_keeps_the_old_one(tmp_path: Path) -> 
     config = tmp_path / "priod.toml"
     config.write_text(CONFIG_BEFORE)
     with daemon_process(config=str(config)) as d:
-        c = await Client.connect(d.socket_path)
+        c = await Client.connect(d.socket_path, copy_path="daemon")
         config.write_text("[classes.bulk]\nweight = 0\n")
         d.proc.send_signal(signal.SIGHUP)
         failed = wait_log_event(d, "reload_failed")
@@ -596,7 +596,7 @@ async def test_log_is_json_lines_with_one_line_per_copy_and_connection_context()
     level); lines caused by a connection carry its conn, client_pid and uid; errors name their
     cause chain."""
     with daemon_process({"PRIOD_SIM__FAULT_ON_NBYTES": "12345", "PRIOD_LOG__LEVEL": '"debug"'}) as d:
-        async with priod.connect(d.socket_path, name="log-test") as c:
+        async with priod.connect(d.socket_path, name="log-test", copy_path="daemon") as c:
             host, dev = await c.alloc_host(MiB), await c.alloc_device(MiB)
             await c.copy(dev, host, priority="urgent")
             await c.copy(host, dev, 65536, priority="bulk", deadline_ms=60_000)

@@ -236,7 +236,7 @@ async def test_a_daemon_runs_on_the_manual_engine(wakes: bool) -> None:
     daemon = Daemon(cfg, engine)
     await daemon.start()
     try:
-        async with priod.connect(path) as c:
+        async with priod.connect(path, copy_path="daemon") as c:
             h, d = await c.alloc_host(N), await c.alloc_device(N)
             assert h.array is not None and d.array is not None
             h.array[:] = np.arange(N, dtype=np.uint32).astype(np.uint8)
@@ -355,7 +355,7 @@ async def test_verified_bulk_load_checks_every_copy() -> None:
     """``verify``: one region pair per outstanding copy, every copy's destination compared with
     its stamped source; `throughput_between` reads the completions. A bad pairing is refused."""
     with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}) as d:
-        async with priod.connect(d.socket_path) as c:
+        async with priod.connect(d.socket_path, copy_path="daemon") as c:
             stop = asyncio.Event()
             asyncio.get_running_loop().call_later(0.5, stop.set)
             load = await bulk_load(c, 1 << 20, stop, pipeline=3, verify=True, deadline_ms=5.0)

@@ -42,7 +42,7 @@ def test_importing_priod_does_not_import_torch() -> None:
 
 def test_host_view_is_the_region_memory(daemon: DaemonProcess) -> None:
     """Region.torch() of a host region is zero-copy: same address, writes show in .array both ways."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h = c.alloc_host(8192)
         assert h.array is not None
         t = h.torch(torch.bfloat16, (16, -1))
@@ -57,7 +57,7 @@ def test_host_view_is_the_region_memory(daemon: DaemonProcess) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_where_gives_region_offset_and_bytes_of_sliced_views(daemon: DaemonProcess, dtype: Any) -> None:
     """Slices of a region's view map to the region, their byte offset and size, for each dtype."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         other, h = c.alloc_host(4096), c.alloc_host(1 << 16)
         t = h.torch(dtype, (32, -1))
         size = t.element_size()
@@ -70,7 +70,7 @@ def test_where_gives_region_offset_and_bytes_of_sliced_views(daemon: DaemonProce
 
 def test_where_refuses_what_it_cannot_name(daemon: DaemonProcess) -> None:
     """Non-contiguous views, empty tensors and tensors outside every region are refused, saying what to do."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h = c.alloc_host(4096)
         t = h.torch(torch.float32, (32, 32))
         with pytest.raises(
@@ -95,7 +95,7 @@ def test_where_refuses_what_it_cannot_name(daemon: DaemonProcess) -> None:
 
 def test_a_freed_region_names_no_tensor(daemon: DaemonProcess) -> None:
     """After free, a tensor that viewed the region is no longer found in it (its memory is gone)."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h, d = c.alloc_host(4096), c.alloc_device(4096)
         t = h.torch()
         c.free(h)
@@ -112,7 +112,7 @@ def test_a_freed_region_names_no_tensor(daemon: DaemonProcess) -> None:
 def test_copy_tensor_lands_at_the_right_bytes(daemon: DaemonProcess, dtype: Any) -> None:
     """copy_tensor between slices of a host view and a (sim) device view moves exactly those
     bytes, at their offsets, in both directions; nothing around them changes."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h, d = c.alloc_host(1 << 16), c.alloc_device(1 << 16)
         assert h.array is not None and d.array is not None
         host, dev = h.torch(dtype, (64, -1)), d.torch(dtype, (64, -1))
@@ -132,7 +132,7 @@ def test_copy_tensor_lands_at_the_right_bytes(daemon: DaemonProcess, dtype: Any)
 
 async def test_async_client_copies_tensors_and_blocks(daemon: DaemonProcess) -> None:
     """The asyncio Client has copy_tensor and copy_blocks too, with the same results."""
-    async with priod.connect(daemon.socket_path) as c:
+    async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
         h, d = await c.alloc_host(1 << 15), await c.alloc_device(1 << 15)
         host, dev = h.torch(torch.bfloat16, (16, -1)), d.torch(torch.bfloat16, (16, -1))
         host.copy_(_random((16, host.shape[1]), torch.bfloat16, 2))
@@ -152,7 +152,7 @@ def test_copy_blocks_moves_paged_kv_blocks(daemon: DaemonProcess, dtype: Any) ->
     pool_shape = (2, 40, 16, 2, 32)
     size = torch.empty((), dtype=dtype).element_size()
     block = int(np.prod(shape[2:])) * size
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         d, h = c.alloc_device(int(np.prod(shape)) * size), c.alloc_host(int(np.prod(pool_shape)) * size)
         cache, pool = d.torch(dtype, shape), h.torch(dtype, pool_shape)
         cache.copy_(_random(shape, dtype, 3))
@@ -172,7 +172,7 @@ def test_copy_blocks_moves_paged_kv_blocks(daemon: DaemonProcess, dtype: Any) ->
 
 def test_copy_blocks_between_regions_by_block_bytes(daemon: DaemonProcess) -> None:
     """Regions as block arrays of block_bytes: the table is block id x block_bytes both sides."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h, d = c.alloc_host(64 << 10), c.alloc_device(64 << 10)
         assert h.array is not None and d.array is not None
         h.array[:] = np.random.default_rng(4).integers(0, 256, h.nbytes, dtype=np.uint8)
@@ -187,7 +187,7 @@ def test_copy_blocks_between_regions_by_block_bytes(daemon: DaemonProcess) -> No
 def test_block_segments_checks_before_sending(daemon: DaemonProcess) -> None:
     """Block ids out of range, unpaired id lists, mismatched block shapes and blocks that are not
     one byte range are refused before any request goes out."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h, d = c.alloc_host(1 << 16), c.alloc_device(1 << 16)
         cache, pool = d.torch(torch.bfloat16, (2, 16, 1024)), h.torch(torch.bfloat16, (2, 16, 1024))
         regions = [h, d]
@@ -221,7 +221,7 @@ def test_block_segments_checks_before_sending(daemon: DaemonProcess) -> None:
 
 def test_region_dlpack_shares_memory(daemon: DaemonProcess) -> None:
     """torch.from_dlpack and np.from_dlpack of a host region view its memory without a copy."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h = c.alloc_host(4096)
         assert h.array is not None
         assert h.__dlpack_device__() == (1, 0)
@@ -233,7 +233,7 @@ def test_region_dlpack_shares_memory(daemon: DaemonProcess) -> None:
 
 def test_region_view_rejects_a_dtype_or_shape_that_does_not_fit(daemon: DaemonProcess) -> None:
     """A region whose size is no multiple of the dtype's, or a shape of the wrong size, is refused."""
-    with priod.SyncClient(daemon.socket_path) as c:
+    with priod.SyncClient(daemon.socket_path, copy_path="daemon") as c:
         h = c.alloc_host(4098)
         with pytest.raises(
             InvalidRequest,

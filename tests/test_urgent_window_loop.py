@@ -36,7 +36,7 @@ async def test_loop_stays_awake_in_the_urgent_window_only_and_sleeps_after() -> 
     await daemon.start()
     pump = daemon.pump
     try:
-        async with priod.connect(path) as c, priod.connect(path) as other:
+        async with priod.connect(path, copy_path="daemon") as c, priod.connect(path) as other:
             h, d = await c.alloc_host(BULK_BYTES), await c.alloc_device(BULK_BYTES)
             assert h.array is not None and d.array is not None
             h.array[:] = np.arange(BULK_BYTES, dtype=np.uint32).astype(np.uint8)
@@ -90,7 +90,7 @@ async def test_direct_copies_with_no_bulk_about_leave_the_loop_asleep() -> None:
     await daemon.start()
     pump = daemon.pump
     try:
-        async with priod.connect(path) as c:
+        async with priod.connect(path, copy_path="daemon") as c:
             page = await c.hold_page()
             slot = page.slot(page.lanes[0]["device_uuid"], "h2d")
             hs, ds = await c.alloc_host(64), await c.alloc_device(64)

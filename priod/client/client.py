@@ -48,6 +48,7 @@ from priod.client.base import (
     raise_if_cancelled,
 )
 from priod.client.direct import HoldPage
+from priod.client.route import CopyPath, DirectRoute, check_copy_path
 from priod.client.torch_face import block_segments, tensor_copy
 from priod.errors import ConnectionClosed, InvalidRequest, PermissionDenied, PriodError, ProtocolError
 from priod.wire.frames import REPLY_LIMITS
@@ -165,12 +166,23 @@ class BatchHandle(_Handle[CopyBatchReply]):
     _decode = staticmethod(CopyBatchReply.decode)
 
 
+INLINE_DIRECT_BYTES = 4 << 20
+"""A direct copy (or batch) of up to this many bytes runs on the event loop itself; a larger one
+on a worker thread, so that the loop goes on serving meanwhile. The hand-over to a thread and
+back costs a copy ~170 us at p50 on a 2-core machine (asyncio.to_thread, a 1 MiB memcpy), more
+than 4 MiB takes on an H200's link (~80 us idle); past that, holding the loop for the whole copy
+would cost other tasks more than the hop costs this one (docs/design.md, Defaults)."""
+
+
 class Client:
     """An asyncio connection to the daemon. Many requests may be in flight at once."""
 
-    def __init__(self, path: str, name: str = "", expect_uid: int | None = None) -> None:
+    def __init__(self, path: str, name: str = "", expect_uid: int | None = None, copy_path: CopyPath = "auto") -> None:
         self.path = path
         self.name = name
+        self.copy_path = check_copy_path(copy_path)
+        """The default of `copy`'s ``path`` for this connection."""
+        self._route: DirectRoute | None = None
         self.expect_uid = expect_uid
         """Connect only to a daemon whose process runs as this uid (checked on every connect)."""
         self._ids = itertools.count(1)
@@ -184,6 +196,11 @@ class Client:
         self._regions: list[Region] = []
 
     @property
+    def regions(self) -> tuple[Region, ...]:
+        """The regions this connection made and has not freed."""
+        return tuple(self._regions)
+
+    @property
     def server(self) -> HelloReply:
         """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
         if self._server is None:
@@ -192,7 +209,13 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None
+        cls,
+        path: str | None = None,
+        *,
+        name: str = "",
+        wait_s: float = 0.0,
+        expect_uid: int | None = None,
+        copy_path: CopyPath = "auto",
     ) -> Client:
         """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
 
@@ -200,9 +223,11 @@ class Client:
 
         ``expect_uid``: refuse (`PermissionDenied`) a daemon whose process does not run as this
         uid, so a socket path that another user took over never gets this client's requests.
+
+        ``copy_path``: this connection's default for `copy`'s ``path``.
         """
         deadline = time.monotonic() + wait_s
-        client = cls(path or await discover(deadline), name, expect_uid)
+        client = cls(path or await discover(deadline), name, expect_uid, copy_path)
         await client._open(max(0.0, deadline - time.monotonic()))
         return client
 
@@ -250,6 +275,9 @@ class Client:
         self._sock.set_listener(functools.partial(self._on_replies, self._sock))
         msg, _ = await self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
         self._server = HelloReply.decode(msg)
+        if self._route is not None:
+            self._route.close()
+        self._route = DirectRoute(self._server.backend)
 
     async def reconnect(self, wait_s: float = 10.0) -> None:
         """Open a fresh connection (after a daemon restart). Regions of the old one are gone:
@@ -379,8 +407,12 @@ class Client:
 
     async def free(self, region: Region) -> None:
         self._check_region(region)
+        if self._route is not None:
+            self._route.forget(region)
         await self._request(Free(region.id))
         region.unmap()
+        if region in self._regions:
+            self._regions.remove(region)
 
     async def share(self, region: Region, uid: int) -> None:
         """Let connections of ``uid`` name this region in their copies (not free or share it)."""
@@ -430,22 +462,69 @@ class Client:
         nbytes: int | None = None,
         *,
         timeout: float | None = None,
+        path: CopyPath | None = None,
         **options: Unpack[CopyOptions],
     ) -> CopyResult:
-        """Copy ``nbytes`` from ``src`` to ``dst`` and wait for it (see `start_copy`).
+        """Copy ``nbytes`` from ``src`` to ``dst`` and wait for it.
 
-        With ``timeout`` (seconds), a copy still unfinished then is cancelled in the daemon and
-        `CopyTimeout` raised, carrying ``bytes_done``. If the awaiting task is cancelled, the
-        copy is cancelled in the daemon too.
+        ``path``: an urgent copy that this process can make itself takes the direct path by
+        default ("auto"; `priod.client.route` says when it can): its own copy, while the daemon
+        holds bulk back; the result's ``path`` is then "direct", and the copy cannot be
+        cancelled once begun. Every other copy goes through the daemon (``path`` "dma" or
+        "express"), as `start_copy`. "direct" or "daemon" forces one; a forced direct copy that
+        this process cannot make raises `InvalidRequest` saying why. Default: ``copy_path`` of
+        `connect`.
+
+        Through the daemon, with ``timeout`` (seconds), a copy still unfinished then is
+        cancelled there and `CopyTimeout` raised, carrying ``bytes_done``. If the awaiting task
+        is cancelled, the copy is cancelled in the daemon too.
         """
+        route = await self._direct_route(dst, src, options, path)
+        if route is not None:
+            dst_offset, src_offset = options.get("dst_offset", 0), options.get("src_offset", 0)
+            size = min(dst.nbytes - dst_offset, src.nbytes - src_offset) if nbytes is None else nbytes
+            if size <= INLINE_DIRECT_BYTES:
+                return route.copy(dst, src, nbytes, dst_offset, src_offset)
+            return await asyncio.to_thread(route.copy, dst, src, nbytes, dst_offset, src_offset)
         return await self._wait(self.start_copy(dst, src, nbytes, **options), timeout)
 
     async def copy_batch(
-        self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Region,
+        src: Region,
+        segments: Any,
+        *,
+        timeout: float | None = None,
+        path: CopyPath | None = None,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """Copy every segment and wait for the batch (see `start_copy_batch`; ``timeout`` as
-        for `copy`, the `CopyTimeout` carrying ``segments_done`` too)."""
+        for `copy`, the `CopyTimeout` carrying ``segments_done`` too; ``path`` as for `copy`)."""
+        route = await self._direct_route(dst, src, options, path)
+        if route is not None:
+            table = route.check_batch(dst, src, segments)
+            if table.total <= INLINE_DIRECT_BYTES:
+                return route.copy_batch(dst, src, table)
+            return await asyncio.to_thread(route.copy_batch, dst, src, table)
         return await self._wait(self.start_copy_batch(dst, src, segments, **options), timeout)
+
+    async def _direct_route(self, dst: Region, src: Region, options: Any, path: CopyPath | None) -> DirectRoute | None:
+        """The direct route where this copy takes it, else None (see `copy`)."""
+        choice = check_copy_path(path or self.copy_path)
+        route = self._route
+        if choice == "daemon" or route is None:
+            return None
+        self._check_region(dst, src)
+        why = route.eligible(dst, src, options)
+        if why is None:
+            if not route.has_page:
+                route.set_page(await self.hold_page())
+            why = route.refused(dst, src)
+        if why is None:
+            return route
+        if choice == "direct":
+            raise InvalidRequest(f"this copy cannot take the direct path: {why}")
+        return None
 
     # -- tensors (priod.client.torch_face) ----------------------------------------------------------
     def start_copy_tensor(self, dst: Any, src: Any, **options: Unpack[BatchOptions]) -> CopyHandle:
@@ -457,10 +536,26 @@ class Client:
         return self.start_copy(d.region, s.region, d.nbytes, dst_offset=d.offset, src_offset=s.offset, **options)
 
     async def copy_tensor(
-        self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Any,
+        src: Any,
+        *,
+        timeout: float | None = None,
+        path: CopyPath | None = None,
+        **options: Unpack[BatchOptions],
     ) -> CopyResult:
-        """`start_copy_tensor` and wait for it (``timeout`` as for `copy`)."""
-        return await self._wait(self.start_copy_tensor(dst, src, **options), timeout)
+        """`start_copy_tensor` and wait for it (``timeout`` and ``path`` as for `copy`)."""
+        d, s = tensor_copy(dst, src, self._regions)
+        return await self.copy(
+            d.region,
+            s.region,
+            d.nbytes,
+            dst_offset=d.offset,
+            src_offset=s.offset,
+            timeout=timeout,
+            path=path,
+            **options,
+        )
 
     def start_copy_blocks(
         self,
@@ -492,13 +587,14 @@ class Client:
         block_dim: int = 0,
         block_bytes: int | None = None,
         timeout: float | None = None,
+        path: CopyPath | None = None,
         **options: Unpack[BatchOptions],
     ) -> BatchResult:
-        """`start_copy_blocks` and wait for it (``timeout`` as for `copy_batch`)."""
-        return await self._wait(
-            self.start_copy_blocks(dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options),
-            timeout,
+        """`start_copy_blocks` and wait for it (``timeout`` and ``path`` as for `copy_batch`)."""
+        d, s, segments = block_segments(
+            dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes
         )
+        return await self.copy_batch(d, s, segments, timeout=timeout, path=path, **options)
 
     async def _wait(self, handle: _Handle[R], timeout: float | None) -> R:
         try:
@@ -520,6 +616,9 @@ class Client:
 
     async def close(self) -> None:
         """Close the connection; the daemon releases this connection's regions."""
+        if self._route is not None:
+            self._route.close()
+            self._route = None
         if self._sock is not None and self._closed_exc is None:
             self._lost(ConnectionClosed("connection closed by this client"))
         if self._sock is not None:
@@ -540,13 +639,13 @@ class Client:
 class _Connecting:
     """What `connect` returns: await it for a `Client`, or use it with ``async with``."""
 
-    def __init__(self, path: str | None, name: str, wait_s: float, expect_uid: int | None) -> None:
-        self._args = (path, name, wait_s, expect_uid)
+    def __init__(self, path: str | None, name: str, wait_s: float, expect_uid: int | None, copy_path: CopyPath) -> None:
+        self._args = (path, name, wait_s, expect_uid, copy_path)
         self._client: Client | None = None
 
     def __await__(self) -> Generator[Any, None, Client]:
-        path, name, wait_s, expect_uid = self._args
-        return Client.connect(path, name=name, wait_s=wait_s, expect_uid=expect_uid).__await__()
+        path, name, wait_s, expect_uid, copy_path = self._args
+        return Client.connect(path, name=name, wait_s=wait_s, expect_uid=expect_uid, copy_path=copy_path).__await__()
 
     async def __aenter__(self) -> Client:
         self._client = await self
@@ -560,12 +659,18 @@ class _Connecting:
 
 
 def connect(
-    path: str | None = None, *, name: str = "", wait_s: float = 0.0, expect_uid: int | None = None
+    path: str | None = None,
+    *,
+    name: str = "",
+    wait_s: float = 0.0,
+    expect_uid: int | None = None,
+    copy_path: CopyPath = "auto",
 ) -> _Connecting:
     """Connect to the daemon at ``path`` (default: the first that exists of $PRIOD_SOCKET,
-    $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.daemon.config.find_socket`);
-    with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`)."""
-    return _Connecting(path, name, wait_s, expect_uid)
+    $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.common.socket_path.find_socket`);
+    with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`);
+    ``copy_path``: the connection's default for `Client.copy`'s ``path``."""
+    return _Connecting(path, name, wait_s, expect_uid, check_copy_path(copy_path))
 
 
 # The blocking client lives in sync_client.py; both are importable from here, as from `priod`.

@@ -43,7 +43,7 @@ from priod.common.gpus import uuid_key
 from priod.common.types import Direction, LaneKey, Path
 from priod.errors import InvalidRequest
 from priod.wire.batch import LARGEST, ROW, SMALLEST, Cells
-from priod.wire.hold_page import PAGE_BYTES, WORDS_PER_SLOT
+from priod.wire.hold_page import CLIENT_BYTES, DAEMON_WORD, GRANTED, PAGE_BYTES, WORDS_PER_SLOT
 
 __all__ = [
     "KERNEL_BLOCK_MAX",
@@ -65,15 +65,19 @@ kernel checks at once, from as many threads; past that a batch is checked on the
 
 class HoldPage:
     """This connection's hold page, as the client writes it: `begin` before a copy is issued,
-    `end` once it is over (or failed). No CUDA here: anything that moves bytes on its own may
-    announce them. The daemon reads the page; closing the connection ends every hold."""
+    `end` once it is over (or failed); and as the daemon writes it: `refused` while this uid's
+    hold budget on a lane is spent (a copy announced then runs un-held). No CUDA here: anything
+    that moves bytes on its own may announce them. The daemon reads the client's counters;
+    closing the connection ends every hold."""
 
     def __init__(self, fd: int, lanes: list[dict[str, Any]]) -> None:
         """``fd`` (the page's memfd, from the reply) is closed here once mapped."""
         try:
             if sys.byteorder != "little":  # the page's counters are little-endian words (protocol.md)
                 raise InvalidRequest("direct copies need a little-endian host")
-            self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # A daemon before the daemon's half made the client's half alone: map what there is.
+            size = PAGE_BYTES if os.fstat(fd).st_size >= PAGE_BYTES else CLIENT_BYTES
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.lanes = lanes
@@ -84,6 +88,8 @@ class HoldPage:
         it packs (CPython's ``s_pack_internal``), so a scan could catch a counter at 0. Measured on
         the H200: such a read made the daemon charge a 50-ms hold debt and hold nothing for the
         next ~200 ms, the ~900-us tails of the direct rows (docs/benchmarks.md)."""
+        self._told = DAEMON_WORD if size >= PAGE_BYTES else None
+        """Where the daemon's words start in ``_words`` (None: a page without them)."""
         self._begun = [0] * len(lanes)
         self._ended = [0] * len(lanes)
         """What this process wrote, the page's only writer (so no read back of the page)."""
@@ -115,6 +121,16 @@ class HoldPage:
         with self._lock:
             n = self._ended[slot] = self._ended[slot] + 1
             self._words[slot * WORDS_PER_SLOT + 1] = n
+
+    def refused(self, slot: int) -> bool:
+        """Whether the daemon says this uid's hold budget on ``slot``'s lane is spent: a copy
+        announced now would not hold bulk back, so send urgent copies through the daemon until
+        this reads False again (once the budget has refilled enough for a hold). The daemon
+        updates its word when it looks at the pages (before it hands out chunks, and on
+        status), so on an idle daemon it may stay True until the next copy through it.
+        One aligned 8-byte load of the daemon's word; False on a daemon that writes none."""
+        told = self._told
+        return told is not None and self._words[told + slot] != GRANTED
 
     def close(self) -> None:
         self._words.release()

@@ -37,6 +37,7 @@ from priod.client.base import (
     raise_if_cancelled,
 )
 from priod.client.direct import HoldPage
+from priod.client.route import CopyPath, DirectRoute, check_copy_path
 from priod.client.torch_face import block_segments, tensor_copy
 from priod.common.socket_path import find_socket
 from priod.errors import InvalidRequest, PriodError
@@ -177,10 +178,13 @@ class SyncClient:
         timeout: float | None = None,
         spin_us: float = DEFAULT_SPIN_US,
         expect_uid: int | None = None,
+        copy_path: CopyPath = "auto",
     ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
         sleeping (lower latency for urgent copies, at the cost of a core while waiting); 0
-        sleeps at once. The default, `DEFAULT_SPIN_US`, covers a small copy's round trip."""
+        sleeps at once. The default, `DEFAULT_SPIN_US`, covers a small copy's round trip.
+        ``copy_path``: this connection's default for `copy`'s ``path`` (see `Client.copy`)."""
+        self.copy_path = check_copy_path(copy_path)
         self.path = path or find_socket()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -206,6 +210,7 @@ class SyncClient:
         msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
         self.server = HelloReply.decode(msg)
         """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
+        self._route = DirectRoute(self.server.backend, self.hold_page)
 
     def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
         req_id = next(self._ids)
@@ -269,6 +274,11 @@ class SyncClient:
         self._regions.append(region)
         return region
 
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        """The regions this connection made and has not freed."""
+        return tuple(self._regions)
+
     def hold_page(self) -> HoldPage:
         """See `Client.hold_page`."""
         return hold_page(self._request(OpenHoldPage()))
@@ -299,8 +309,11 @@ class SyncClient:
         return self._region(reply).holding(obj)
 
     def free(self, region: Region) -> None:
+        self._route.forget(region)
         self._request(Free(region.id))
         region.unmap()
+        if region in self._regions:
+            self._regions.remove(region)
 
     def share(self, region: Region, uid: int) -> None:
         self._request(Share(region.id, uid))
@@ -312,9 +325,13 @@ class SyncClient:
         nbytes: int | None = None,
         *,
         timeout: float | None = None,
+        path: CopyPath | None = None,
         **options: Unpack[CopyOptions],
     ) -> CopyResult:
-        """Copy and wait for it (see `Client.start_copy`; ``timeout`` as in `Client.copy`)."""
+        """Copy and wait for it (see `Client.copy`: ``timeout``, and ``path``, the direct path
+        or the daemon's)."""
+        if self._route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
+            return self._route.copy(dst, src, nbytes, options.get("dst_offset", 0), options.get("src_offset", 0))
         if timeout is not None:
             return self.start_copy(dst, src, nbytes, **options).wait(timeout)
         msg, _ = self._request(copy_request(dst, src, nbytes, options))
@@ -328,9 +345,18 @@ class SyncClient:
         return SyncCopyHandle(self, self._start(req), req.signal_event is not None)
 
     def copy_batch(
-        self, dst: Region, src: Region, segments: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Region,
+        src: Region,
+        segments: Any,
+        *,
+        timeout: float | None = None,
+        path: CopyPath | None = None,
+        **options: Unpack[BatchOptions],
     ) -> BatchResult:
-        """Copy every segment and wait for the batch (see `Client.start_copy_batch`)."""
+        """Copy every segment and wait for the batch (see `Client.copy_batch`)."""
+        if self._route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
+            return self._route.copy_batch(dst, src, self._route.check_batch(dst, src, segments))
         return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
 
     def start_copy_batch(
@@ -341,10 +367,27 @@ class SyncClient:
         return SyncBatchHandle(self, self._start(req), req.signal_event is not None)
 
     def copy_tensor(
-        self, dst: Any, src: Any, *, timeout: float | None = None, **options: Unpack[BatchOptions]
+        self,
+        dst: Any,
+        src: Any,
+        *,
+        timeout: float | None = None,
+        path: CopyPath | None = None,
+        **options: Unpack[BatchOptions],
     ) -> CopyResult:
-        """Copy tensor ``src`` into tensor ``dst`` and wait (see `Client.start_copy_tensor`)."""
-        return self.start_copy_tensor(dst, src, **options).wait(timeout)
+        """Copy tensor ``src`` into tensor ``dst`` and wait (see `Client.start_copy_tensor`;
+        ``path`` as for `copy`)."""
+        d, s = tensor_copy(dst, src, self._regions)
+        return self.copy(
+            d.region,
+            s.region,
+            d.nbytes,
+            dst_offset=d.offset,
+            src_offset=s.offset,
+            timeout=timeout,
+            path=path,
+            **options,
+        )
 
     def start_copy_tensor(self, dst: Any, src: Any, **options: Unpack[BatchOptions]) -> SyncCopyHandle:
         """Send a tensor copy and return at once (see `Client.start_copy_tensor`)."""
@@ -361,12 +404,15 @@ class SyncClient:
         block_dim: int = 0,
         block_bytes: int | None = None,
         timeout: float | None = None,
+        path: CopyPath | None = None,
         **options: Unpack[BatchOptions],
     ) -> BatchResult:
-        """Copy paged blocks as one batch and wait (see `Client.start_copy_blocks`)."""
-        return self.start_copy_blocks(
-            dst, src, dst_ids, src_ids, block_dim=block_dim, block_bytes=block_bytes, **options
-        ).wait(timeout)
+        """Copy paged blocks as one batch and wait (see `Client.start_copy_blocks`; ``path`` as
+        for `copy`)."""
+        d, s, segments = block_segments(
+            dst, src, dst_ids, src_ids, self._regions, block_dim=block_dim, block_bytes=block_bytes
+        )
+        return self.copy_batch(d, s, segments, timeout=timeout, path=path, **options)
 
     def start_copy_blocks(
         self,
@@ -393,6 +439,7 @@ class SyncClient:
         self._request(Ping())
 
     def close(self) -> None:
+        self._route.close()
         self._sock.close()
         for region in self._regions:
             region.unmap()

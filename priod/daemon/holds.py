@@ -9,7 +9,7 @@ time-slice between CUDA contexts, so the client's copy waits only for the bulk c
 in flight in the daemon's context, which the short bound keeps small; and no Python round trip
 stands between the client and its copy.
 
-The page: one 4 KiB memfd per connection, made by the daemon and sealed so that its size never
+The page: one 8 KiB memfd per connection, made by the daemon and sealed so that its size never
 changes (the client cannot make the daemon's mapping fault). Slot ``i`` (lane ``i`` of the
 reply's list) is two little-endian uint64 at ``16 * i``: ``begun`` and ``ended``, written only by
 the client, each counting up by one per copy, each with one aligned 8-byte store (the daemon
@@ -20,22 +20,43 @@ the uid has hold budget left on that lane (a token bucket of held seconds:
 `BEGIN_CHARGE_S`). So a buggy or hostile client can delay bulk by that much and no more; what it
 writes is only numbers to the daemon. This module is the bookkeeping; the pump calls
 `Holds.scan` each turn and tells the scheduler which lanes are held.
+
+The page's second half is the daemon's (`priod.wire.hold_page`): one word per slot, 1 while the
+uid's hold budget on that lane is spent (its bucket empty; a copy announced then runs un-held,
+so the client should send it through the daemon), 0 again once the bucket has refilled enough
+for a hold (`Holds.regrant_s`). The daemon writes the word when that changes, on every page of
+the uid, and never reads it back: a client writing there changes only what it reads itself.
+The word is kept current by the scans (before each submission, and on `priod status`): on a
+daemon with nothing to do it may read 1 until the next scan.
+
+The scans also time the direct copies, at scan granularity: a copy ran no longer than from the
+look before the scan that saw its ``begun`` step to the scan that saw ``ended`` catch up, and no
+shorter than from the scan that saw it begin to the last look that saw it under way. That upper
+bound is recorded (`DirectTimes`: Prometheus's ``priod_request_duration_seconds`` with
+``path="direct"``, and `priod status`) when the looks pin it down: to within `TIMED_WITHIN_S`,
+or to within half of it. Looks are close together while bulk is held or on the short bound
+(every loop turn); with no bulk about the daemon looks seldom and a copy is counted, not timed.
+Copies that overlap or come several between two looks (``begun`` stepping by more than one
+before ``ended`` catches up) are counted, not timed: their span is no one copy's duration.
 """
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import math
 import mmap
 import os
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from priod.common.types import LaneKey
+from priod.daemon.metrics import LATENCY_BUCKETS
 from priod.errors import InvalidRequest
-from priod.wire.hold_page import PAGE_BYTES, SLOT_BYTES
+from priod.wire.hold_page import DAEMON_WORD, GRANTED, MAX_SLOTS, PAGE_BYTES, REFUSED, WORDS_PER_SLOT
 
-__all__ = ["HoldPage", "Holds", "HoldsScan"]
+__all__ = ["DirectTimes", "HoldPage", "Holds", "HoldsScan"]
 
 MAX_COUNTED = 1_000_000
 """Copies counted from one scan's jump in ``begun`` at most (a client may write any number)."""
@@ -45,20 +66,64 @@ BEGIN_CHARGE_S = 50e-6
 """What each announced copy costs its uid's hold budget at least, however short its hold: enough
 that a flood of announcements empties the bucket (and an empty bucket starts no short bound),
 little enough that one uid's honest clients (thousands of copies a second) stay inside it."""
+TIMED_WITHIN_S = 250e-6
+"""A direct copy's duration is recorded when the daemon's looks bound it to within this much
+(or to within half the figure): while bulk is held or on the short bound the daemon looks every
+loop turn, tens of microseconds apart."""
+RECENT_TIMED = 1024
+"""Timed direct copies per lane that `priod status`'s percentiles are taken over (the latest)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Bucket:
-    """Hold budget of one uid on one lane, in seconds of holding."""
+    """Hold budget of one uid on one lane, in seconds of holding, and what its pages are told."""
 
+    lane: LaneKey
     tokens: float
     at: float
+    refused: bool = False
+    """Told to the uid's pages: the budget is spent (set at empty, cleared at `Holds.regrant_s`)."""
+    clear_at: float = math.inf
+    """While refused: when the bucket will have refilled to `Holds.regrant_s`, if nothing is
+    charged meanwhile (the scan looks at it then, though no page of it changes)."""
+    slots: list[_Slot] = field(default_factory=list)
+    """The slots of open pages that draw on it (each page of the uid has one for the lane)."""
 
 
 @dataclass
+class DirectTimes:
+    """Direct copies the daemon timed on one lane (see the module's docstring): cumulative
+    counts per `LATENCY_BUCKETS` bound (le: value <= bound) and one past the last, their sum,
+    and the latest `RECENT_TIMED` figures."""
+
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total_s: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TIMED))
+
+    @property
+    def count(self) -> int:
+        return sum(self.buckets)
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total_s += seconds
+        self.recent.append(seconds)
+
+    def percentiles_us(self) -> dict[str, float]:
+        """p50 and p99 (nearest rank) of the latest timed copies, in microseconds."""
+        ordered = sorted(self.recent)
+        n = len(ordered)
+        return {f"p{q}_us": round(ordered[max(0, math.ceil(q * n / 100) - 1)] * 1e6, 1) for q in (50, 99)}
+
+
+@dataclass(eq=False)
 class _Slot:
     lane: LaneKey
     bucket: _Bucket
+    told: memoryview
+    """The page's daemon half as uint64 words: this slot's word is ``told[index]``. Written,
+    never read: the client can write there too."""
+    index: int
     seen_begun: int = 0
     since: float = -math.inf
     """When the daemon saw the current copy begin (its ``begun`` change)."""
@@ -66,6 +131,12 @@ class _Slot:
     """The scan at which this slot last held its lane (for charging the bucket), else None."""
     cut: bool = False
     """The current copy's hold was cut short (too long, or out of budget): counted once."""
+    open_copies: int = 0
+    """Copies begun since ``ended`` last caught up with ``begun`` (0: none under way)."""
+    open_after: float = 0.0
+    """The look before the scan that saw the first of them begin: it began after this."""
+    open_seen: float = 0.0
+    """The scan that saw the first of them begin."""
 
 
 @dataclass
@@ -80,6 +151,9 @@ class HoldPage:
     words: memoryview
     """The slots' counters as native uint64 words: read one aligned 8-byte load each, so a
     counter the client is writing reads as its old value or its new one, never a mix."""
+    told: memoryview
+    """The daemon's half, one word per slot (`_Slot.told`): written only, never read."""
+    opened: float = -math.inf
     seen: list[int] = field(default_factory=list)
     """The counters as the last scan that looked at the slots read them."""
     holding: bool = False
@@ -117,10 +191,25 @@ class Holds:
     store per counter, or a buggy one (no copy is counted for them)."""
     held: frozenset[LaneKey] = frozenset()
     """Lanes held at the last scan."""
+    timed: dict[LaneKey, DirectTimes] = field(default_factory=dict)
+    """Direct copies timed per lane (for status and metrics)."""
     _buckets: dict[tuple[int | None, LaneKey], _Bucket] = field(default_factory=dict)
+    _refusing: set[_Bucket] = field(default_factory=set)
+    """Buckets whose pages are told the budget is spent: looked at each scan until refilled."""
+    _looked: float = -math.inf
+    """When the last scan read the pages."""
 
     def configure(self, hold_max_ms: float, share: float, burst_ms: float) -> None:
         self.hold_max_s, self.share, self.burst_s = hold_max_ms / 1e3, share, burst_ms / 1e3
+        for bucket in self._refusing:
+            bucket.clear_at = -math.inf  # the limits changed: judged afresh at the next scan
+
+    @property
+    def regrant_s(self) -> float:
+        """Tokens a bucket whose pages were told "refused" must have again before they are told
+        "granted": one hold as long as any may last, or the whole burst where that is less. Less
+        would tell a client to come back for a copy or two and then refuse it again."""
+        return min(self.burst_s, self.hold_max_s)
 
     def open(self, owner: int, uid: int | None, lanes: Sequence[LaneKey], now: float) -> HoldPage:
         """Make ``owner``'s page (one per connection), slots for ``lanes`` in that order.
@@ -129,7 +218,7 @@ class Holds:
             raise InvalidRequest(
                 "this connection already has its hold page; use the one it got (one page per connection)"
             )
-        if not lanes or len(lanes) * SLOT_BYTES > PAGE_BYTES:
+        if not lanes or len(lanes) > MAX_SLOTS:
             raise InvalidRequest(f"this daemon serves {len(lanes)} host lanes, which do not fit one hold page")
         fd = os.memfd_create("priod-holds", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -137,12 +226,22 @@ class Holds:
             # Sealed before the client sees it: it can write the counters, never resize the file
             # under the daemon's mapping (a shrink would make the daemon's next read fault).
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            view = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+            # Read-write for the daemon's half (the refused words). The client can write all of
+            # it: the daemon reads only the counters, and writes its words without reading them.
+            view = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
-        slots = [_Slot(lane, self._bucket(uid, lane, now)) for lane in lanes]
-        page = HoldPage(owner, uid, fd, view, slots, memoryview(view).cast("Q")[: 2 * len(lanes)])
+        words = memoryview(view).cast("Q")
+        counters = words[: WORDS_PER_SLOT * len(lanes)]
+        told = words[DAEMON_WORD : DAEMON_WORD + len(lanes)]
+        words.release()
+        slots = [_Slot(lane, self._bucket(uid, lane, now), told, i) for i, lane in enumerate(lanes)]
+        page = HoldPage(owner, uid, fd, view, slots, counters, told, opened=now)
+        for slot in slots:
+            slot.bucket.slots.append(slot)
+            if slot.bucket.refused:  # another connection of the uid spent it
+                told[slot.index] = REFUSED
         self.pages[owner] = page
         return page
 
@@ -150,21 +249,32 @@ class Holds:
         """Forget ``owner``'s page (the connection ended): its holds end with it."""
         page = self.pages.pop(owner, None)
         if page is not None:
+            for slot in page.slots:
+                slot.bucket.slots.remove(slot)
             page.words.release()  # the mapping cannot close while a view of it is exported
+            page.told.release()
             page.view.close()
             os.close(page.fd)
 
     def _bucket(self, uid: int | None, lane: LaneKey, now: float) -> _Bucket:
         # Shared by a uid's connections: more connections do not buy more holding.
-        return self._buckets.setdefault((uid, lane), _Bucket(self.burst_s, now))
+        bucket = self._buckets.get((uid, lane))
+        if bucket is None:
+            bucket = self._buckets[(uid, lane)] = _Bucket(lane, self.burst_s, now)
+        return bucket
 
     def scan(self, now: float) -> HoldsScan:
         """Read every page once: which lanes are held now, and where copies began.
 
         A slot holds its lane while its copy is announced and not over, for at most
         ``hold_max_s`` from when the daemon first saw it, and while its uid's bucket for the
-        lane has tokens; held time is charged to the bucket at the next scan.
+        lane has tokens; held time is charged to the bucket at the next scan. Each page is told
+        when its uid's bucket for a lane runs empty or has refilled (`regrant_s`), and direct
+        copies are timed where the looks bound them closely (the module's docstring).
         """
+        looked, self._looked = self._looked, now
+        if self._refusing:
+            self._look_at_refusing(now)
         if not self.pages:
             if self.held:
                 self.held = frozenset()
@@ -179,6 +289,7 @@ class Holds:
                 # idle at any moment, and the pump scans every loop turn under the short bound.
                 continue
             page.seen, page.holding = values, False
+            before = max(looked, page.opened)  # the page's last look: it was open then
             for i, slot in enumerate(page.slots):
                 b, e = values[2 * i], values[2 * i + 1]
                 lane = slot.lane
@@ -194,6 +305,10 @@ class Holds:
                     n = min(step, MAX_COUNTED)
                     self.copies[lane] = self.copies.get(lane, 0) + n
                     slot.seen_begun, slot.since, slot.cut = b, now, False
+                    if slot.open_copies:
+                        slot.open_copies = min(slot.open_copies + n, MAX_COUNTED)
+                    else:
+                        slot.open_copies, slot.open_after, slot.open_seen = n, before, now
                     # A copy costs its uid at least BEGIN_CHARGE_S of holding however short it is
                     # (it puts the lane on its short bound), and with nothing left in the bucket
                     # it neither holds nor starts the short bound: a flood of announcements is
@@ -208,7 +323,13 @@ class Holds:
                 if slot.held_at is not None:
                     bucket.tokens -= now - slot.held_at
                     slot.held_at = None
-                if b == e or slot.cut:
+                if bucket.refused or bucket.tokens <= 0:
+                    self._judge(bucket, bucket.tokens, now)
+                if b == e:
+                    if slot.open_copies:
+                        self._over(slot, before, now)
+                    continue
+                if slot.cut:
                     continue
                 if now - slot.since > self.hold_max_s or bucket.tokens <= 0:
                     slot.cut = True
@@ -221,13 +342,66 @@ class Holds:
         self.held = frozen
         return HoldsScan(frozen, frozenset(begun)) if begun or frozen else _NOTHING
 
+    def _over(self, slot: _Slot, before: float, now: float) -> None:
+        """``ended`` caught up with ``begun``: the copies under way on the slot are over. One
+        copy is timed where the looks bound its duration closely (the module's docstring)."""
+        copies, slot.open_copies = slot.open_copies, 0
+        if copies != 1:
+            return  # several at once: their span is no one copy's duration
+        longest = now - slot.open_after  # it began after that look and ended before this one
+        shortest = before - slot.open_seen if before > slot.open_seen else 0.0  # under way at both
+        if longest - shortest <= max(TIMED_WITHIN_S, longest / 2):
+            times = self.timed.get(slot.lane)
+            if times is None:
+                times = self.timed[slot.lane] = DirectTimes()
+            times.observe(longest)
+
+    def _judge(self, bucket: _Bucket, tokens: float, at: float) -> None:
+        """Tell the bucket's pages when it runs empty, and again once it has `regrant_s`
+        (``tokens``: what it has at ``at``); only then is the page written (the words are the
+        daemon's: nothing is read back from them)."""
+        if bucket.refused:
+            if tokens >= self.regrant_s:
+                self._tell(bucket, False)
+                return
+        elif tokens <= 0:
+            self._tell(bucket, True)
+        else:
+            return
+        bucket.clear_at = at + (self.regrant_s - tokens) / self.share if self.share > 0 else math.inf
+
+    def _tell(self, bucket: _Bucket, refused: bool) -> None:
+        bucket.refused = refused
+        word = REFUSED if refused else GRANTED
+        for slot in bucket.slots:
+            slot.told[slot.index] = word  # one aligned 8-byte store
+        if refused:
+            self._refusing.add(bucket)
+        else:
+            self._refusing.discard(bucket)
+            bucket.clear_at = math.inf
+
+    def _look_at_refusing(self, now: float) -> None:
+        """Tell the pages of a refused bucket that has refilled meanwhile (its pages may all be
+        idle: a refused client sends its copies through the daemon, and a scan skips a page with
+        nothing new). The bucket itself refills when a page of it is next looked at."""
+        for bucket in list(self._refusing):
+            if now >= bucket.clear_at:
+                self._judge(bucket, min(self.burst_s, bucket.tokens + (now - bucket.at) * self.share), now)
+
     def figures(self) -> dict[str, object]:
         """For `priod status`: pages open, copies announced, holds cut short and counters read
-        stepping back, per lane."""
+        stepping back, per lane; the direct copies timed and their p50 and p99 over the latest
+        `RECENT_TIMED` (microseconds); the uids whose hold budget is spent now, counted per lane."""
+        refused: dict[str, int] = {}
+        for bucket in self._refusing:
+            refused[str(bucket.lane)] = refused.get(str(bucket.lane), 0) + 1
         return {
             "pages": len(self.pages),
             "held": sorted(str(k) for k in self.held),
             "copies": {str(k): n for k, n in sorted(self.copies.items())},
             "cut": {str(k): n for k, n in sorted(self.cut.items())},
             "stepped_back": {str(k): n for k, n in sorted(self.stepped_back.items())},
+            "timed": {str(k): {"copies": t.count, **t.percentiles_us()} for k, t in sorted(self.timed.items())},
+            "refused": dict(sorted(refused.items())),
         }

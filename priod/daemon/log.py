@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["configure_logging", "error_fields", "get_logger"]
+__all__ = ["LineBudget", "configure_logging", "error_fields", "get_logger"]
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _SYSLOG = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2, "exception": 3}
@@ -103,3 +103,30 @@ def error_fields(exc: BaseException) -> dict[str, Any]:
     """Log fields for an error: its message, and its causes where it has any."""
     causes = _causes(exc)
     return {"error": str(exc), "causes": causes} if causes else {"error": str(exc)}
+
+
+class LineBudget:
+    """A token bucket of log lines: `take` says whether one more line may be written now.
+
+    For lines a client can cause at will (a refused request: session.py), so that a flood of
+    them cannot flood the journal: ``burst`` lines at once, then ``per_s`` a second. Pure logic;
+    ``now`` is ``time.monotonic()``.
+    """
+
+    __slots__ = ("burst", "per_s", "stamp", "tokens")
+
+    def __init__(self, per_s: float, burst: int, now: float) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.tokens = float(burst)
+        self.stamp = now
+
+    def take(self, now: float) -> bool:
+        """Take one line's token if there is one: True, write the line; False, count it instead."""
+        tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.per_s)
+        self.stamp = now
+        if tokens >= 1.0:
+            self.tokens = tokens - 1.0
+            return True
+        self.tokens = tokens
+        return False

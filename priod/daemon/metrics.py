@@ -25,9 +25,9 @@ from prometheus_client.utils import floatToGoString
 from priod._version import __version__
 from priod.common.types import LaneKey, Path
 
-__all__ = ["Metrics", "gpu_label", "lane_labels", "nvidia_device_nodes"]
+__all__ = ["LATENCY_BUCKETS", "Metrics", "gpu_label", "lane_labels", "nvidia_device_nodes"]
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     25e-6,
     50e-6,
     100e-6,
@@ -45,6 +45,13 @@ _LATENCY_BUCKETS = (
     2.5,
     10.0,
 )
+"""Bounds of the latency histograms (seconds); direct copies are timed into the same (holds.py)."""
+_LATENCY_BUCKETS = LATENCY_BUCKETS
+DIRECT_PRIORITY = "urgent"
+DIRECT_PATH = "direct"
+"""The ``priority`` and ``path`` labels of direct copies in ``priod_request_duration_seconds``: the
+class that takes the direct path, beside its copies through the daemon, so that one family (and
+the urgent-latency panel and alert, which select ``priority="urgent"``) covers both paths."""
 _NVIDIA_NODE = re.compile(r"nvidia[0-9]+")
 
 
@@ -121,6 +128,11 @@ class CopySeries:
             self.queue_wait.setdefault((gpu, direction, priority, path), [0.0] * slots),
         )
 
+    def direct(self, gpu: str, direction: str) -> list[float]:
+        """The duration histogram of a lane's direct copies (per bucket, one past the last, then
+        the sum), made at zero on first use; moved to holds.py's running totals (`Metrics.set_direct_times`)."""
+        return self.duration.setdefault((gpu, direction, DIRECT_PRIORITY, DIRECT_PATH), [0.0] * (len(self.bounds) + 2))
+
     def add(self, s: _Series, nbytes: int, queued_s: float, total_s: float, done: bool, missed: bool) -> None:
         s.requests[0] += 1
         s.counts[0] += nbytes
@@ -155,7 +167,7 @@ class CopySeries:
         for name, doc, table in (
             (
                 "priod_request_duration_seconds",
-                "Copy latency from arrival to completion, by lane, class and path, for completed copies",
+                "Copy latency from arrival to completion, by lane, class and path, for completed copies; path direct: a client's own urgent copy announced on its hold page, as long as the daemon's scans saw it at most",
                 self.duration,
             ),
             (
@@ -298,6 +310,12 @@ class Metrics:
         self._advance(self.direct_copies, "direct", lane, copies)
         self._advance(self.direct_holds_cut, "cut", lane, cut)
         self._advance(self.direct_steps_back, "stepped_back", lane, stepped_back)
+
+    def set_direct_times(self, lane: LaneKey, buckets: list[int], total_s: float) -> None:
+        """Move the lane's direct-copy duration histogram to the daemon's running totals
+        (holds.py `DirectTimes`: counts per bucket, one past the last, and their sum)."""
+        hist = self.copies.direct(*lane_labels(lane, self.gpu_names))
+        hist[:] = [*buckets, total_s]  # one step under the GIL: a scrape reads it whole
 
     def _advance(self, counter: Counter, name: str, lane: LaneKey, total: float) -> None:
         """Move ``counter``'s series for ``lane`` up to ``total``, a running total kept elsewhere."""

@@ -2,7 +2,9 @@
 
 Counters move where things happen (metrics.py, per copy); the gauges here are snapshots, taken
 once a second and on a reload, of the scheduler's queues and bytes in flight, the engine's busy
-time, the urgent paths' latencies and the clients.
+time, the urgent paths' latencies and the clients. Direct copies (clients' own, announced on
+their hold pages) are counted and timed by the hold scans (holds.py) and moved into their
+counters and their ``path="direct"`` latency histogram at the same refresh.
 
 The daemon (server.py) imports this module: what it reads of it is named here (`Reported`).
 """
@@ -155,5 +157,7 @@ def refresh_metrics(d: Reported) -> None:
     holds = d.pump.holds
     for key in holds.copies.keys() | holds.cut.keys() | holds.stepped_back.keys():
         m.add_direct(key, holds.copies.get(key, 0), holds.cut.get(key, 0), holds.stepped_back.get(key, 0))
+    for key, times in holds.timed.items():
+        m.set_direct_times(key, times.buckets, times.total_s)
     m.clients.set(len(d.sessions))
     m.pinned.set(sum(s.holdings.pinned_bytes for s in d.sessions.values()))

@@ -289,7 +289,7 @@ def bulk_process_main(argv: list[str]) -> int:
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGUSR1, stop.set)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        client = await Client.connect(path, name=name)
+        client = await Client.connect(path, name=name, copy_path="daemon")
         regions: tuple[Region, Region] | list[tuple[Region, Region]]
         if verify:
             regions = await bulk_pairs(client, nbytes, pipeline, direction=direction, priority=priority)
