@@ -218,8 +218,20 @@ def format_status(st: dict[str, Any]) -> str:
         f"clients: {clients}   copies: {st['totals']['copies']}   bytes: {st['totals']['bytes'] / 1e9:.3f} GB   deadline misses: {st['deadline_misses']}",
     ]
     for c in st["clients"]:
+        refused = f"   refused {c['refused']}" if c.get("refused") else ""
         lines.append(
-            f"  conn {c['conn']:<4} pid {c['pid']:<8} uid {c['uid']:<6} regions {c['regions']:<4} pending {c['pending']:<5} copies {c['copies']}"
+            f"  conn {c['conn']:<4} pid {c['pid']:<8} uid {c['uid']:<6} regions {c['regions']:<4} pending {c['pending']:<5} "
+            f"copies {c['copies']}{refused}  {c.get('name', '')}".rstrip()
+        )
+    ref = st.get("refusals")
+    if ref and ref.get("total"):
+        codes = " ".join(f"{code}={n}" for code, n in ref.get("by_code", {}).items())
+        limits = " ".join(f"{name}={n}" for name, n in ref.get("by_limit", {}).items())
+        log = ref.get("log", {})
+        lines.append(
+            f"refused: {ref['total']}  {codes}"
+            + (f"  limits: {limits}" if limits else "")
+            + f"  (log: {log.get('lines', 0)} lines, {log.get('suppressed', 0)} suppressed)"
         )
     return "\n".join(lines)
 
@@ -236,7 +248,7 @@ def cmd_install_units(args: argparse.Namespace) -> int:
     from priod.daemon.units import install_units
 
     try:
-        written = install_units(args.dest, args.prefix, force=args.force)
+        written = install_units(args.dest, args.prefix, force=args.force, allow_hidden=args.allow_hidden_prefix)
     except FileNotFoundError as exc:  # a shipped file is missing: the installation, not the destination
         print(f"priod: {exc}", file=sys.stderr)
         return 1
@@ -286,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"priod's installation prefix: ExecStart= runs <prefix>/bin/priod (default: this installation's, {sys.prefix})",
     )
     units.add_argument("--force", action="store_true", help="replace an existing etc/priod/priod.toml too")
+    units.add_argument(
+        "--allow-hidden-prefix",
+        action="store_true",
+        help="write the unit even though its ExecStart lies under a path the unit hides (/home, /root, /tmp)",
+    )
     units.set_defaults(func=cmd_install_units, prefix=None)
     demo = sub.add_parser("demo", help="urgent latency and bulk throughput, fifo vs priod, on the sim engine")
     demo.add_argument("--seconds", type=float, default=3.0, help="length of each run")

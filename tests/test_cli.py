@@ -19,6 +19,7 @@ import pytest
 import priod
 import priod.common.socket_path
 from priod.common.socket_path import SYSTEM_SOCKET, default_socket_path, find_socket, socket_candidates
+from priod.daemon.units import HiddenExecutable, exec_chain, hidden_dirs, hidden_problem, install_units, shipped
 from priod.testing import daemon_process
 
 
@@ -122,3 +123,167 @@ async def test_connect_without_a_path_waits_for_the_socket_to_appear(
             await client.ping()
         finally:
             await client.close()
+
+
+# -- priod install-units: an ExecStart the unit itself hides ----------------------------------
+
+SHIPPED_HIDDEN = {
+    "/home": "ProtectHome=yes",
+    "/root": "ProtectHome=yes",
+    "/run/user": "ProtectHome=yes",
+    "/tmp": "PrivateTmp=yes",
+    "/var/tmp": "PrivateTmp=yes",
+}
+
+
+def test_hidden_dirs_are_read_from_the_unit() -> None:
+    """What the check refuses follows the shipped unit's own settings: ProtectHome=yes hides
+    /home, /root and /run/user, PrivateTmp=yes /tmp and /var/tmp; ProtectHome=read-only hides
+    nothing an executable needs, InaccessiblePaths= adds its paths (an empty one resets them)."""
+    assert hidden_dirs(shipped("systemd/priod.service").read_text()) == SHIPPED_HIDDEN
+    assert hidden_dirs("[Service]\nProtectHome=read-only\nPrivateTmp=no\n") == {}
+    assert hidden_dirs("[Service]\nProtectHome=tmpfs\n")["/root"] == "ProtectHome=tmpfs"
+    assert hidden_dirs("[Unit]\nProtectHome=yes\n[Service]\nInaccessiblePaths=-/srv/a /srv/b/\n") == {
+        "/srv/a": "InaccessiblePaths=/srv/a",
+        "/srv/b": "InaccessiblePaths=/srv/b/",
+    }
+    assert hidden_dirs("[Service]\nInaccessiblePaths=/srv/a\nInaccessiblePaths=\n") == {}
+
+
+@pytest.mark.parametrize(
+    ("prefix", "directory"),
+    [
+        ("/home/alice/venv", "/home"),
+        ("/root/.venv", "/root"),
+        ("/run/user/1000/priod", "/run/user"),
+        ("/tmp/priod", "/tmp"),
+        ("/var/tmp/priod/", "/var/tmp"),
+    ],
+)
+def test_install_units_refuses_a_prefix_the_unit_hides(
+    prefix: str, directory: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prefix under /home, /root, /run/user, /tmp or /var/tmp is refused with exit status 1,
+    naming the path, the setting that hides it, the 203/EXEC it would cause and the fix; nothing
+    is written. (The unit runs under ProtectHome=yes and PrivateTmp=yes, so systemd would not
+    find the executable.)"""
+    from priod.cli import main
+
+    root = tmp_path / "root"
+    assert main(["install-units", "--dest", str(root), "--prefix", prefix]) == 1
+    executable = prefix.rstrip("/") + "/bin/priod"
+    assert capsys.readouterr().err == (
+        f"priod: the unit could not start priod: ExecStart={executable} is under {directory}; {directory} is hidden "
+        f"from the daemon by the unit's {SHIPPED_HIDDEN[directory]}, so the start fails with status 203/EXEC. "
+        "Fix: install priod under /usr/local or /opt, or in a venv there (python3 -m venv /opt/priod && "
+        "/opt/priod/bin/pip install ...), and run that installation's priod install-units (or pass its prefix "
+        "with --prefix); or write the unit anyway with --allow-hidden-prefix\n"
+    )
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("prefix", ["/opt/priod", "/usr/local", "/usr", "/homework/priod", "/tmpfs/priod", "/"])
+def test_install_units_takes_a_prefix_the_unit_can_run(
+    prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prefixes outside the hidden directories pass, also ones whose name only begins like one
+    (/homework is not under /home)."""
+    from priod.cli import main
+
+    root = tmp_path / "root"
+    assert main(["install-units", "--dest", str(root), "--prefix", prefix]) == 0
+    assert capsys.readouterr().err == ""
+    executable = prefix.rstrip("/") + "/bin/priod"
+    assert f"\nExecStart={executable} serve " in (root / "etc/systemd/system/priod.service").read_text()
+
+
+def test_install_units_allow_hidden_prefix_writes_it_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--allow-hidden-prefix writes the unit anyway (someone who relaxes ProtectHome= in a drop-in), and still
+    says on stderr why it will not start as shipped. Through the API the warning goes to
+    ``warn``, and ``allow_hidden=False`` refuses even with ``force`` (which then only means
+    replacing the config)."""
+    from priod.cli import main
+
+    root = tmp_path / "root"
+    assert main(["install-units", "--dest", str(root), "--prefix", "/home/alice/venv", "--allow-hidden-prefix"]) == 0
+    out = capsys.readouterr()
+    assert out.err.startswith(
+        "priod: warning: the unit could not start priod: ExecStart=/home/alice/venv/bin/priod is under /home; "
+    )
+    assert (
+        out.err.endswith("; written anyway (--allow-hidden-prefix)\n")
+        and "Fix: install priod under /usr/local or /opt" in out.err
+    )
+    assert "\nExecStart=/home/alice/venv/bin/priod serve " in (root / "etc/systemd/system/priod.service").read_text()
+
+    told: list[str] = []
+    install_units(root, "/tmp/p", force=True, warn=told.append)
+    assert len(told) == 1 and told[0].startswith("warning: the unit could not start priod: ExecStart=/tmp/p/bin/priod")
+    with pytest.raises(HiddenExecutable, match=r"ExecStart=/tmp/p/bin/priod is under /tmp; /tmp is hidden"):
+        install_units(root, "/tmp/p", force=True, allow_hidden=False)
+    assert install_units(root, "/root/p", allow_hidden=True, warn=told.append)[0].action == "replaced"
+
+
+def _fake_venv(tmp_path: Path, launcher: bool = False) -> tuple[Path, Path]:
+    """A venv-like prefix whose bin/priod runs bin/python, a symbolic link to a base Python
+    elsewhere (as venv, pyenv and uv make them); returns (prefix, the base interpreter)."""
+    base = tmp_path / "base" / "bin" / "python3.11"
+    base.parent.mkdir(parents=True)
+    base.write_text("")
+    prefix = tmp_path / "opt" / "priod"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python").symlink_to(base)
+    script = prefix / "bin" / "priod"
+    if launcher:  # pip's form for an interpreter path too long for #!
+        script.write_text(f"#!/bin/sh\n'''exec' \"{prefix}/bin/python\" \"$0\" \"$@\"\n' '''\nimport sys\n")
+    else:
+        script.write_text(f"#!{prefix}/bin/python\nimport sys\n")
+    return prefix, base
+
+
+@pytest.mark.parametrize("launcher", [False, True])
+def test_an_interpreter_the_unit_hides_is_found_too(tmp_path: Path, launcher: bool) -> None:
+    """Installing onto this machine, the check follows the executable to its #! interpreter
+    (also pip's /bin/sh launcher) and that to the Python it links to: a venv under /opt whose
+    python leads into /root/.pyenv fails the same way. Under a staging root only the path is
+    checked (the links there are the build machine's)."""
+    prefix, base = _fake_venv(tmp_path, launcher)
+    executable = f"{prefix}/bin/priod"
+    assert exec_chain(executable) == [
+        (executable, "ExecStart"),
+        (f"{prefix}/bin/python", f"{executable} runs the interpreter"),
+        (str(base), f"{executable} runs the interpreter {prefix}/bin/python, a symbolic link to"),
+    ]
+    unit = f"[Service]\nProtectHome=yes\nInaccessiblePaths=-{tmp_path}/base\n"
+    assert hidden_problem(executable, unit, resolve=True) == (
+        f"the unit could not start priod: {executable} runs the interpreter {prefix}/bin/python, a symbolic link to "
+        f"{base}; {tmp_path}/base is hidden from the daemon by the unit's InaccessiblePaths={tmp_path}/base, so the "
+        "start fails with status 203/EXEC. Fix: install priod under /usr/local or /opt from a Python that is itself "
+        f"outside /home, /root, /run/user, {tmp_path}/base (for example /usr/bin/python3 -m venv /opt/priod)"
+    )
+    assert hidden_problem(executable, unit, resolve=False) is None
+    assert hidden_problem(executable, "[Service]\nProtectHome=yes\n", resolve=True) is None
+    assert exec_chain(str(tmp_path / "nowhere" / "priod")) == [(str(tmp_path / "nowhere" / "priod"), "ExecStart")]
+
+
+def test_install_units_onto_this_machine_checks_this_installations_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`priod install-units` as root onto / checks the priod that runs it, down to the Python
+    its venv links to: it refuses exactly when one of those lies in a directory the unit hides
+    (a venv made from a pyenv or uv Python under /root, say). Written under a staging root
+    here, with the check made as for /."""
+    import priod.daemon.units
+
+    monkeypatch.setattr(priod.daemon.units, "_installs_here", lambda root: True)
+    hidden = hidden_dirs(shipped("systemd/priod.service").read_text())
+    steps = [p for p, _ in exec_chain(f"{sys.prefix}/bin/priod")]
+    blocked = any(p == d or p.startswith(d + "/") for p in steps for d in hidden)
+    if blocked:
+        with pytest.raises(HiddenExecutable, match=r"^the unit could not start priod: "):
+            install_units(tmp_path / "root")
+        assert not (tmp_path / "root").exists()
+    else:
+        assert [w.action for w in install_units(tmp_path / "root")] == ["wrote"] * 4

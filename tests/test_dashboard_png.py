@@ -68,7 +68,7 @@ def test_panels_are_dashboard_panels(dp: ModuleType) -> None:
 @pytest.mark.slow
 def test_short_run_fills_every_main_panel(dp: ModuleType, tmp_path: Path) -> None:
     """Against a live sim daemon under a 6 s load, every panel gets series from the scraped
-    metrics: urgent latency on the GPU (by UUID), bulk bytes both ways, the urgent path counts, limit
+    metrics: urgent latency on the GPU (by ordinal), bulk bytes both ways, the urgent path counts, limit
     refusals, missed deadlines of the normal class; the PNG is written."""
     out = tmp_path / "dash.png"
     args = dp.argparse.Namespace(
@@ -78,7 +78,7 @@ def test_short_run_fills_every_main_panel(dp: ModuleType, tmp_path: Path) -> Non
     panels = {p.title: p.series for p in result["panels"]}
     assert all(panels.values()), [t for t, s in panels.items() if not s]
     latency = panels["Urgent copy latency by GPU (p50, p99, p99.9)"]
-    p99 = [pts for name, pts in latency.items() if name.startswith("p99 gpu GPU-")]  # the sim GPU's UUID
+    p99 = [pts for name, pts in latency.items() if name == "p99 gpu 0"]  # the sim GPU's ordinal
     assert len(p99) == 1 and any(v > 0 for _, v in p99[0]), sorted(latency)
     bytes_s = panels["Bytes/s by class and direction"]
     assert max(v for _, v in bytes_s["bulk h2d"]) > 0.05 and max(v for _, v in bytes_s["bulk d2h"]) > 0.05

@@ -17,9 +17,13 @@ import json
 import os
 import re
 import shutil
+import socket
+import struct
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "resources": {"limits": {"memory": "64Gi"}},
         "imagePullSecrets": [{"name": "registry"}],
     },
+    "own-node-label": {"affinity": None, "nodeSelector": {"example.com/gpu-node": "yes"}},
 }
 
 # The Prometheus Operator's v1 ServiceMonitor and PrometheusRule, as far as the chart uses them:
@@ -276,13 +281,13 @@ def test_daemonset_is_what_a_gpu_node_daemon_needs(
 ) -> None:
     """The DaemonSet runs on GPU nodes under the nvidia runtime with every GPU visible and none
     claimed, binds its socket in a hostPath directory, runs as the image's non-root user with
-    nothing it does not need, is probed through `priod status` on the socket it serves, shares
-    the host's PID namespace for CUDA IPC, and has a critical priority class."""
+    nothing it does not need, is probed through the metrics port (TCP connects and /healthz; test_probes_...), shares the host's PID namespace for CUDA IPC, and has a
+    critical priority class."""
     docs = rendered["defaults"]
     pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert pod["runtimeClassName"] == "nvidia"
-    assert pod["nodeSelector"] and pod["priorityClassName"] == "system-node-critical"
+    assert pod["affinity"]["nodeAffinity"] and pod["priorityClassName"] == "system-node-critical"
     assert pod["hostPID"] is True and pod["automountServiceAccountToken"] is False
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
@@ -299,8 +304,7 @@ def test_daemonset_is_what_a_gpu_node_daemon_needs(
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     sock = c["args"][c["args"].index("--socket") + 1]
     assert Path(sock).parent == Path(mounts["socket-dir"]) and env["PRIOD_SOCKET"] == sock
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["exec"]["command"] == ["priod", "status", "--socket", sock], probe
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
 
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     assert c["securityContext"] == {
@@ -341,6 +345,162 @@ def test_daemonset_is_what_a_gpu_node_daemon_needs(
     )
     assert one(other, "DaemonSet")["spec"]["template"]["spec"]["hostPID"] is False
     assert not by_kind(other, "ServiceMonitor") and not by_kind(other, "PrometheusRule")
+
+
+def _matches(expr: dict[str, Any], labels: dict[str, str]) -> bool:
+    """One nodeSelectorRequirement against a node's labels, as the scheduler reads it."""
+    key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+    if op == "In":
+        return key in labels and labels[key] in values
+    if op == "NotIn":
+        return key not in labels or labels[key] not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    if op in ("Gt", "Lt"):
+        if key not in labels:
+            return False
+        n, bound = int(labels[key]), int(values[0])
+        return n > bound if op == "Gt" else n < bound
+    raise AssertionError(f"unknown operator {op}")
+
+
+def schedulable(pod: dict[str, Any], labels: dict[str, str], taints: list[dict[str, str]] | None = None) -> bool:
+    """Whether the scheduler may place ``pod`` on a node with these labels and NoSchedule
+    taints: every nodeSelector label, one of the required nodeSelectorTerms (each with all its
+    matchExpressions), and a toleration for every taint."""
+    if any(labels.get(k) != v for k, v in (pod.get("nodeSelector") or {}).items()):
+        return False
+    required = (pod.get("affinity") or {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required is not None and not any(
+        all(_matches(e, labels) for e in term.get("matchExpressions", [])) for term in required["nodeSelectorTerms"]
+    ):
+        return False
+    tolerations = pod.get("tolerations") or []
+    return all(
+        any(
+            t.get("key") in (None, taint["key"])
+            and t.get("effect") in (None, taint["effect"])
+            and (t.get("operator") == "Exists" or t.get("value") == taint.get("value"))
+            for t in tolerations
+        )
+        for taint in taints or []
+    )
+
+
+GPU_TAINT = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+NODES: dict[str, tuple[dict[str, str], bool]] = {
+    # name: (labels, a GPU node: priod must run there)
+    "nfd-only": ({"kubernetes.io/os": "linux", "feature.node.kubernetes.io/pci-10de.present": "true"}, True),
+    "gfd": (
+        {
+            "feature.node.kubernetes.io/pci-10de.present": "true",
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": "NVIDIA-H200",
+        },
+        True,
+    ),
+    "labelled-by-hand": ({"kubernetes.io/os": "linux", "nvidia.com/gpu.present": "true"}, True),
+    "tegra": ({"feature.node.kubernetes.io/cpu-model.vendor_id": "NVIDIA"}, True),
+    "cpu-only": ({"kubernetes.io/os": "linux", "feature.node.kubernetes.io/pci-8086.present": "true"}, False),
+    "gpu-absent": ({"nvidia.com/gpu.present": "false", "feature.node.kubernetes.io/pci-10de.present": "false"}, False),
+    "no-labels": ({}, False),
+}
+
+
+def test_default_affinity_finds_gpu_nodes_without_gpu_feature_discovery(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """With the defaults (and in the plain manifests) a pod goes to every GPU node, whichever
+    of the common labels it has: Node Feature Discovery's PCI vendor label alone (no GPU feature
+    discovery), GFD's or the GPU operator's nvidia.com/gpu.present, the label set by hand, the
+    Tegra CPU vendor; tainted or not. No node without such a label gets one. The old default, a
+    nodeSelector on GFD's label, left the NFD-only node without priod. The `affinity` value
+    turns it off for a nodeSelector of one's own."""
+    for variant in ("defaults", "plain"):
+        pod = one(rendered[variant], "DaemonSet")["spec"]["template"]["spec"]
+        assert not pod.get("nodeSelector"), variant
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert len(terms) >= 3
+        for name, (labels, gpu) in NODES.items():
+            for taints in ([], GPU_TAINT):
+                assert schedulable(pod, labels, taints) == gpu, (variant, name, taints)
+    old_default = {"nodeSelector": {"nvidia.com/gpu.present": "true"}, "tolerations": pod["tolerations"]}
+    assert not schedulable(old_default, NODES["nfd-only"][0])
+
+    own = one(rendered["own-node-label"], "DaemonSet")["spec"]["template"]["spec"]
+    assert "affinity" not in own and own["nodeSelector"] == {"example.com/gpu-node": "yes"}
+    assert schedulable(own, {"example.com/gpu-node": "yes"}, GPU_TAINT)
+    assert not schedulable(own, NODES["gfd"][0])
+
+
+def test_no_cpu_limit_by_default(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The daemon's container asks for CPU but has no CPU limit (a CFS quota would throttle the
+    event loop that paces urgent copies; values.yaml says why), in the chart's defaults, the
+    plain manifests and with a memory limit set; a limit given in the values is still applied."""
+    for variant in ("defaults", "plain", "own-priority-class-no-hostpid-no-monitoring"):
+        (c,) = one(rendered[variant], "DaemonSet")["spec"]["template"]["spec"]["containers"]
+        assert c["resources"]["requests"]["cpu"], variant
+        assert "cpu" not in c["resources"].get("limits", {}), variant
+    (c,) = one(rendered["own-priority-class-no-hostpid-no-monitoring"], "DaemonSet")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert c["resources"]["limits"] == {"memory": "64Gi"}
+    pinned = one(manifests.render({"resources": {"limits": {"cpu": "4", "memory": "8Gi"}}}), "DaemonSet")
+    assert pinned["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "4", "memory": "8Gi"}
+
+
+def test_probes_start_no_process_and_liveness_checks_the_event_loop(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Startup and readiness connect to the metrics port (the kubelet's own TCP connect); liveness
+    GETs /healthz there, which answers only while the daemon's event loop turns. No probe starts
+    a process in the container or writes a line to the daemon's log (an exec of `priod status`
+    did both: 8 Python starts and 16 log lines a minute per node)."""
+    for variant in ("defaults", "plain"):
+        (c,) = one(rendered[variant], "DaemonSet")["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert "metrics" in ports
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["tcpSocket"] == {"port": "metrics"} and "exec" not in c[probe], (variant, probe)
+        live = c["livenessProbe"]
+        assert live["httpGet"] == {"path": "/healthz", "port": "metrics"} and "exec" not in live, variant
+        # Up to three minutes to restart a hung daemon.
+        assert live["periodSeconds"] * live["failureThreshold"] <= 180 and live["timeoutSeconds"] >= 3
+
+
+def _kubelet_tcp_probe(port: int) -> bool:
+    """What the kubelet's tcpSocket probe does (pkg/probe/tcp): connect, with SO_LINGER at one
+    second, and close."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 1))
+        return True
+    except OSError:
+        return False
+
+
+def test_probes_of_the_metrics_port_leave_the_daemon_log_alone(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Against a live daemon configured as the chart configures it: the metrics port accepts the
+    kubelet's TCP probe once the daemon serves on its socket, the liveness probe's GET answers
+    200, and a few minutes' worth of all three adds not one line to the daemon's log."""
+    (c,) = one(rendered["defaults"], "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    live = c["livenessProbe"]["httpGet"]
+    port = free_port()
+    with daemon_process({"PRIOD_METRICS__PORT": str(port), "PRIOD_LOG__LEVEL": '"info"'}) as d:
+        deadline = time.monotonic() + 30
+        while not _kubelet_tcp_probe(port):
+            assert time.monotonic() < deadline, "the metrics port never opened"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        before = d.log()
+        for _ in range(20):
+            assert _kubelet_tcp_probe(port)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{live['path']}", timeout=10) as r:
+                assert r.status == 200
+        time.sleep(0.5)
+        assert d.log() == before
 
 
 def test_config_checksum_rolls_pods_on_change() -> None:
@@ -384,13 +544,14 @@ def test_monitoring_objects_match_the_operator_crds(rendered: dict[str, list[dic
 
 def test_prometheus_rule_carries_the_rule_file(rendered: dict[str, list[dict[str, Any]]]) -> None:
     """The PrometheusRule's spec is files/priod-rules.yaml as it stands (the file promtool
-    checks), with the five alerts the runbook names."""
+    checks), with the six alerts the runbook names."""
     rules = yaml.safe_load(RULES.read_text())
     assert one(rendered["defaults"], "PrometheusRule")["spec"] == rules
     alerts = [r["alert"] for g in rules["groups"] for r in g["rules"]]
     assert alerts == [
         "PriodDown",
         "PriodUrgentLatencyHigh",
+        "PriodDirectLatencyHigh",
         "PriodDeadlineMissesRising",
         "PriodRefusalsRising",
         "PriodSimEngineOnGpuNode",

@@ -108,9 +108,9 @@ async def test_unknown_or_malformed_uuid_is_refused_naming_the_served_gpus(two_g
             await c.alloc_device(4096, device=stranger)
         with pytest.raises(
             InvalidRequest,
-            match=r"^device_uuid 'gpu1' is not a GPU UUID; give it as nvidia-smi -L prints it, like GPU-",
+            match=r"^device 'gpu-1' names no GPU; give the daemon's ordinal as an int",
         ):
-            await c.alloc_device(4096, device="gpu1")
+            await c.alloc_device(4096, device="gpu-1")
         await c.ping()
 
 

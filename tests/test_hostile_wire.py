@@ -1,6 +1,6 @@
-"""Hostile or buggy clients at the wire (multi-tenant safety): msgpack bombs, fds whose close
-blocks, a full listen backlog, a socket owned by someone else, links at the socket path, and a
-shutdown with clients that never read.
+"""Hostile or buggy clients at the wire (multi-tenant safety): msgpack bombs, mistyped fields,
+fds whose close blocks, a full listen backlog, a socket owned by someone else, links at the
+socket path, and a shutdown with clients that never read.
 
 The daemon runs in its own process. Time bounds are generous (a second where the bug costs five
 to sixty); what each test asserts is a behaviour: a refusal and its reason, a round trip that
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import mmap
 import os
 import re
 import signal
@@ -27,9 +28,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
+import numpy as np
 import pytest
 
 import priod
+import priod.wire.frames
 from priod.client import Client, SyncClient
 from priod.daemon.server import bind_unix_socket
 from priod.errors import ConnectionClosed, PermissionDenied, PriodError, ProtocolError
@@ -40,6 +43,16 @@ from priod.wire.transport import BlockingFramedSocket
 T = TypeVar("T")
 LINGER_S = 5
 QUIET = {"PRIOD_LOG__LEVEL": '"warning"'}
+FIELDS_MAY_NEST = hasattr(priod.wire.frames, "Nested")
+"""Whether the frame decoder hands a field that holds an array or a map (of scalars) to the
+request's checks as a mistyped value (`priod.wire.frames.Nested`: ``bad_request``, the
+connection goes on) instead of refusing the frame (``bad_frame``, the connection closed).
+Where it does not yet, the tests of that are expected to fail (`needs_nested`)."""
+needs_nested = pytest.mark.xfail(
+    not FIELDS_MAY_NEST,
+    strict=True,
+    reason="priod/wire/frames.py refuses a field's array or map as a bad_frame and closes the connection",
+)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -190,11 +203,23 @@ def _tree_of_maps() -> bytes:
     return level(4)
 
 
-BOMBS = {
-    "million_empty_maps": (_million_empty_maps, r"1000000 exceeds max_array_len\(0\)"),
-    "tree_of_arrays": (_tree_of_arrays, r"13 exceeds max_array_len\(0\)"),  # refused at its first header
-    "tree_of_maps": (_tree_of_maps, r"nests an array or a map inside the request \(nesting limit: depth 1\)"),
-}
+BOMBS = (
+    {
+        # A field's array or map of scalars is a mistyped field; these are longer or deeper.
+        "million_empty_maps": (_million_empty_maps, r"field 'x' holds an array of 1000000 items"),
+        "tree_of_arrays": (_tree_of_arrays, r"nests an array or a map inside a field's array or map"),
+        "tree_of_maps": (
+            _tree_of_maps,
+            r"nests an array or a map inside a field's array or map, or as a key \(nesting limit: depth 2\)",
+        ),
+    }
+    if FIELDS_MAY_NEST
+    else {
+        "million_empty_maps": (_million_empty_maps, r"1000000 exceeds max_array_len\(0\)"),
+        "tree_of_arrays": (_tree_of_arrays, r"13 exceeds max_array_len\(0\)"),  # refused at its first header
+        "tree_of_maps": (_tree_of_maps, r"nests an array or a map inside the request \(nesting limit: depth 1\)"),
+    }
+)
 
 
 @pytest.mark.parametrize("shape", sorted(BOMBS))
@@ -251,11 +276,16 @@ def test_request_limits_hold_for_large_bodies_too() -> None:
     flat = {"id": 1, "op": "ping", **{f"k{i}": "x" * 1000 for i in range(8)}}
     dec = FrameDecoder(1 << 20, REQUEST_LIMITS)
     assert dec.feed(encode(flat)) == [flat]
-    for value, reason in (
-        ({"a": 1}, r"nests an array or a map"),
-        ([], r"nests an array or a map"),
-        ("y" * 2000, r"2000 exceeds max_str_len\(1024\)"),
-    ):
+    refused: list[tuple[Any, str]] = [("y" * 2000, r"2000 exceeds max_str_len\(1024\)")]
+    if FIELDS_MAY_NEST:  # a field's array or map of scalars decodes (test_a_fields_array_or_map_...)
+        refused += [
+            ({"a": {"b": 1}}, r"nests an array or a map inside a field's array or map"),
+            ([[]], r"nests an array or a map inside a field's array or map"),
+            (list(range(33)), r"field 'x' holds an array of 33 items"),
+        ]
+    else:
+        refused += [({"a": 1}, r"nests an array or a map"), ([], r"nests an array or a map")]
+    for value, reason in refused:
         for pad in (0, 8):  # small body, large body
             msg: dict[str, Any] = {"id": 1, "op": "ping", "x": value, **{f"k{i}": "x" * 1000 for i in range(pad)}}
             with pytest.raises(ProtocolError, match=reason):
@@ -263,6 +293,151 @@ def test_request_limits_hold_for_large_bodies_too() -> None:
     many = {f"k{i}": i for i in range(33)}
     with pytest.raises(ProtocolError, match=r"34 exceeds max_map_len\(32\)"):
         FrameDecoder(1 << 20, REQUEST_LIMITS).feed(encode({**many, "pad": "x" * 5000}))
+
+
+@needs_nested
+@pytest.mark.parametrize("pad", [0, 8], ids=["small_body", "large_body"])
+def test_a_fields_array_or_map_of_scalars_decodes_as_a_mistyped_value(pad: int) -> None:
+    """A field that holds an array or a map of at most max_map_len scalars decodes, as its kind
+    and length only, so that the request is refused naming the field (below) instead of the
+    frame; both decoding paths (a small body in one call, a large one item by item) agree."""
+    padding = {f"k{i}": "x" * 1000 for i in range(pad)}
+    for value, kind in (({"a": 1, "b": "c"}, "map"), ({}, "map"), ([1, 2.5, b"z", None], "array"), ([], "array")):
+        (msg,) = FrameDecoder(1 << 20, REQUEST_LIMITS).feed(encode({"id": 1, "op": "copy", "nbytes": value, **padding}))
+        nested = msg["nbytes"]
+        assert (type(nested).__name__, nested.kind, nested.length) == ("Nested", kind, len(value))
+        assert {k: v for k, v in msg.items() if k != "nbytes"} == {"id": 1, "op": "copy", **padding}
+    (msg,) = FrameDecoder(1 << 20, REQUEST_LIMITS).feed(
+        encode({"id": 1, "op": "ping", "x": list(range(32)), **padding})
+    )
+    assert msg["x"].length == 32  # max_map_len items: still a mistyped field, not a broken frame
+
+
+# -- 1b. mistyped fields -------------------------------------------------------------------------
+
+
+class RawSession:
+    """A connection on the wire with a host and a (sim) device region of its own, both mapped
+    here, to check after each bad request that the connection still works: a ping, and a copy
+    between the regions made before, byte for byte."""
+
+    def __init__(self, path: str) -> None:
+        self.fs = greeted(path)
+        self.id = 1
+        self.fds: list[int] = []
+        self.host, self.host_mem = self._region({"op": "alloc_host", "nbytes": 8192})
+        self.dev, self.dev_mem = self._region({"op": "alloc_device", "nbytes": 8192})
+        self.checks = 0
+
+    def _region(self, msg: dict[str, Any]) -> tuple[int, np.ndarray[Any, np.dtype[np.uint8]]]:
+        reply, fds = self.request(msg)
+        assert reply["ok"] and len(fds) == 1, reply
+        self.fds += fds
+        return reply["region"], np.frombuffer(mmap.mmap(fds[0], 8192), dtype=np.uint8)
+
+    def request(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        self.id += 1
+        self.fs.send({"id": self.id, **msg})
+        reply, fds = self.fs.receive()
+        assert reply["id"] == self.id, reply
+        return reply, fds
+
+    def still_works(self) -> None:
+        self.checks += 1
+        assert self.request({"op": "ping"})[0] == {"id": self.id, "ok": True}
+        data = np.random.default_rng(self.checks).integers(0, 256, 8192, dtype=np.uint8)
+        self.host_mem[:] = data
+        reply, _ = self.request({"op": "copy", "dst": self.dev, "src": self.host, "nbytes": 8192, "priority": "bulk"})
+        assert reply["ok"] and reply["nbytes"] == 8192, reply
+        assert np.array_equal(self.dev_mem, data)
+
+    def close(self) -> None:
+        self.fs.close()
+        for fd in self.fds:
+            os.close(fd)
+
+
+INT_FIELDS = [
+    ("copy", "nbytes"),
+    ("copy", "src"),
+    ("copy", "dst_offset"),
+    ("copy_batch", "dst"),
+    ("alloc_host", "nbytes"),
+    ("alloc_device", "nbytes"),
+    ("free", "region"),
+    ("share", "uid"),
+    ("cancel", "target"),
+    ("hello", "v"),
+]
+"""(op, an integer field of it) for the tables below."""
+
+
+def _with_field(s: RawSession, op: str, field: str, value: Any) -> dict[str, Any]:
+    """A request of ``op`` that would pass but for ``field``, which holds ``value``."""
+    whole: dict[str, dict[str, Any]] = {
+        "copy": {"dst": s.dev, "src": s.host, "nbytes": 4096},
+        "copy_batch": {"dst": s.dev, "src": s.host, "segments": bytes(24)},
+        "alloc_host": {"nbytes": 4096},
+        "alloc_device": {"nbytes": 4096},
+        "free": {"region": s.host},
+        "share": {"region": s.host, "uid": os.getuid()},
+        "cancel": {"target": 1},
+        "hello": {"v": 1},
+    }
+    return {"op": op, **whole[op], field: value}
+
+
+MISTYPED = [
+    pytest.param({"a": 1}, "map", marks=needs_nested, id="map"),
+    pytest.param({}, "map", marks=needs_nested, id="empty_map"),
+    pytest.param([1, 2], "array", marks=needs_nested, id="array"),
+    pytest.param([], "array", marks=needs_nested, id="empty_array"),
+    pytest.param(b"\x01", "bytes", id="bin"),
+    pytest.param(1.0, "float", id="float"),
+    pytest.param(True, "bool", id="bool"),
+    pytest.param("7", "str", id="str"),
+]
+
+
+@pytest.mark.parametrize(("value", "name"), MISTYPED)
+def test_a_mistyped_field_is_refused_and_the_connection_goes_on(daemon: DaemonProcess, value: Any, name: str) -> None:
+    """Any integer field of any request holding another type (a map, an array, a bin, a float,
+    a bool, a str) is refused the same way: ``bad_request`` naming the field and the type, with
+    the request's id, on a connection that goes on (a ping, and a copy between regions made
+    before, byte for byte). (Before: a map or an array was a ``bad_frame`` with id 0 and the
+    connection was closed, its regions with it, over one mistyped field.)"""
+    s = RawSession(daemon.socket_path)
+    try:
+        for op, field in INT_FIELDS:
+            reply, fds = s.request(_with_field(s, op, field, value))
+            assert fds == []
+            assert reply == {
+                "id": s.id,
+                "ok": False,
+                "error": {"code": "bad_request", "message": f"field '{field}' must be int, got {name}"},
+            }, (op, field)
+            s.still_works()
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("value", [2**64 - 1, 2**63, -(2**63), -1], ids=["u64_max", "2**63", "i64_min", "minus_one"])
+def test_an_integer_out_of_range_is_refused_and_the_connection_goes_on(daemon: DaemonProcess, value: int) -> None:
+    """The largest and smallest integers msgpack carries, in every integer field of the table:
+    each refused with a reply of its own (a range, a limit or an unknown id, never ``internal``
+    and never ``ok``) and the connection goes on."""
+    s = RawSession(daemon.socket_path)
+    try:
+        for op, field in INT_FIELDS:
+            reply, _ = s.request(_with_field(s, op, field, value))
+            assert reply["ok"] is False and reply["error"]["code"] in {"bad_request", "not_found", "limit"}, (
+                op,
+                field,
+                reply,
+            )
+            s.still_works()
+    finally:
+        s.close()
 
 
 # -- 2. fds whose close blocks -----------------------------------------------------------------

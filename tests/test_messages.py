@@ -222,7 +222,7 @@ def test_an_error_reply_keeps_a_batch_s_progress_whatever_its_code() -> None:
             {"id": 1, "op": "alloc_device", "nbytes": 4096, "device": "0"},
             0,
             True,
-            r"^field 'device' must be int, got str$",
+            r"^device '0' names no GPU; give the daemon's ordinal as an int \(0\)",
         ),
         (
             {"id": 1, "op": "register_device", "handle": b"", "nbytes": 4096, "kind": "vmm_fd", "size": 2 << 20},

@@ -283,19 +283,19 @@ async def test_four_gpus_each_bulk_at_its_link_rate_and_twelve_peer_lanes() -> N
 
 
 async def test_metrics_count_peer_copies_under_both_gpus_labels() -> None:
-    """/metrics of a two-GPU daemon: a peer copy counts under ``gpu`` = the source's UUID and
-    ``direction`` = ``peer:<destination UUID>``, bytes and busy time included, and no h2d/d2h
-    series moves for it."""
+    """/metrics of a two-GPU daemon: a peer copy counts under the source's ``gpu`` (its ordinal)
+    and ``UUID``, and ``direction`` = ``peer:<destination ordinal>``, bytes and busy time
+    included, and no h2d/d2h series moves for it."""
     from priod.testing.scrape import Scraper, free_port, get, total
 
     port = free_port()
     with daemon_process(_env(2, PRIOD_METRICS__PORT=str(port))) as d:
         scrape = Scraper(port)
         async with priod.connect(d.socket_path, copy_path="daemon") as c:
-            u0, u1 = (g["uuid"] for g in (await c.status())["gpus"])
+            u0 = (await c.status())["gpus"][0]["uuid"]
             a, b = await c.alloc_device(2 * MiB, device=0), await c.alloc_device(2 * MiB, device=1)
             await c.copy(b, a, priority="high")
-            peer = {"gpu": u0, "direction": f"peer:{u1}"}
+            peer = {"gpu": "0", "UUID": u0, "direction": "peer:1"}
             deadline = time.monotonic() + 20
             while (s := await asyncio.to_thread(scrape)) and get(s, "priod_engine_busy_seconds_total", **peer) == 0:
                 assert time.monotonic() < deadline, "no busy time for the peer lane in /metrics"
@@ -327,12 +327,12 @@ def test_peer_lane_keys_name_their_pair_and_nothing_else_has_a_peer() -> None:
 
 
 def test_peer_lane_metric_labels_carry_both_gpus() -> None:
-    """Metrics label a peer lane ``gpu`` = source and ``direction`` = ``peer:<destination>``,
-    each by UUID where known, so each pair is its own series."""
+    """Metrics label a peer lane ``gpu`` and ``UUID`` = the source's and ``direction`` =
+    ``peer:<destination's ordinal>``, so each pair is its own series."""
     names = {0: "GPU-a", 1: "GPU-b"}
-    assert lane_labels(LaneKey(0, Direction.PEER, 1), names) == ("GPU-a", "peer:GPU-b")
-    assert lane_labels(LaneKey(1, Direction.PEER, 0)) == ("1", "peer:0")
-    assert lane_labels(LaneKey(1, Direction.H2D), names) == ("GPU-b", "h2d")
+    assert lane_labels(LaneKey(0, Direction.PEER, 1), names) == ("0", "GPU-a", "peer:1")
+    assert lane_labels(LaneKey(1, Direction.PEER, 0)) == ("1", "", "peer:0")
+    assert lane_labels(LaneKey(1, Direction.H2D), names) == ("1", "GPU-b", "h2d")
 
 
 def test_sim_engine_lanes_per_device_count() -> None:

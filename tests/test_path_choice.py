@@ -396,9 +396,9 @@ async def test_a_daemon_learns_the_beat_of_urgent_copies_and_every_byte_lands() 
                     break
                 await asyncio.sleep(max(0.0, t0 + 0.01 - loop.time()))
             refresh_metrics(daemon)
-            gpu, direction = lane_labels(LaneKey(0, Direction.H2D), daemon.metrics.gpu_names)
+            gpu, uuid, direction = lane_labels(LaneKey(0, Direction.H2D), daemon.metrics.gpu_names)
             beat_metric = daemon.metrics.registry.get_sample_value(
-                "priod_urgent_beat_seconds", {"gpu": gpu, "direction": direction}
+                "priod_urgent_beat_seconds", {"gpu": gpu, "UUID": uuid, "direction": direction}
             )
             stop = True
             bulk_copies = await streamer

@@ -8,6 +8,7 @@ systemd would run it; the tests talk to it only through its socket, signals and 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import os
 import re
@@ -88,7 +89,8 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 def test_unit_settings_for_notify_watchdog_activation_and_gpus() -> None:
     """The settings issue 4 asks for are there: Type=notify with a watchdog, the hardening set,
-    explicit /dev/nvidia* DeviceAllow= lines and no PrivateDevices=; a 0660 socket of group priod."""
+    a closed device policy that allows the NVIDIA device groups (test_device_allow_covers_...)
+    and no PrivateDevices=; a 0660 socket of group priod."""
     svc = unit_entries(UNITS / "priod.service")
     one = {k: v for s, k, v in svc if s == "Service" and k != "DeviceAllow"}
     assert one["Type"] == "notify"
@@ -99,10 +101,9 @@ def test_unit_settings_for_notify_watchdog_activation_and_gpus() -> None:
         assert one[key] == "yes", key
     assert one["ProtectSystem"] == "strict"
     assert "PrivateDevices" not in one
+    assert one["DevicePolicy"] == "closed"
     devices = [v for s, k, v in svc if k == "DeviceAllow"]
-    assert devices == [
-        f"/dev/{n} rw" for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "nvidia0")
-    ]
+    assert devices == [f"char-{g} rw" for g in ("nvidia-frontend", "nvidia", "nvidia-uvm", "nvidia-caps")]
     assert ("Unit", "Requires", "priod.socket") in svc
     sock = {k: v for s, k, v in unit_entries(UNITS / "priod.socket") if s == "Socket"}
     assert sock == {
@@ -114,6 +115,112 @@ def test_unit_settings_for_notify_watchdog_activation_and_gpus() -> None:
         "DirectoryMode": "0755",
         "RemoveOnStop": "yes",
     }
+
+
+# /proc/devices as the NVIDIA driver fills it (open-gpu-kernel-modules: nv-frontend.c registers
+# major 195 as "nvidia-frontend", uvm "nvidia-uvm", nv-caps.c "nvidia-caps"; the other majors
+# are dynamic), and as drivers from before the frontend module named major 195: "nvidia".
+PROC_DEVICES = {
+    "frontend": """Character devices:
+  1 mem
+  4 tty
+195 nvidia-frontend
+234 nvidia-nvswitch
+235 nvidia-uvm
+236 nvidia-nvlink
+237 nvidia-caps
+238 nvidia-caps-imex-channels
+
+Block devices:
+  8 sd
+""",
+    "legacy": """Character devices:
+  1 mem
+195 nvidia
+249 nvidia-uvm
+
+Block devices:
+  8 sd
+""",
+}
+
+
+def proc_devices_groups(text: str) -> dict[str, list[tuple[int, str]]]:
+    """{"c": [(major, group), ...], "b": [...]} of a /proc/devices text."""
+    out: dict[str, list[tuple[int, str]]] = {"c": [], "b": []}
+    kind = ""
+    for line in text.splitlines():
+        if line.strip() in ("Character devices:", "Block devices:"):
+            kind = "c" if line.startswith("Character") else "b"
+        elif line.strip() and kind:
+            major, name = line.split(None, 1)
+            out[kind].append((int(major), name.strip()))
+    return out
+
+
+def device_allowed(entries: list[str], node: str, kind: str, major: int, access: str, proc_devices: str) -> bool:
+    """Whether DeviceAllow= entries let a process open ``node`` (type ``kind``, ``major``) for
+    ``access``, as systemd's device filter decides (bpf_devices_allow_list_*): a /dev/ path is
+    that node, ``char-GLOB`` / ``block-GLOB`` every major whose /proc/devices group name matches
+    GLOB (fnmatch, case-sensitive), whatever the minor; nothing else is allowed (closed policy)."""
+    groups = proc_devices_groups(proc_devices)
+    for entry in entries:
+        spec, _, rights = entry.partition(" ")
+        if not set(access) <= set(rights):
+            continue
+        if spec == node:
+            return True
+        for prefix, k in (("char-", "c"), ("block-", "b")):
+            if spec.startswith(prefix) and k == kind:
+                pattern = spec[len(prefix) :]
+                if any(m == major and fnmatch.fnmatchcase(name, pattern) for m, name in groups[k]):
+                    return True
+    return False
+
+
+def test_device_allow_covers_every_gpu_and_the_control_nodes() -> None:
+    """The unit's DeviceAllow= lines let the daemon open /dev/nvidia0 to /dev/nvidia15 (not
+    only nvidia0: a host with 8 GPUs is served whole), /dev/nvidiactl, /dev/nvidia-modeset,
+    /dev/nvidia-uvm, /dev/nvidia-uvm-tools and the MIG capability nodes, with the driver's group
+    names of today and of drivers before the frontend module; not other devices, nor the
+    NVSwitch fabric nodes the daemon does not use."""
+    entries = [v for s, k, v in unit_entries(UNITS / "priod.service") if s == "Service" and k == "DeviceAllow"]
+    for variant, text in PROC_DEVICES.items():
+        major = {name: m for m, name in proc_devices_groups(text)["c"]}
+        gpu = major.get("nvidia-frontend", major.get("nvidia"))
+        assert gpu == 195, variant
+        used = {f"/dev/nvidia{i}": gpu for i in range(16)}
+        used |= {"/dev/nvidiactl": gpu, "/dev/nvidia-modeset": gpu}
+        used |= {"/dev/nvidia-uvm": major["nvidia-uvm"], "/dev/nvidia-uvm-tools": major["nvidia-uvm"]}
+        if "nvidia-caps" in major:
+            used |= {f"/dev/nvidia-caps/nvidia-cap{i}": major["nvidia-caps"] for i in (1, 2)}
+        refused = [node for node, m in used.items() if not device_allowed(entries, node, "c", m, "rw", text)]
+        assert refused == [], f"{variant}: the unit refuses {refused}"
+        assert not device_allowed(entries, "/dev/mem", "c", 1, "r", text)
+        assert not device_allowed(entries, "/dev/sda", "b", 8, "r", text)
+        if "nvidia-nvswitch" in major:
+            assert not device_allowed(entries, "/dev/nvidia-nvswitchctl", "c", major["nvidia-nvswitch"], "rw", text)
+    # The emulation is not vacuous: the unit as it was (nvidia0 only) is caught.
+    before = [f"/dev/{n} rw" for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "nvidia0")]
+    assert not device_allowed(before, "/dev/nvidia1", "c", 195, "rw", PROC_DEVICES["frontend"])
+
+
+def test_device_allow_covers_this_hosts_nvidia_nodes() -> None:
+    """On a host with an NVIDIA driver: every GPU, control, UVM and MIG capability node that
+    exists is allowed by the unit, by this host's own /proc/devices."""
+    entries = [v for s, k, v in unit_entries(UNITS / "priod.service") if s == "Service" and k == "DeviceAllow"]
+    real = Path("/proc/devices").read_text()
+    nodes = [
+        p
+        for p in (*Path("/dev").glob("nvidia*"), *Path("/dev/nvidia-caps").glob("nvidia-cap*"))
+        if re.fullmatch(r"nvidia(\d+|ctl|-modeset|-uvm|-uvm-tools|-cap\d+)", p.name) and p.is_char_device()
+    ]
+    if "nvidia" not in real or not nodes:
+        pytest.skip("no NVIDIA driver on this host (the sample /proc/devices are checked by the test above)")
+    refused = [
+        str(p) for p in nodes if not device_allowed(entries, str(p), "c", os.major(p.stat().st_rdev), "rw", real)
+    ]
+    assert refused == [], f"on this host the unit refuses {refused}"
 
 
 EXPOSURE_MAX = 2.0
@@ -370,7 +477,7 @@ def test_status_cli_table_and_json(daemon: DaemonProcess) -> None:
         ]
         assert re.fullmatch(r"clients: 2   copies: \d+   bytes: \d+\.\d{3} GB   deadline misses: \d+", lines[9])
         mine = [ln for ln in lines[10:] if f" pid {me['pid']} " in ln]
-        assert len(mine) == 1 and re.search(r"regions 2 +pending 0 +copies 1$", mine[0]), lines
+        assert len(mine) == 1 and re.search(r"regions 2 +pending 0 +copies 1  status-test$", mine[0]), lines
 
         r = run_cli("status", "--json", "--socket", daemon.socket_path)
         assert r.returncode == 0, r.stderr

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import mmap
+import operator
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -21,36 +23,47 @@ import numpy.typing as npt
 
 from priod.client.direct import HoldPage
 from priod.common.socket_path import find_socket
-from priod.errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied
+from priod.errors import Cancelled, ConnectionClosed, CopyTimeout, InvalidRequest, PermissionDenied, ProtocolError
 from priod.wire.batch import encode_segments
 from priod.wire.ipc_event import event_handle
 from priod.wire.messages import (
+    DEVICE_FORMS,
+    PROTOCOL_VERSION,
     AllocDevice,
     Copy,
     CopyBatch,
     CopyBatchReply,
     CopyReply,
+    HelloReply,
     HoldPageReply,
     Message,
     RegionReply,
     RegisterDevice,
+    RegisterHost,
+    Request,
     error_of,
+    gpu_target,
 )
 from priod.wire.transport import peer_credentials
 
 __all__ = [
     "BATCH_FRAME_SLACK",
     "BUSY_WAIT_S",
+    "RECONNECT_MAX_SLEEP_S",
     "BatchOptions",
     "BatchResult",
     "CopyOptions",
     "CopyResult",
     "Region",
+    "RegionsLostWarning",
     "Reply",
     "alloc_device_request",
     "batch_request",
     "check_owner",
+    "check_regions",
+    "check_server",
     "close_fds",
+    "copy_lost",
     "copy_request",
     "cuda_register_request",
     "discover",
@@ -59,6 +72,9 @@ __all__ = [
     "no_permission",
     "progress",
     "raise_if_cancelled",
+    "reconnect_sleep",
+    "regions_lost",
+    "reregister_request",
 ]
 
 
@@ -137,10 +153,20 @@ class Region:
         self._held: Any = None
         """A ``register_device``'d buffer, held so its allocator cannot reuse the memory meanwhile."""
         self._held_pointer: int | None = None
+        self._fd: int | None = None
+        """A dup of the region's memfd (host regions, sim device regions), kept to register the
+        same memory again with a restarted daemon: the bytes stay in it whatever the daemon does."""
+        self.shared_with: set[int] = set()
+        """The uids this region was shared with (`share`), shared again after a reconnect."""
+        self.lost: str | None = None
+        """Why this region did not come back after a daemon restart (its client reconnected
+        but could not register it again); None while it is held. A lost region raises that
+        reason when used."""
         if fds:
             try:
                 self._mapping = mmap.mmap(fds[0], self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self.array = np.frombuffer(self._mapping, dtype=np.uint8)
+                self._fd, fds = fds[0], fds[1:]
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -237,7 +263,14 @@ class Region:
 
         return (2, local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0)  # kDLCUDA
 
+    def renew(self, reply: RegionReply, generation: int) -> None:
+        """This region, registered again with a restarted daemon: the same memory, a new id."""
+        self.id, self.generation, self.lost = reply.region, generation, None
+
     def unmap(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         self._held = self._held_pointer = None
         if self._view is not None:
             view, self._view = self._view, None
@@ -252,6 +285,75 @@ class Region:
 
     def __repr__(self) -> str:
         return f"<priod.Region {self.id} {self.kind} {self.nbytes} bytes>"
+
+
+RECONNECT_MAX_SLEEP_S = 1.0
+"""The longest sleep between two reconnect attempts (backoff doubles from 50 ms up to this, each
+sleep jittered down by up to half): a restarted daemon is found within about a second."""
+
+
+class RegionsLostWarning(UserWarning):
+    """Warned when a reconnected client could not register some of its regions again (the
+    restarted daemon's limits, or memory it cannot take back); the message lists them, each
+    Region's ``lost`` says why, and using one raises that."""
+
+
+def reconnect_sleep(attempt: int) -> float:
+    """Seconds to sleep before reconnect attempt ``attempt`` (1, 2, ...): jittered exponential backoff."""
+    return float(min(0.05 * 2.0 ** min(attempt - 1, 30), RECONNECT_MAX_SLEEP_S) * random.uniform(0.5, 1.0))
+
+
+def check_server(server: HelloReply, path: str) -> HelloReply:
+    """Refuse a daemon that speaks another protocol version than this library."""
+    if server.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"the priod daemon at {path} speaks protocol version {server.v}, this client library version {PROTOCOL_VERSION}; "
+            "use a client library of the daemon's version (or upgrade the daemon)"
+        )
+    return server
+
+
+def check_regions(generation: int, *regions: Region) -> None:
+    """Refuse regions this connection does not hold: lost in a reconnect, or of an earlier one."""
+    for r in regions:
+        if r.lost is not None:
+            raise ConnectionClosed(f"{r!r} did not come back after the daemon restarted: {r.lost}")
+        if r.generation != generation:
+            raise InvalidRequest(f"{r!r} belongs to an earlier connection; allocate it again after reconnect()")
+
+
+def reregister_request(region: Region) -> tuple[Request, tuple[int, ...]] | str:
+    """The request that registers ``region``'s memory again with a restarted daemon, and the fds
+    to send beside it (a dup the caller then owns); or why it cannot come back."""
+    if region._fd is not None and region.kind == "host":
+        return RegisterHost(region.nbytes), (os.dup(region._fd),)
+    if region._fd is not None and region.export.get("kind") == "memfd":
+        size = os.fstat(region._fd).st_size
+        req = RegisterDevice(b"", region.nbytes, 0, region.device or 0, region.device_uuid, kind="memfd", size=size)
+        return req, (os.dup(region._fd),)
+    if region._held is not None:
+        return cuda_register_request(region._held)
+    if region.kind == "device":
+        return (
+            "its memory was the daemon's own CUDA allocation, which went with the daemon; allocate it again "
+            "(register your own buffer with register_device for memory that survives a restart)"
+        )
+    return "this client holds no fd of its memory"
+
+
+def regions_lost(path: str, lost: list[Region]) -> str:
+    """The message that reports regions that did not come back after a reconnect."""
+    listed = "; ".join(f"{r!r}: {r.lost}" for r in lost)
+    return f"reconnected to priod at {path}, but {len(lost)} region(s) could not be registered again: {listed}"
+
+
+def copy_lost(req_id: int, path: str, reconnected: str) -> ConnectionClosed:
+    """The error of a copy that was sent and had no reply when the connection was lost."""
+    return ConnectionClosed(
+        f"copy {req_id} was sent to priod at {path} and the connection was lost before its reply: it may have moved "
+        "some or all of its bytes, or none, and did not report success. Re-submitting it is safe when its source and "
+        f"destination do not overlap (always so between a host and a device region). {reconnected}"
+    )
 
 
 def no_permission(path: str) -> PermissionDenied:
@@ -342,9 +444,18 @@ def cuda_register_request(obj: Any) -> tuple[RegisterDevice, tuple[int, ...]]:
 
 
 def alloc_device_request(nbytes: int, device: int | str) -> AllocDevice:
+    """The alloc_device request for ``device``: the daemon's ordinal (an int, or ``gpuN`` as
+    `priod status` names it: sent as the int, which every daemon takes) or the GPU's UUID (sent
+    as ``device_uuid``). Raises InvalidRequest, listing those forms, for anything else."""
     if isinstance(device, str):
-        return AllocDevice(nbytes, device_uuid=device)
-    return AllocDevice(nbytes, device)
+        ordinal, uuid = gpu_target(device)
+        return AllocDevice(nbytes, ordinal) if uuid is None else AllocDevice(nbytes, device_uuid=uuid)
+    if not isinstance(device, bool):  # True is no GPU, though Python takes it for 1
+        try:
+            return AllocDevice(nbytes, operator.index(device))  # an int, or a numpy integer
+        except TypeError:
+            pass
+    raise InvalidRequest(f"device {device!r} names no GPU; give {DEVICE_FORMS}")
 
 
 Reply = tuple[Message, list[int]]

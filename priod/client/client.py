@@ -9,8 +9,11 @@
 
 Copies never carry data: they name regions both sides can reach. Replies may come back out of
 order (urgent copies overtake bulk ones); each request waits on its own future. If the
-connection breaks, every waiting request fails with `ConnectionClosed` (its ``__cause__`` says
-why), and no copy is ever reported done that the daemon did not report done.
+connection breaks, the client reconnects by itself (``reconnect_s``, default 30 s; 0: never)
+and registers its regions again, so the same `Region` objects go on working after a daemon
+restart (docs/reliability.md, "What survives a daemon restart"). A copy whose reply had not
+come fails with `ConnectionClosed` saying so (or is sent again with ``retry_copies``); no copy
+is ever reported done that the daemon did not report done.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import itertools
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, Unpack
@@ -33,11 +37,15 @@ from priod.client.base import (
     CopyResult,
     R,
     Region,
+    RegionsLostWarning,
     Reply,
     alloc_device_request,
     batch_request,
     check_owner,
+    check_regions,
+    check_server,
     close_fds,
+    copy_lost,
     copy_request,
     cuda_register_request,
     discover,
@@ -46,6 +54,9 @@ from priod.client.base import (
     no_permission,
     progress,
     raise_if_cancelled,
+    reconnect_sleep,
+    regions_lost,
+    reregister_request,
 )
 from priod.client.direct import HoldPage
 from priod.client.route import CopyPath, DirectRoute, check_copy_path
@@ -56,6 +67,8 @@ from priod.wire.messages import (
     PROTOCOL_VERSION,
     AllocHost,
     Cancel,
+    Copy,
+    CopyBatch,
     CopyBatchReply,
     CopyReply,
     Free,
@@ -177,8 +190,32 @@ would cost other tasks more than the hop costs this one (docs/design.md, Default
 class Client:
     """An asyncio connection to the daemon. Many requests may be in flight at once."""
 
-    def __init__(self, path: str, name: str = "", expect_uid: int | None = None, copy_path: CopyPath = "auto") -> None:
+    def __init__(
+        self,
+        path: str,
+        name: str = "",
+        expect_uid: int | None = None,
+        copy_path: CopyPath = "auto",
+        reconnect_s: float = 30.0,
+        retry_copies: bool = False,
+    ) -> None:
         self.path = path
+        self.reconnect_s = reconnect_s
+        """On a lost connection, reconnect (and register the regions again) for up to this
+        many seconds; 0: never (the connection stays closed, as `reconnect` leaves it to you)."""
+        self.retry_copies = retry_copies
+        """Send again, after a reconnect, the copies whose reply the lost connection never
+        brought (those without events); False: they fail with `ConnectionClosed`."""
+        self.reconnects = 0
+        """How many times this client reconnected by itself."""
+        self.lost_regions: list[Region] = []
+        """Regions the last reconnect could not register again (each one's ``lost`` says why)."""
+        self._closing = False
+        self._reconnecting: asyncio.Task[None] | None = None
+        self._copies: dict[int, tuple[Copy | CopyBatch, Region, Region]] = {}
+        """Copies sent and not answered yet, to say (or retry) what became of them on a lost connection."""
+        self._orphans: dict[int, asyncio.Future[Reply]] = {}
+        """Copies the lost connection left unanswered, while the client reconnects."""
         self.name = name
         self.copy_path = check_copy_path(copy_path)
         """The default of `copy`'s ``path`` for this connection."""
@@ -216,6 +253,8 @@ class Client:
         wait_s: float = 0.0,
         expect_uid: int | None = None,
         copy_path: CopyPath = "auto",
+        reconnect_s: float = 30.0,
+        retry_copies: bool = False,
     ) -> Client:
         """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
 
@@ -225,9 +264,13 @@ class Client:
         uid, so a socket path that another user took over never gets this client's requests.
 
         ``copy_path``: this connection's default for `copy`'s ``path``.
+
+        ``reconnect_s``: on a lost connection (a daemon restart), reconnect with jittered
+        exponential backoff for up to this many seconds and register every held region again
+        (0: never). ``retry_copies``: send again the copies the lost connection left unanswered.
         """
         deadline = time.monotonic() + wait_s
-        client = cls(path or await discover(deadline), name, expect_uid, copy_path)
+        client = cls(path or await discover(deadline), name, expect_uid, copy_path, reconnect_s, retry_copies)
         await client._open(max(0.0, deadline - time.monotonic()))
         return client
 
@@ -274,16 +317,124 @@ class Client:
         self._sock = FramedSocket(sock, max_output=1 << 30, limits=REPLY_LIMITS)
         self._sock.set_listener(functools.partial(self._on_replies, self._sock))
         msg, _ = await self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
-        self._server = HelloReply.decode(msg)
+        self._server = check_server(HelloReply.decode(msg), self.path)
         if self._route is not None:
             self._route.close()
         self._route = DirectRoute(self._server.backend)
 
     async def reconnect(self, wait_s: float = 10.0) -> None:
-        """Open a fresh connection (after a daemon restart). Regions of the old one are gone:
-        allocate them again. Pending requests of the old connection have already failed."""
+        """Open a fresh connection by hand (the client does it by itself unless ``reconnect_s``
+        is 0). Regions of the old one are gone: allocate them again. Pending requests of the
+        old connection have already failed."""
         await self.close()
+        self._closing = False
         await self._open(wait_s)
+
+    async def wait_connected(self) -> None:
+        """Return once a reconnect under way (if any) has ended; raises if it gave up."""
+        task = self._reconnecting
+        if task is not None and task is not asyncio.current_task():
+            if not task.done():
+                await asyncio.shield(task)
+            if self._closed_exc is not None:
+                raise self._closed_exc
+
+    def _will_reconnect(self, cause: PriodError) -> bool:
+        return (
+            self.reconnect_s > 0
+            and not self._closing
+            and self._server is not None
+            and cause.code in ("closed", "shutting_down")
+        )
+
+    async def _reconnect(self) -> None:
+        """Reconnect after a lost connection, register the regions again, then settle the
+        copies the lost connection left unanswered. Runs as a task; requests wait for it."""
+        start = time.monotonic()
+        deadline = start + self.reconnect_s
+        attempt = 0
+        why: BaseException | None = None
+        while not self._closing:
+            attempt += 1
+            try:
+                await self._open(0.0)
+                await self._restore()
+                break
+            except (ConnectionClosed, OSError) as exc:
+                why = exc
+                if self._sock is not None and self._closed_exc is None:
+                    self._lost(ConnectionClosed(f"reconnect attempt failed: {exc}"))
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(min(reconnect_sleep(attempt), max(0.0, deadline - time.monotonic())))
+            except PriodError as exc:  # refused (permission, version): trying again will not help
+                why = exc
+                break
+        if self._closed_exc is None and not self._closing:
+            self.reconnects += 1
+            self._settle_orphans(
+                f"The client has reconnected (in {time.monotonic() - start:.2f} s) and registered its regions again.",
+                retry=self.retry_copies,
+            )
+            if self.lost_regions:
+                warnings.warn(regions_lost(self.path, self.lost_regions), RegionsLostWarning, stacklevel=1)
+            return
+        gave_up = ConnectionClosed(
+            f"connection to priod at {self.path} lost, and reconnecting failed for {time.monotonic() - start:.1f} s "
+            f"(reconnect_s = {self.reconnect_s}): {why}"
+        )
+        gave_up.__cause__ = why
+        if self._sock is not None and self._closed_exc is None:
+            self._sock.set_listener(None)
+            self._sock.close()
+        self._closed_exc = gave_up
+        self._settle_orphans(f"The client did not reconnect: {why}.", retry=False)
+
+    async def _restore(self) -> None:
+        """Register every region held again (same Region objects, new ids), and share again."""
+        lost: list[Region] = []
+        for region in list(self._regions):
+            req = reregister_request(region)
+            if isinstance(req, str):
+                region.lost = req
+            else:
+                try:
+                    msg, fds = await self._request(*req)
+                    close_fds(fds)
+                    region.renew(RegionReply.decode(msg), self.generation)
+                    for uid in sorted(region.shared_with):
+                        await self._request(Share(region.id, uid))
+                    continue
+                except ConnectionClosed:
+                    raise
+                except PriodError as exc:
+                    region.lost = f"registering it again failed: {exc}"
+            lost.append(region)
+        for region in lost:
+            self._regions.remove(region)
+        self.lost_regions = lost
+
+    def _settle_orphans(self, outcome: str, retry: bool) -> None:
+        """Fail (or, with ``retry``, send again) the copies the lost connection left unanswered."""
+        orphans, self._orphans = self._orphans, {}
+        for req_id, fut in orphans.items():
+            entry = self._copies.pop(req_id, None)
+            if fut.done():
+                continue
+            if retry and entry is not None:
+                req, dst, src = entry
+                if req.wait_event is None and req.signal_event is None and dst.lost is None and src.lost is None:
+                    try:
+                        assert self._sock is not None
+                        self._sock.send({**req.encode(req_id), "dst": dst.id, "src": src.id})
+                        self._pending[req_id] = fut
+                        self._copies[req_id] = entry
+                        continue
+                    except PriodError:
+                        pass
+            exc = copy_lost(req_id, self.path, outcome)
+            exc.__cause__ = self._closed_exc
+            fut.set_exception(exc)
 
     def _on_replies(self, sock: FramedSocket) -> None:
         """The transport's listener: replies resolve their requests in the read callback itself
@@ -301,6 +452,8 @@ class Client:
                     continue
                 if self._recorded:
                     self._recorded.pop(msg.get("id", 0), None)
+                if self._copies:
+                    self._copies.pop(msg.get("id", 0), None)
                 fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
                 if fut is None or fut.done():
                     close_fds(fds)
@@ -325,11 +478,34 @@ class Client:
         if self._sock is not None:
             self._sock.set_listener(None)
             self._sock.close()
-        for fut in self._pending.values():
+        again = self._will_reconnect(cause)
+        if again:
+            # Copies wait for the reconnect's outcome, which their error then states.
+            for req_id in list(self._copies):
+                fut = self._pending.pop(req_id, None)
+                if fut is not None:
+                    self._orphans[req_id] = fut
+            self._closed_exc = ConnectionClosed(
+                f"connection to priod at {self.path} lost ({cause}); the client is reconnecting "
+                f"(for up to reconnect_s = {self.reconnect_s} s): retry the request"
+            )
+            self._closed_exc.__cause__ = cause
+        for req_id, fut in self._pending.items():
             if not fut.done():
-                fut.set_exception(self._closed_exc)
+                if req_id in self._copies:
+                    exc = copy_lost(
+                        req_id, self.path, "The client does not reconnect by itself (reconnect_s = 0, or closed)."
+                    )
+                    exc.__cause__ = cause
+                    fut.set_exception(exc)
+                else:
+                    fut.set_exception(self._closed_exc)
         self._pending.clear()
+        if not again:
+            self._copies.clear()
         self._recorded.clear()  # their handles see the copy's future fail
+        if again and (self._reconnecting is None or self._reconnecting.done()):
+            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
 
     def _send(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> tuple[int, asyncio.Future[Reply]]:
         if self._closed_exc is not None or self._sock is None or self._sock.closed:
@@ -344,6 +520,12 @@ class Client:
         return req_id, fut
 
     async def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
+        if self._reconnecting is not None:
+            try:
+                await self.wait_connected()
+            except BaseException:
+                close_fds(list(fds))
+                raise
         _, fut = self._send(msg, fds)
         reply, got = await fut
         if (exc := error_of(reply)) is not None:
@@ -365,9 +547,13 @@ class Client:
         return region
 
     def _check_region(self, *regions: Region) -> None:
-        for r in regions:
-            if r.generation != self.generation:
-                raise InvalidRequest(f"{r!r} belongs to an earlier connection; allocate it again after reconnect()")
+        task = self._reconnecting
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            raise ConnectionClosed(
+                f"the client is reconnecting to priod at {self.path} after a lost connection; await wait_connected() "
+                "(or any awaited request, which waits by itself) and retry"
+            )
+        check_regions(self.generation, *regions)
 
     # -- regions -----------------------------------------------------------------------------
     async def hold_page(self) -> HoldPage:
@@ -406,6 +592,10 @@ class Client:
         return self._region(await self._request(req, fds)).holding(obj)
 
     async def free(self, region: Region) -> None:
+        if region.lost is not None:  # gone with the daemon already: nothing to free there
+            region.unmap()
+            return
+        await self.wait_connected()
         self._check_region(region)
         if self._route is not None:
             self._route.forget(region)
@@ -416,8 +606,10 @@ class Client:
 
     async def share(self, region: Region, uid: int) -> None:
         """Let connections of ``uid`` name this region in their copies (not free or share it)."""
+        await self.wait_connected()
         self._check_region(region)
         await self._request(Share(region.id, uid))
+        region.shared_with.add(uid)
 
     # -- copies ------------------------------------------------------------------------------
     def start_copy(
@@ -431,6 +623,7 @@ class Client:
         self._check_region(dst, src)
         req = copy_request(dst, src, nbytes, options)
         req_id, fut = self._send(req)
+        self._copies[req_id] = (req, dst, src)
         return CopyHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
 
     def start_copy_batch(self, dst: Region, src: Region, segments: Any, **options: Unpack[BatchOptions]) -> BatchHandle:
@@ -447,6 +640,7 @@ class Client:
         self._check_region(dst, src)
         req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
         req_id, fut = self._send(req)
+        self._copies[req_id] = (req, dst, src)
         return BatchHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
 
     def _expect_record(self, req_id: int, signal_event: bytes | None) -> asyncio.Future[None] | None:
@@ -475,10 +669,13 @@ class Client:
         this process cannot make raises `InvalidRequest` saying why. Default: ``copy_path`` of
         `connect`.
 
+        After a lost connection it waits for the client's reconnect first (``reconnect_s``).
         Through the daemon, with ``timeout`` (seconds), a copy still unfinished then is
         cancelled there and `CopyTimeout` raised, carrying ``bytes_done``. If the awaiting task
         is cancelled, the copy is cancelled in the daemon too.
         """
+        if self._reconnecting is not None:
+            await self.wait_connected()
         route = await self._direct_route(dst, src, options, path)
         if route is not None:
             dst_offset, src_offset = options.get("dst_offset", 0), options.get("src_offset", 0)
@@ -500,6 +697,8 @@ class Client:
     ) -> BatchResult:
         """Copy every segment and wait for the batch (see `start_copy_batch`; ``timeout`` as
         for `copy`, the `CopyTimeout` carrying ``segments_done`` too; ``path`` as for `copy`)."""
+        if self._reconnecting is not None:
+            await self.wait_connected()
         route = await self._direct_route(dst, src, options, path)
         if route is not None:
             table = route.check_batch(dst, src, segments)
@@ -616,6 +815,13 @@ class Client:
 
     async def close(self) -> None:
         """Close the connection; the daemon releases this connection's regions."""
+        self._closing = True
+        task, self._reconnecting = self._reconnecting, None
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.wait([task])
+        if self._orphans:
+            self._settle_orphans("The client was closed while reconnecting.", retry=False)
         if self._route is not None:
             self._route.close()
             self._route = None
@@ -639,13 +845,30 @@ class Client:
 class _Connecting:
     """What `connect` returns: await it for a `Client`, or use it with ``async with``."""
 
-    def __init__(self, path: str | None, name: str, wait_s: float, expect_uid: int | None, copy_path: CopyPath) -> None:
-        self._args = (path, name, wait_s, expect_uid, copy_path)
+    def __init__(
+        self,
+        path: str | None,
+        name: str,
+        wait_s: float,
+        expect_uid: int | None,
+        copy_path: CopyPath,
+        reconnect_s: float = 30.0,
+        retry_copies: bool = False,
+    ) -> None:
+        self._args = (path, name, wait_s, expect_uid, copy_path, reconnect_s, retry_copies)
         self._client: Client | None = None
 
     def __await__(self) -> Generator[Any, None, Client]:
-        path, name, wait_s, expect_uid, copy_path = self._args
-        return Client.connect(path, name=name, wait_s=wait_s, expect_uid=expect_uid, copy_path=copy_path).__await__()
+        path, name, wait_s, expect_uid, copy_path, reconnect_s, retry_copies = self._args
+        return Client.connect(
+            path,
+            name=name,
+            wait_s=wait_s,
+            expect_uid=expect_uid,
+            copy_path=copy_path,
+            reconnect_s=reconnect_s,
+            retry_copies=retry_copies,
+        ).__await__()
 
     async def __aenter__(self) -> Client:
         self._client = await self
@@ -665,12 +888,17 @@ def connect(
     wait_s: float = 0.0,
     expect_uid: int | None = None,
     copy_path: CopyPath = "auto",
+    reconnect_s: float = 30.0,
+    retry_copies: bool = False,
 ) -> _Connecting:
     """Connect to the daemon at ``path`` (default: the first that exists of $PRIOD_SOCKET,
     $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.common.socket_path.find_socket`);
     with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`);
-    ``copy_path``: the connection's default for `Client.copy`'s ``path``."""
-    return _Connecting(path, name, wait_s, expect_uid, check_copy_path(copy_path))
+    ``copy_path``: the connection's default for `Client.copy`'s ``path``; ``reconnect_s`` and
+    ``retry_copies``: what the client does when the connection is lost (see `Client.connect`)."""
+    if reconnect_s < 0:
+        raise InvalidRequest(f"reconnect_s = {reconnect_s} is invalid; give seconds >= 0 (0: never reconnect)")
+    return _Connecting(path, name, wait_s, expect_uid, check_copy_path(copy_path), reconnect_s, retry_copies)
 
 
 # The blocking client lives in sync_client.py; both are importable from here, as from `priod`.

@@ -4,6 +4,9 @@ A connection is a slot of ``[server] max_clients`` and an open file; nobody may 
 nothing (no hello, or nothing held and nothing sent) or take them all (a cap per uid). uid 0 and
 the daemon's own uid are always let in, with a reserve of slots beyond max_clients, so an
 administrator can always look (`priod status`) and stop things.
+
+Each connection turned away is counted by uid, code and limit in the daemon's book of refusals
+(`session.Refusals`, ``refusals.connections`` in `priod status`), which `priod status` reads here.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from priod.daemon.session import Shared
+from priod.daemon.session import Refusals, Shared
 from priod.errors import LimitExceeded, PermissionDenied, PriodError, ShuttingDown
 from priod.wire.transport import Peer
 
@@ -39,8 +42,19 @@ class Admission:
             return True  # the socket's mode and group are the only gate
         return self.privileged(peer.uid) or peer.uid in s.allow_uids or peer.gid in s.allow_gids
 
+    @property
+    def refusals(self) -> Refusals:
+        """The daemon's book of refused requests and connections (for `priod status`)."""
+        return self.shared.refusals
+
     def refusal(self, peer: Peer) -> PriodError | None:
-        """Why this peer may not connect now, or None."""
+        """Why this peer may not connect now, or None; a refusal is counted (`Refusals`)."""
+        why = self._refusal(peer)
+        if why is not None:
+            self.shared.refusals.connection_refused(peer.uid, why)
+        return why
+
+    def _refusal(self, peer: Peer) -> PriodError | None:
         sv, lim = self.shared.cfg.server, self.shared.cfg.limits
         n = len(self.shared.sessions)
         if not self.allowed(peer):

@@ -361,19 +361,33 @@ def check_copy_bounds(
     regions: RegionTable, dst: Region, dst_offset: int, src: Region, src_offset: int, nbytes: int
 ) -> None:
     """Refuse (InvalidRequest, naming the fix) a single copy outside its regions, or whose source
-    and destination overlap (a copy engine does not copy overlapping ranges as memmove does)."""
-    if dst_offset + nbytes <= dst.nbytes and src_offset + nbytes <= src.nbytes and dst.kind != src.kind:
-        return  # the usual copy (host <-> device) in one test: it runs once per copy on the loop
+    and destination overlap in memory: within one region, or between two regions over the same
+    pages (`RegionTable.memory_shift`: one memfd registered twice, two imports of one device
+    allocation). A copy engine does not copy overlapping ranges as memmove does: it moves chunks
+    in no set direction (DMA, and the daemon's own chunking), so the result would be neither the
+    source's old bytes nor an error; refusing is what keeps every copy's outcome defined."""
+    if (
+        dst_offset + nbytes <= dst.nbytes
+        and src_offset + nbytes <= src.nbytes
+        and dst.kind != src.kind
+        and (dst.file is None or dst.file != src.file)
+    ):
+        return  # the usual copy (host <-> device, not one memfd) in one test: it runs once per copy on the loop
     for name, region, offset in (("dst", dst, dst_offset), ("src", src, src_offset)):
         if offset + nbytes > region.nbytes:
             raise InvalidRequest(
                 f"{name}_offset {offset} + nbytes {nbytes} is outside region {region.id} of {region.nbytes} bytes; "
                 "copy within the region's size"
             )
-    if (dst is src or dst.kind == src.kind) and regions.overlapping(dst, dst_offset, src, src_offset, nbytes):
+    if regions.overlapping(dst, dst_offset, src, src_offset, nbytes):
+        same = (
+            ""
+            if dst is src
+            else f" (regions {src.id} and {dst.id} are views of the same memory: one memfd or one device allocation)"
+        )
         raise InvalidRequest(
             f"source bytes {src_offset}..{src_offset + nbytes} of region {src.id} overlap destination bytes "
-            f"{dst_offset}..{dst_offset + nbytes} of region {dst.id}; a copy engine does not copy overlapping ranges "
+            f"{dst_offset}..{dst_offset + nbytes} of region {dst.id}{same}; a copy engine does not copy overlapping ranges "
             "as memmove does: copy through another region, or in pieces that do not overlap"
         )
 

@@ -2,39 +2,66 @@
 
 Names follow prometheus.io's naming guidance: one prefix, base units (seconds, bytes) in the
 name, ``_total`` on counters, ``_info`` on constant label carriers, no per-client labels. A
-lane is two labels, ``gpu`` and ``direction``, so queries aggregate over either; `gpu_label`
-is the one place the ``gpu`` value comes from. Gauges that mirror state (queues, in-flight
-bytes, the engine's busy time) are refreshed by the daemon's loop from the same
-`statistics()` that feeds `priod status` (report.py): the HTTP server runs in a thread and
-must not read the loop's state itself.
+GPU is two labels as NVIDIA's DCGM exporter writes them, ``gpu`` (the ordinal) and ``UUID``, so
+that priod's series join DCGM's on either; a lane is those and ``direction``, so queries
+aggregate over any. `gpu_labels` is the one place their values come from. Every counter and
+histogram series has a ``_created`` series beside it, the hand-counted ones (`CopySeries`) as
+prometheus_client's own (both leave them out under ``PROMETHEUS_DISABLE_CREATED_SERIES``).
+Gauges that mirror state (queues, in-flight bytes, the engine's busy time) are refreshed by the
+daemon's loop from the same `statistics()` that feeds `priod status` (report.py): the HTTP
+server runs in a thread and must not read the loop's state itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from typing import Generic, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIEnvironment
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCollector, make_wsgi_app
+from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from priod._version import __version__
 from priod.common.types import LaneKey, Path
 
-__all__ = ["LATENCY_BUCKETS", "Metrics", "gpu_label", "lane_labels", "nvidia_device_nodes"]
+__all__ = [
+    "GPU_LABELS",
+    "LANE_LABELS",
+    "LATENCY_BUCKETS",
+    "Metrics",
+    "gpu_labels",
+    "lane_labels",
+    "nvidia_device_nodes",
+]
 
 LATENCY_BUCKETS = (
     25e-6,
     50e-6,
+    75e-6,
     100e-6,
+    150e-6,
+    200e-6,
     250e-6,
+    300e-6,
+    400e-6,
     500e-6,
+    750e-6,
     1e-3,
-    2.5e-3,
+    2e-3,
     5e-3,
     10e-3,
     25e-3,
@@ -42,33 +69,47 @@ LATENCY_BUCKETS = (
     100e-3,
     250e-3,
     1.0,
-    2.5,
     10.0,
 )
-"""Bounds of the latency histograms (seconds); direct copies are timed into the same (holds.py)."""
+"""Bounds of the latency histograms (seconds); direct copies are timed into the same (holds.py).
+Fine from 50 to 500 us, where urgent copies are on a GPU (README.md's table: p50 87-664 us,
+p99 141-834 us; no bound more than 1.5 times the one before), with a bound at each urgent-latency
+alert's threshold (0.5 ms and 1 ms: deploy/helm/priod/files/priod-rules.yaml) so that
+``histogram_quantile`` is exact there; coarse above, to 10 s for bulk copies. 21 bounds: with
++Inf, ``_sum``, ``_count`` and ``_created``, 25 series per label set of a histogram."""
 _LATENCY_BUCKETS = LATENCY_BUCKETS
 DIRECT_PRIORITY = "urgent"
 DIRECT_PATH = "direct"
 """The ``priority`` and ``path`` labels of direct copies in ``priod_request_duration_seconds``: the
 class that takes the direct path, beside its copies through the daemon, so that one family (and
-the urgent-latency panel and alert, which select ``priority="urgent"``) covers both paths."""
+the urgent-latency panel, which selects ``priority="urgent"``) covers both paths; the alerts
+take each path apart (``PriodUrgentLatencyHigh``, ``PriodDirectLatencyHigh``)."""
 _NVIDIA_NODE = re.compile(r"nvidia[0-9]+")
 
 
-def gpu_label(device: int, names: Mapping[int, str] | None = None) -> str:
-    """The ``gpu`` label's value for a device ordinal: the GPU's UUID where the engine reports
-    one (``names``: `Engine.device_uuids`), stable across ``CUDA_VISIBLE_DEVICES`` remaps and
-    reboots; else the ordinal as a string. Every series with a ``gpu`` label gets its value here."""
-    return (names.get(device) if names else None) or str(device)
+GPU_LABELS = ("gpu", "UUID")
+"""The labels that name a GPU, as NVIDIA's DCGM exporter names them (``DCGM_FI_DEV_*{gpu="0",
+UUID="GPU-..."}``): the daemon's ordinal, and the GPU's UUID as ``nvidia-smi -L`` prints it."""
+LANE_LABELS = (*GPU_LABELS, "direction")
+"""The labels of a lane: its GPU's, then ``direction``."""
 
 
-def lane_labels(lane: LaneKey, names: Mapping[int, str] | None = None) -> tuple[str, str]:
-    """``(gpu, direction)`` label values of a lane. A peer lane's ``direction`` names its
-    destination, ``peer:<gpu label>`` (``gpu`` is the source), so each pair is its own series
-    and ``direction=~"peer:.*"`` selects them all without a label that other lanes lack."""
-    if lane.peer is not None:
-        return gpu_label(lane.device, names), f"peer:{gpu_label(lane.peer, names)}"
-    return gpu_label(lane.device, names), lane.direction.value
+def gpu_labels(device: int, uuids: Mapping[int, str] | None = None) -> tuple[str, str]:
+    """``(gpu, UUID)`` label values of a device ordinal: the ordinal as a string, as DCGM's
+    ``gpu`` label (the daemon sees every GPU of the host, so its ordinals are the host's), and
+    the UUID the engine reports (``uuids``: `Engine.device_uuids`), stable across
+    ``CUDA_VISIBLE_DEVICES`` remaps and reboots; "" where it reports none. Every series with a
+    ``gpu`` label gets both values here."""
+    return str(device), (uuids.get(device) if uuids else None) or ""
+
+
+def lane_labels(lane: LaneKey, uuids: Mapping[int, str] | None = None) -> tuple[str, str, str]:
+    """``(gpu, UUID, direction)`` label values of a lane. A peer lane's ``direction`` names its
+    destination, ``peer:<ordinal>`` (``gpu`` and ``UUID`` are the source's), so each pair is
+    its own series and ``direction=~"peer:.*"`` selects them all without a label that other
+    lanes lack."""
+    gpu, uuid = gpu_labels(lane.device, uuids)
+    return gpu, uuid, f"peer:{lane.peer}" if lane.peer is not None else lane.direction.value
 
 
 def nvidia_device_nodes(dev: str = "/dev") -> int:
@@ -84,6 +125,34 @@ def nvidia_device_nodes(dev: str = "/dev") -> int:
         return 0
 
 
+N = TypeVar("N", int, float)
+
+
+def _use_created() -> bool:
+    """Whether prometheus_client writes ``_created`` series (``PROMETHEUS_DISABLE_CREATED_SERIES``
+    or `prometheus_client.disable_created_metrics` turn them off): the hand-counted families
+    follow its counters and histograms."""
+    return bool(getattr(_client_metrics, "_use_created", True))
+
+
+@dataclass(slots=True)
+class _Table(Generic[N]):
+    """One family's series: a list of numbers per label values, made at zero on first use, and
+    when each was made (its ``_created`` series, as prometheus_client's own counters have)."""
+
+    width: int
+    zero: N
+    rows: dict[tuple[str, ...], list[N]] = field(default_factory=dict)
+    created: dict[tuple[str, ...], float] = field(default_factory=dict)
+
+    def row(self, key: tuple[str, ...]) -> list[N]:
+        got = self.rows.get(key)
+        if got is None:
+            self.created[key] = time.time()  # before the row: a scrape that sees it sees this
+            got = self.rows[key] = [self.zero] * self.width
+        return got
+
+
 @dataclass(slots=True)
 class _Series:
     """One copy key's counts: where its figures go in `CopySeries`."""
@@ -92,9 +161,10 @@ class _Series:
     """[finished copies] of (lane, class, outcome)"""
     counts: list[int]
     """[bytes, deadline misses] of (lane, class)"""
-    duration: list[float]
-    """Per bucket (and one past the last), then the sum: of (lane, class, path)"""
-    queue_wait: list[float]
+    duration: list[float] | None
+    """Per bucket (and one past the last), then the sum: of (lane, class, path); None for a copy
+    that did not complete (it is timed nowhere), or one that never ran (it has no path)."""
+    queue_wait: list[float] | None
 
 
 class CopySeries:
@@ -106,37 +176,43 @@ class CopySeries:
     dict lookup, a bisect and a few list updates. The HTTP thread reads copies of the lists
     (``list()`` of a list or dict is one step under the GIL), so a scrape may see a copy counted
     in one family and not yet in the next, never a torn number.
+
+    A series is made on first use, so that it exists from the first copy of its kind; the latency
+    histograms' from the first completed copy of their kind only: a copy cancelled or failed
+    before it ran has no path, and one that did not complete is not timed, so neither makes a
+    latency series (``priod_requests_total`` with its outcome counts both).
     """
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = list(bounds)
         self._le: list[str] = [floatToGoString(b) for b in (*bounds, math.inf)]  # type: ignore[no-untyped-call]
         """The ``le`` label of each bucket, as prometheus_client writes it."""
-        self.requests: dict[tuple[str, ...], list[int]] = {}
-        self.counts: dict[tuple[str, ...], list[int]] = {}
-        self.duration: dict[tuple[str, ...], list[float]] = {}
-        self.queue_wait: dict[tuple[str, ...], list[float]] = {}
+        slots = len(bounds) + 2
+        self.requests: _Table[int] = _Table(1, 0)
+        self.counts: _Table[int] = _Table(2, 0)
+        self.duration: _Table[float] = _Table(slots, 0.0)
+        self.queue_wait: _Table[float] = _Table(slots, 0.0)
 
-    def series(self, gpu: str, direction: str, priority: str, outcome: str, path: str) -> _Series:
-        """The lists a copy of this kind adds to, made (at zero) on first use, so that a
-        series exists from the first copy of its kind."""
-        slots = len(self.bounds) + 2
+    def series(self, lane: tuple[str, str, str], priority: str, outcome: str, path: str | None) -> _Series:
+        """The lists a copy of this kind adds to (``lane``: `lane_labels`); ``path`` None: the
+        copy is timed nowhere (it did not complete, or never ran)."""
+        timed = (*lane, priority, path) if path is not None else None
         return _Series(
-            self.requests.setdefault((gpu, direction, priority, outcome), [0]),
-            self.counts.setdefault((gpu, direction, priority), [0, 0]),
-            self.duration.setdefault((gpu, direction, priority, path), [0.0] * slots),
-            self.queue_wait.setdefault((gpu, direction, priority, path), [0.0] * slots),
+            self.requests.row((*lane, priority, outcome)),
+            self.counts.row((*lane, priority)),
+            self.duration.row(timed) if timed else None,
+            self.queue_wait.row(timed) if timed else None,
         )
 
-    def direct(self, gpu: str, direction: str) -> list[float]:
+    def direct(self, lane: tuple[str, str, str]) -> list[float]:
         """The duration histogram of a lane's direct copies (per bucket, one past the last, then
         the sum), made at zero on first use; moved to holds.py's running totals (`Metrics.set_direct_times`)."""
-        return self.duration.setdefault((gpu, direction, DIRECT_PRIORITY, DIRECT_PATH), [0.0] * (len(self.bounds) + 2))
+        return self.duration.row((*lane, DIRECT_PRIORITY, DIRECT_PATH))
 
-    def add(self, s: _Series, nbytes: int, queued_s: float, total_s: float, done: bool, missed: bool) -> None:
+    def add(self, s: _Series, nbytes: int, queued_s: float, total_s: float, missed: bool) -> None:
         s.requests[0] += 1
         s.counts[0] += nbytes
-        if done:
+        if s.duration is not None and s.queue_wait is not None:
             bounds = self.bounds
             s.duration[bisect.bisect_left(bounds, total_s)] += 1
             s.duration[-1] += total_s
@@ -146,23 +222,27 @@ class CopySeries:
                 s.counts[1] += 1
 
     def collect(self) -> Iterator[Metric]:
-        lane = ["gpu", "direction"]
+        created = _use_created()
+        lane = list(LANE_LABELS)
         requests = CounterMetricFamily(
             "priod_requests",
             "Copy requests finished, by lane, class and outcome",
             labels=[*lane, "priority", "outcome"],
         )
-        for labels, (n,) in list(self.requests.items()):
-            requests.add_metric(labels, n)
+        made = self.requests.created
+        for labels, (n,) in list(self.requests.rows.items()):
+            requests.add_metric(labels, n, created=made.get(labels) if created else None)
         nbytes = CounterMetricFamily(
             "priod_copied_bytes", "Bytes copied, by lane and class", labels=[*lane, "priority"]
         )
         misses = CounterMetricFamily(
             "priod_deadline_misses", "Copies that finished after their deadline", labels=[*lane, "priority"]
         )
-        for labels, (b, m) in list(self.counts.items()):
-            nbytes.add_metric(labels, b)
-            misses.add_metric(labels, m)
+        made = self.counts.created
+        for labels, (b, m) in list(self.counts.rows.items()):
+            at = made.get(labels) if created else None
+            nbytes.add_metric(labels, b, created=at)
+            misses.add_metric(labels, m, created=at)
         yield from (requests, nbytes, misses)
         for name, doc, table in (
             (
@@ -176,8 +256,10 @@ class CopySeries:
                 self.queue_wait,
             ),
         ):
-            family = HistogramMetricFamily(name, doc, labels=[*lane, "priority", "path"])
-            for labels, hist in list(table.items()):
+            names = [*lane, "priority", "path"]
+            family = HistogramMetricFamily(name, doc, labels=names)
+            made = table.created
+            for labels, hist in list(table.rows.items()):
                 counts = list(hist)
                 cumulative: list[tuple[str, float]] = []
                 running = 0.0
@@ -185,18 +267,21 @@ class CopySeries:
                     running += in_bucket
                     cumulative.append((le, running))
                 family.add_metric(labels, cumulative, sum_value=counts[-1])
+                at = made.get(labels)
+                if created and at is not None:  # add_metric takes no created time for histograms
+                    family.samples.append(Sample(f"{name}_created", dict(zip(names, labels, strict=True)), at))
             yield family
 
 
 class Metrics:
     def __init__(self, gpu_names: Mapping[int, str] | None = None) -> None:
         self.gpu_names = dict(gpu_names or {})
-        """The ``gpu`` label of each device ordinal (`gpu_label`): the engine's GPU UUIDs."""
+        """The ``UUID`` label of each device ordinal (`gpu_labels`): the engine's GPU UUIDs."""
         r = self.registry = CollectorRegistry(auto_describe=True)
         # process_* (CPU seconds, resident memory, open fds against their limit, start time): the
         # daemon's own cost, and an fd leak, show without node_exporter's per-process view.
         ProcessCollector(registry=r)
-        lane = ["gpu", "direction"]
+        lane = list(LANE_LABELS)
         self.copies = CopySeries(_LATENCY_BUCKETS)
         """The per-copy series (requests, bytes, deadline misses, latency histograms)."""
         r.register(self.copies)
@@ -264,9 +349,10 @@ class Metrics:
             registry=r,
         ).set(nvidia_device_nodes())
         self._engine_name = ""
-        self._seen: dict[tuple[str, str, str], float] = {}
+        self._seen: dict[tuple[str, str, str, str], float] = {}
         """The running totals counters were last moved to, by counter name and lane labels."""
         self._series: dict[tuple[str, str, LaneKey, Path | None], _Series] = {}
+        self._lanes: dict[LaneKey, tuple[str, str, str]] = {}
 
     def copy_finished(
         self,
@@ -280,15 +366,24 @@ class Metrics:
         missed_deadline: bool,
     ) -> None:
         """Account one finished copy (any outcome). Runs once per copy: its series are found by
-        one dict lookup per (class, outcome, lane, path), their labels worked out once."""
+        one dict lookup per (class, outcome, lane, path), their labels worked out once. Only a
+        completed copy is timed: one cancelled or failed is counted by outcome and bytes, and one
+        that never ran (``path`` None: cancelled while queued, or its region freed) makes no
+        latency series."""
         key = (priority, outcome, lane, path)
         series = self._series.get(key)
         if series is None:
-            gpu, direction = lane_labels(lane, self.gpu_names)
-            series = self._series[key] = self.copies.series(
-                gpu, direction, priority, outcome, path.value if path is not None else "none"
-            )
-        self.copies.add(series, nbytes, queued_s, total_s, outcome == "done", missed_deadline)
+            timed = path.value if path is not None and outcome == "done" else None
+            series = self._series[key] = self.copies.series(self.lane_labels(lane), priority, outcome, timed)
+        self.copies.add(series, nbytes, queued_s, total_s, missed_deadline)
+
+    def lane_labels(self, lane: LaneKey) -> tuple[str, str, str]:
+        """``(gpu, UUID, direction)`` of a lane (`lane_labels` with this daemon's UUIDs), worked out
+        once per lane: what the gauges' and counters' ``labels()`` take first."""
+        got = self._lanes.get(lane)
+        if got is None:
+            got = self._lanes[lane] = lane_labels(lane, self.gpu_names)
+        return got
 
     def set_engine(self, name: str) -> None:
         """Label `priod_engine_info` with the engine's name (set once; cheap to repeat)."""
@@ -314,12 +409,12 @@ class Metrics:
     def set_direct_times(self, lane: LaneKey, buckets: list[int], total_s: float) -> None:
         """Move the lane's direct-copy duration histogram to the daemon's running totals
         (holds.py `DirectTimes`: counts per bucket, one past the last, and their sum)."""
-        hist = self.copies.direct(*lane_labels(lane, self.gpu_names))
+        hist = self.copies.direct(self.lane_labels(lane))
         hist[:] = [*buckets, total_s]  # one step under the GIL: a scrape reads it whole
 
     def _advance(self, counter: Counter, name: str, lane: LaneKey, total: float) -> None:
         """Move ``counter``'s series for ``lane`` up to ``total``, a running total kept elsewhere."""
-        labels = lane_labels(lane, self.gpu_names)
+        labels = self.lane_labels(lane)
         key = (name, *labels)
         seen = self._seen.get(key)
         if seen is None:
@@ -329,7 +424,48 @@ class Metrics:
             counter.labels(*labels).inc(total - seen)
             self._seen[key] = total
 
-    def serve(self, address: str, port: int) -> int:
-        """Serve /metrics from a thread; returns the bound port (``port=0`` is not passed here)."""
-        server, _thread = start_http_server(port, addr=address, registry=self.registry)
-        return int(server.server_port)
+    def serve(self, address: str, port: int, loop: asyncio.AbstractEventLoop | None = None) -> int:
+        """Serve /metrics, and /healthz for a liveness probe, from a thread; returns the bound
+        port (``port=0`` is not passed here). /healthz answers 200 once ``loop`` has run a
+        callback within `HEALTH_TIMEOUT_S`, 503 when it has not (a stuck event loop): a probe
+        that checks what matters, with no process started and no log line per probe."""
+        scrape = make_wsgi_app(self.registry)
+
+        def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") != "/healthz":
+                body: Iterable[bytes] = scrape(environ, start_response)
+                return body
+            alive = loop is None or _loop_answers(loop, HEALTH_TIMEOUT_S)
+            start_response("200 OK" if alive else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [b"ok\n" if alive else b"the event loop has not answered for %.0f s\n" % HEALTH_TIMEOUT_S]
+
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("_MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
+        httpd: WSGIServer = make_server(address, port, app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=httpd.serve_forever, name="priod-metrics", daemon=True).start()
+        return int(httpd.server_port)
+
+
+HEALTH_TIMEOUT_S = 2.0
+"""How long /healthz waits for the event loop to run a callback: a loop turn takes well under a
+millisecond, so 2 s of silence is a stuck loop, not a busy one."""
+
+
+def _loop_answers(loop: asyncio.AbstractEventLoop, timeout: float) -> bool:
+    ran = threading.Event()
+    try:
+        loop.call_soon_threadsafe(ran.set)
+    except RuntimeError:  # the loop is closed
+        return False
+    return ran.wait(timeout)
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log: Prometheus scrapes and probes would fill the journal."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass

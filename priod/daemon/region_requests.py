@@ -48,7 +48,7 @@ class RegionRequests:
         return self._region_reply(region), []
 
     async def alloc_device(self, req: AllocDevice, fds: list[int]) -> tuple[RegionReply, list[int]]:
-        device = self._device(req.device, req.device_uuid)
+        device = self._device(*req.target())
         region, export, out_fds = await self.shared.regions.alloc_device(self.holdings, req.nbytes, device)
         return self._region_reply(region, export), out_fds
 
@@ -60,6 +60,10 @@ class RegionRequests:
             assert req.size is not None  # RegisterDevice.check
             region = await self.shared.regions.register_device_fd(
                 self.holdings, fds[0], req.size, req.offset, req.nbytes, device
+            )
+        elif req.kind == "memfd":
+            region = await self.shared.regions.register_device_memfd(
+                self.holdings, fds[0], req.offset, req.nbytes, device
             )
         elif req.kind == "pool_fd":
             region = await self.shared.regions.register_device_pool(

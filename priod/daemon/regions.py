@@ -149,6 +149,20 @@ class Region:
     """Scheduler ids of copies naming this region; its memory goes back only once none is left."""
     released: bool = False
     freeing: bool = False
+    file: tuple[int, int] | None = None
+    """The memfd under its memory, as (st_dev, st_ino) when it was registered: host regions and
+    sim device regions; None for CUDA device memory. Two live regions with one file are the
+    same pages (a client may register one memfd twice, or a sim device region's memfd as a
+    host region), so a copy between them can overlap (`RegionTable.memory_shift`). The
+    region's mapping keeps the file open, so its inode is not reused while the region lives."""
+    file_offset: int = 0
+    """Where the region begins in that file (its byte 0 is the file's byte ``file_offset``)."""
+
+
+def memfd_identity(fd: int) -> tuple[int, int]:
+    """The file behind ``fd`` as (st_dev, st_ino): one memfd whichever fd names it."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 class RegionTable:
@@ -288,10 +302,14 @@ class RegionTable:
     @staticmethod
     def memory_shift(dst: Region, src: Region) -> int | None:
         """Where ``src``'s offsets lie in ``dst``'s offsets' terms when the two may be one memory:
-        one region (0), or device regions over one allocation (cuda imports of the same IPC
-        handle share it: the pointers' difference); None when they cannot overlap."""
+        one region (0), regions over one memfd (the same file: a memfd registered twice, or a
+        sim device region's memfd registered as a host region; the difference of their offsets
+        in it), or device regions over one allocation (cuda imports of the same IPC handle
+        share it: the pointers' difference); None when they cannot overlap."""
         if dst is src:
             return 0
+        if dst.file is not None and dst.file == src.file:
+            return src.file_offset - dst.file_offset
         if dst.kind == "device" and src.kind == "device" and dst.device == src.device:
             a, b = getattr(dst.mem, "pointer", None), getattr(src.mem, "pointer", None)  # cuda's device address
             if isinstance(a, int) and isinstance(b, int):
@@ -384,7 +402,7 @@ class RegionTable:
             fd = sealed_memfd("priod-host", nbytes)
             try:
                 mem = await self._map_host(fd, nbytes)
-                return self._add(holder, "host", nbytes, mem, None), fd
+                return self._add(holder, "host", nbytes, mem, None, memfd_identity(fd)), fd
             except BaseException:
                 os.close(fd)
                 raise
@@ -401,7 +419,7 @@ class RegionTable:
                 mem = await self._map_host(fd, nbytes)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from exc
-            return self._add(holder, "host", nbytes, mem, None)
+            return self._add(holder, "host", nbytes, mem, None, memfd_identity(fd))
         except BaseException:
             self._unclaim(holder.tally, "host", nbytes)
             raise
@@ -420,12 +438,15 @@ class RegionTable:
         self._claim(holder, "device", nbytes)
         try:
             mem = await asyncio.get_running_loop().run_in_executor(None, self.engine.alloc_device, nbytes, device)
-            region = self._add(holder, "device", nbytes, mem, device)
+            export = mem.export
+            assert export is not None
+            # The sim engine's device memory is a memfd the client gets: it may register it
+            # as a host region too, and copies between the two are then within one memory.
+            file = memfd_identity(export.fd) if export.fd is not None else None
+            region = self._add(holder, "device", nbytes, mem, device, file, export.offset)
         except BaseException:
             self._unclaim(holder.tally, "device", nbytes)
             raise
-        export = mem.export
-        assert export is not None
         if export.fd is not None:
             return region, {"kind": "memfd", "offset": export.offset}, [os.dup(export.fd)]
         return region, {"kind": "cuda_ipc", "handle": export.ipc_handle, "offset": export.offset}, []
@@ -456,21 +477,43 @@ class RegionTable:
             holder, nbytes, device, self.engine.import_device_pool, fd, export, offset, nbytes, device
         )
 
+    async def register_device_memfd(self, holder: Holdings, fd: int, offset: int, nbytes: int, device: int) -> Region:
+        """A sim device region's memfd, registered again by its client after a daemon restart
+        (sim only; the engine refuses it elsewhere). The caller keeps and closes ``fd``."""
+        return await self._import_device(
+            holder, nbytes, device, self.engine.import_device_memfd, fd, offset, nbytes, device, file=memfd_identity(fd)
+        )
+
     async def _import_device(
-        self, holder: Holdings, nbytes: int, device: int, open_it: Callable[..., Memory], *args: object
+        self,
+        holder: Holdings,
+        nbytes: int,
+        device: int,
+        open_it: Callable[..., Memory],
+        *args: object,
+        file: tuple[int, int] | None = None,
     ) -> Region:
         """Count ``nbytes`` more of ``holder``'s device memory and open the client's memory
         with ``open_it(*args)`` on an executor thread (imports take milliseconds)."""
         self._claim(holder, "device", nbytes)
         try:
             mem = await asyncio.get_running_loop().run_in_executor(None, open_it, *args)
-            return self._add(holder, "device", nbytes, mem, device)
+            return self._add(holder, "device", nbytes, mem, device, file)
         except BaseException:
             self._unclaim(holder.tally, "device", nbytes)
             raise
 
-    def _add(self, holder: Holdings, kind: str, nbytes: int, mem: Memory, device: int | None) -> Region:
-        region = Region(next(self._ids), holder, kind, nbytes, mem, device)
+    def _add(
+        self,
+        holder: Holdings,
+        kind: str,
+        nbytes: int,
+        mem: Memory,
+        device: int | None,
+        file: tuple[int, int] | None = None,
+        file_offset: int = 0,
+    ) -> Region:
+        region = Region(next(self._ids), holder, kind, nbytes, mem, device, file=file, file_offset=file_offset)
         if holder.closed:  # the client left while we were mapping: undo at once
             region.freeing = True
             self._give_back(region)

@@ -2,7 +2,8 @@
 
 Counters move where things happen (metrics.py, per copy); the gauges here are snapshots, taken
 once a second and on a reload, of the scheduler's queues and bytes in flight, the engine's busy
-time, the urgent paths' latencies and the clients. Direct copies (clients' own, announced on
+time, the urgent paths' latencies and the clients. Refusals are counted where they are answered
+(session.py) and shown under ``refusals``: by code, by limit, by uid and by connection. Direct copies (clients' own, announced on
 their hold pages) are counted and timed by the hold scans (holds.py) and moved into their
 counters and their ``path="direct"`` latency histogram at the same refresh.
 
@@ -21,7 +22,7 @@ from priod._version import __version__
 from priod.daemon.admission import Admission
 from priod.daemon.config import Config
 from priod.daemon.engines.base import Engine
-from priod.daemon.metrics import Metrics, lane_labels
+from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
 from priod.daemon.regions import RegionTable
 from priod.daemon.sched.scheduler import Scheduler
@@ -118,6 +119,7 @@ def status(d: Reported, viewer: Peer | None = None) -> dict[str, Any]:
         "deadline_misses": st.deadline_misses,
         "finished": st.finished,
         "totals": dict(d.totals),
+        "refusals": d.admission.refusals.figures(d.sessions.values(), mine),
         "clients": [s.figures() for s in d.sessions.values() if mine is None or s.peer.uid == mine],
         "clients_total": len(d.sessions),
         "uids": [t.figures() for t in d.regions.all_uid_holdings() if mine is None or t.uid == mine],
@@ -139,21 +141,21 @@ def refresh_metrics(d: Reported) -> None:
     keys = {str(info.key): info.key for info in d.engine.lanes()}
     st = d.scheduler.statistics()
     for ls in st.lanes:
-        gpu, direction = lane_labels(keys[ls.lane], m.gpu_names)
+        labels = m.lane_labels(keys[ls.lane])
         for cls, n in ls.queued_requests.items():
-            m.queued_requests.labels(gpu, direction, cls).set(n)
+            m.queued_requests.labels(*labels, cls).set(n)
         for cls, n in ls.queued_bytes.items():
-            m.queued_bytes.labels(gpu, direction, cls).set(n)
-        m.inflight.labels(gpu, direction, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
-        m.inflight.labels(gpu, direction, "express").set(ls.express_inflight_bytes)
-        m.urgent_beat.labels(gpu, direction).set(0.0 if ls.beat_us is None else ls.beat_us / 1e6)
+            m.queued_bytes.labels(*labels, cls).set(n)
+        m.inflight.labels(*labels, "dma").set(ls.inflight_bytes + ls.strict_inflight_bytes)
+        m.inflight.labels(*labels, "express").set(ls.express_inflight_bytes)
+        m.urgent_beat.labels(*labels).set(0.0 if ls.beat_us is None else ls.beat_us / 1e6)
     for lane, seconds in d.engine.busy_seconds().items():
         m.add_busy(lane, seconds)
     for e in d.scheduler.path_estimates():
-        gpu, direction = lane_labels(keys[e.lane], m.gpu_names)
+        labels = m.lane_labels(keys[e.lane])
         for path, us in (("express", e.express_us), ("dma", e.dma_us)):
             if us is not None:
-                m.urgent_path_latency.labels(gpu, direction, path, str(e.size_bytes), e.form).set(us / 1e6)
+                m.urgent_path_latency.labels(*labels, path, str(e.size_bytes), e.form).set(us / 1e6)
     holds = d.pump.holds
     for key in holds.copies.keys() | holds.cut.keys() | holds.stepped_back.keys():
         m.add_direct(key, holds.copies.get(key, 0), holds.cut.get(key, 0), holds.stepped_back.get(key, 0))

@@ -249,7 +249,9 @@ class Daemon:
         self._listen_sock.setblocking(False)
         self.pump.start()
         if self.cfg.metrics.port:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port)
+            self.metrics_port = self.metrics.serve(
+                self.cfg.metrics.address, self.cfg.metrics.port, asyncio.get_running_loop()
+            )
         self._spawn(self._accept_loop())
         self._spawn(self.admission.expire_loop())
         self._spawn(self.pump.run())

@@ -10,6 +10,12 @@ milliseconds per GiB, so it runs on a worker thread while other sessions go on).
 client sends can stop the daemon or touch another client's memory: every request is checked
 against the regions this session may use, every failure is answered with an error reply, and a
 session that breaks the protocol is closed alone.
+
+A refused request (an error reply sent at once, `Session._refuse`: every code the metric
+``priod_refused_requests_total`` counts) is counted for `priod status` (its connection's
+`Refused`, the daemon's `Refusals`) and logged once as ``request_refused`` at info, within a
+budget of lines per connection and for the daemon (`LineBudget`); what the budget holds back is
+counted and summed up in a ``request_refusals_suppressed`` line (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import asyncio
 import contextvars
 import itertools
 import os
+import re
 import time
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +48,7 @@ from priod.daemon.copies import (
 )
 from priod.daemon.engines.base import Engine
 from priod.daemon.gates import EventTable
-from priod.daemon.log import error_fields
+from priod.daemon.log import LineBudget, error_fields
 from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
 from priod.daemon.region_requests import RegionRequests
@@ -80,7 +88,8 @@ from priod.wire.replies import (
 )
 from priod.wire.transport import FramedSocket, Peer, close_received
 
-__all__ = ["PendingCopy", "Session", "Shared", "copy_finished"]  # the first and last from copies.py, for the server
+# PendingCopy and copy_finished are copies.py's, for the server.
+__all__ = ["PendingCopy", "Refusals", "Refused", "Session", "Shared", "copy_finished", "limit_name"]
 
 log = structlog.get_logger("priod.daemon.session")
 
@@ -91,6 +100,158 @@ SEGMENTS_PER_TURN = MAX_SEGMENTS
 """Batch segments one connection's requests may bring in one loop turn: checking a table costs
 O(N log N) of the loop (a few milliseconds for the largest), so a client sending batch after
 batch ends its turn after one of the largest and other clients are served between."""
+
+REFUSAL_LINES_BURST = 10
+REFUSAL_LINES_PER_S = 1.0
+"""``request_refused`` lines of one connection: 10 at once, then one a second. A client that is
+refused is nearly always refused over and over for one reason (a loop that does not wait for
+replies, a limit set too low): the first lines say who and why, `priod status` counts the rest,
+and a client refused now and then (the usual case) has every refusal logged."""
+DAEMON_REFUSAL_LINES_BURST = 1000
+DAEMON_REFUSAL_LINES_PER_S = 100.0
+"""``request_refused`` lines of all connections together: a backstop for a flood over many
+connections. One uid's 64 connections (``[limits] max_connections_per_uid``) take at most 640
+of the burst, so other clients' first refusals are still logged; at most 1000 + 30 * 100 = 4000
+lines in journald's default 30 s window (RateLimitIntervalSec=30s, RateLimitBurst=10000), so
+journald never drops the daemon's other lines for them."""
+SUPPRESSED_SUMMARY_S = 10.0
+"""A connection's refusals the budget held back are summed up in one
+``request_refusals_suppressed`` line this long after the first of them (and when it closes)."""
+CLOSED_REFUSED_KEPT = 64
+"""Closed connections that had refusals, kept for `priod status` (a client that is refused, then
+reconnects, and so on, stays visible)."""
+REASON_CHARS = 400
+"""A refusal's message in its log line, cut to this (it may quote what the client sent)."""
+
+_SETTING = re.compile(r"\[(?:limits|server)\] (\w{1,64})")
+_UNNAMED_LIMITS = (("IPC events open", "max_events_per_connection"),)
+"""Limits whose message names no setting: a text of the message, and the name it stands for
+(gates.py, MAX_EVENTS_PER_CONNECTION)."""
+
+
+def limit_name(exc: PriodError) -> str | None:
+    """The limit a refusal of code ``limit`` hit, named as its setting (``max_regions``,
+    ``max_queued_requests_per_uid``, ``max_clients``...), else None.
+
+    LimitExceeded carries no field for it: its message names the setting (``[limits] NAME`` or
+    ``[server] NAME``, as regions.py, copies.py and admission.py write them), the few that do not
+    are matched by `_UNNAMED_LIMITS`, and anything else is ``unnamed``. An exception with a
+    ``limit`` attribute (a str) is taken at its word.
+    """
+    if exc.code != "limit":
+        return None
+    named = getattr(exc, "limit", None)
+    if isinstance(named, str) and named:
+        return named[:64]
+    text = str(exc)
+    m = _SETTING.search(text)
+    if m is not None:
+        return m.group(1)
+    for part, name in _UNNAMED_LIMITS:
+        if part in text:
+            return name
+    return "unnamed"
+
+
+def _add(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+@dataclass(eq=False, slots=True)
+class Refused:
+    """One connection's refused requests: how many, by code and by limit, and the latest."""
+
+    conn: int
+    pid: int
+    uid: int
+    name: str = ""
+    """The name its hello gave (empty before it)."""
+    total: int = 0
+    by_code: dict[str, int] = field(default_factory=dict)
+    by_limit: dict[str, int] = field(default_factory=dict)
+    last: dict[str, Any] | None = None
+    """The latest: op, id, code, limit, error."""
+    last_at: float = 0.0
+    """When, in `time.monotonic`."""
+    open: bool = True
+
+    def figures(self, now: float) -> dict[str, Any]:
+        """This connection's entry under ``refusals.clients`` in `priod status`."""
+        last = None if self.last is None else {**self.last, "ago_s": round(now - self.last_at, 3)}
+        return {
+            "conn": self.conn,
+            "pid": self.pid,
+            "uid": self.uid,
+            "name": self.name,
+            "open": self.open,
+            "refused": self.total,
+            "by_code": dict(sorted(self.by_code.items())),
+            "by_limit": dict(sorted(self.by_limit.items())),
+            "last": last,
+        }
+
+
+@dataclass(eq=False)
+class Refusals:
+    """The daemon's book of refusals, for `priod status` (report.py, through `Admission.refusals`):
+    requests refused (by code, by limit, by uid, and the connections closed lately that had any),
+    connections refused at connect (admission.py), and the ``request_refused`` lines' budget."""
+
+    by_code: dict[str, int] = field(default_factory=dict)
+    by_limit: dict[str, int] = field(default_factory=dict)
+    by_uid: dict[int, int] = field(default_factory=dict)
+    closed: deque[Refused] = field(default_factory=lambda: deque(maxlen=CLOSED_REFUSED_KEPT))
+    lines: LineBudget = field(
+        default_factory=lambda: LineBudget(DAEMON_REFUSAL_LINES_PER_S, DAEMON_REFUSAL_LINES_BURST, time.monotonic())
+    )
+    logged: int = 0
+    """``request_refused`` lines written."""
+    suppressed: int = 0
+    """Refusals the budget kept out of the log (summed up in ``request_refusals_suppressed``)."""
+    connect_by_code: dict[str, int] = field(default_factory=dict)
+    connect_by_limit: dict[str, int] = field(default_factory=dict)
+    connect_by_uid: dict[int, int] = field(default_factory=dict)
+
+    def count(self, uid: int, code: str, limit: str | None) -> None:
+        _add(self.by_code, code)
+        if limit is not None:
+            _add(self.by_limit, limit)
+        self.by_uid[uid] = self.by_uid.get(uid, 0) + 1
+
+    def connection_refused(self, uid: int, exc: PriodError) -> None:
+        """A connection turned away at connect (admission.py; its line is ``connection_refused``)."""
+        _add(self.connect_by_code, exc.code)
+        limit = limit_name(exc)
+        if limit is not None:
+            _add(self.connect_by_limit, limit)
+        self.connect_by_uid[uid] = self.connect_by_uid.get(uid, 0) + 1
+
+    def figures(self, sessions: Iterable[Session], mine: int | None) -> dict[str, Any]:
+        """``refusals`` in `priod status`; ``mine``: the only uid the viewer may see (None: all)."""
+        now = time.monotonic()
+        clients = [s.refusals for s in sessions if s.refusals.total and (mine is None or s.peer.uid == mine)]
+        clients += [r for r in self.closed if mine is None or r.uid == mine]
+        clients.sort(key=lambda r: (-r.total, r.conn))
+        return {
+            "total": sum(self.by_code.values()),
+            "by_code": dict(sorted(self.by_code.items())),
+            "by_limit": dict(sorted(self.by_limit.items())),
+            "by_uid": {str(u): n for u, n in sorted(self.by_uid.items()) if mine is None or u == mine},
+            "clients": [r.figures(now) for r in clients],
+            "log": {
+                "lines": self.logged,
+                "suppressed": self.suppressed,
+                "per_connection": {"burst": REFUSAL_LINES_BURST, "per_s": REFUSAL_LINES_PER_S},
+                "daemon": {"burst": DAEMON_REFUSAL_LINES_BURST, "per_s": DAEMON_REFUSAL_LINES_PER_S},
+                "summary_after_s": SUPPRESSED_SUMMARY_S,
+            },
+            "connections": {
+                "total": sum(self.connect_by_code.values()),
+                "by_code": dict(sorted(self.connect_by_code.items())),
+                "by_limit": dict(sorted(self.connect_by_limit.items())),
+                "by_uid": {str(u): n for u, n in sorted(self.connect_by_uid.items()) if mine is None or u == mine},
+            },
+        }
 
 
 @dataclass(eq=False)
@@ -112,6 +273,7 @@ class Shared:
     )
     stopping: bool = False
     request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    refusals: Refusals = field(default_factory=Refusals)
 
 
 class Session:
@@ -148,6 +310,13 @@ class Session:
         # The per-copy log line runs thousands of times a second: resolve the logger once
         # (not through structlog's lazy proxy on every call).
         self._copy_log = structlog.get_logger("priod.daemon.session").bind()
+        self.refusals = Refused(session_id, peer.pid, peer.uid)
+        """Its refused requests, for `priod status` (kept in `Refusals.closed` once it closes)."""
+        self._refusal_lines = LineBudget(REFUSAL_LINES_PER_S, REFUSAL_LINES_BURST, self.connected_at)
+        self._quiet = Refused(session_id, peer.pid, peer.uid)
+        """Refusals the line budget kept out of the log since the last summary."""
+        self._quiet_since = 0.0
+        self._quiet_timer: asyncio.TimerHandle | None = None
         regions = RegionRequests(shared, self.holdings)
         self._handlers: dict[type, Callable[[Any, list[int]], Any]] = {
             Hello: self._hello,
@@ -191,8 +360,9 @@ class Session:
             if self._setup is not None:
                 self._setup.cancel()
             self.drop()
+            self._close_refusals()
             await self.flush_and_close(timeout=1.0)
-            log.info("client_disconnected", copies=self.copies)
+            log.info("client_disconnected", copies=self.copies, refused=self.refusals.total)
 
     def _on_ready(self) -> None:
         if self._draining:
@@ -321,6 +491,7 @@ class Session:
             "conn": self.id,
             "pid": self.peer.pid,
             "uid": self.peer.uid,
+            "name": self.refusals.name,
             "regions": len(h.regions),
             "pinned_bytes": h.pinned_bytes,
             "device_bytes": h.device_bytes,
@@ -329,6 +500,7 @@ class Session:
             "copies": self.copies,
             "events": len(self.events),
             "output_buffered": self.sock.output_buffered,
+            "refused": self.refusals.total,
         }
 
     # -- requests --------------------------------------------------------------------------
@@ -356,12 +528,14 @@ class Session:
             else:
                 self._reply(req_id, reply, [])
         except RequestError as exc:
-            self._refuse(req_id, exc)
+            self._refuse(req_id, exc, msg.get("op"))
         except ConnectionClosed:
             raise
         except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
             log.exception("request_failed", op=msg.get("op"))
-            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
+            self._refuse(
+                req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), msg.get("op")
+            )
         finally:
             if fds:  # the usual request brings none: no call
                 close_received(fds)  # the engine keeps its own mapping of a registered memfd
@@ -374,12 +548,12 @@ class Session:
             reply, out_fds = await pending
             self._reply(req_id, reply, out_fds)
         except RequestError as exc:
-            self._refuse(req_id, exc)
+            self._refuse(req_id, exc, op)
         except (ConnectionClosed, asyncio.CancelledError):
             raise
         except Exception as exc:
             log.exception("request_failed", op=op)
-            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"))
+            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), op)
         finally:
             close_received(fds)
 
@@ -390,16 +564,98 @@ class Session:
             for fd in fds:
                 os.close(fd)
 
-    def _refuse(self, req_id: int, exc: PriodError) -> None:
+    def _refuse(self, req_id: int, exc: PriodError, op: object = None) -> None:
+        """Answer request ``req_id`` (of ``op``, as the client sent it) with an error at once;
+        then count it and log it (`_note_refusal`)."""
         self.shared.totals["refused"] += 1
         self.shared.metrics.refused.labels(exc.code).inc()
-        if not self.closed:
-            self.sock.send(ErrorReply.of(exc).encode(req_id))
+        try:
+            if not self.closed:
+                self.sock.send(ErrorReply.of(exc).encode(req_id))
+        finally:
+            self._note_refusal(req_id, exc, op)
+
+    def _note_refusal(self, req_id: int, exc: PriodError, op: object) -> None:
+        """Count a refusal (this connection's `Refused`, the daemon's `Refusals`) and log it once
+        as ``request_refused``, unless the connection's or the daemon's line budget is spent:
+        then it is counted for the next ``request_refusals_suppressed`` line instead."""
+        code, limit = exc.code, limit_name(exc)
+        book, mine = self.shared.refusals, self.refusals
+        book.count(self.peer.uid, code, limit)
+        mine.total += 1
+        _add(mine.by_code, code)
+        if limit is not None:
+            _add(mine.by_limit, limit)
+        fields = error_fields(exc)
+        if len(fields["error"]) > REASON_CHARS:
+            fields["error"] = fields["error"][:REASON_CHARS] + "..."
+        name = op[:32] if isinstance(op, str) else None  # what the client sent: any type, any length
+        now = mine.last_at = time.monotonic()
+        mine.last = {"op": name, "id": req_id, "code": code, "limit": limit, "error": fields["error"]}
+        if self._refusal_lines.take(now) and book.lines.take(now):
+            book.logged += 1
+            log.info(
+                "request_refused",
+                conn=self.id,
+                client=mine.name,
+                client_pid=self.peer.pid,
+                uid=self.peer.uid,
+                op=name,
+                id=req_id,
+                code=code,
+                **({"limit": limit} if limit is not None else {}),
+                **fields,
+            )
+            return
+        book.suppressed += 1
+        quiet = self._quiet
+        if not quiet.total:
+            self._quiet_since = now
+            if self._quiet_timer is None and not self.closed:
+                self._quiet_timer = asyncio.get_running_loop().call_later(
+                    SUPPRESSED_SUMMARY_S, self._summarize_refusals
+                )
+        quiet.total += 1
+        _add(quiet.by_code, code)
+        if limit is not None:
+            _add(quiet.by_limit, limit)
+
+    def _summarize_refusals(self) -> None:
+        """The ``request_refusals_suppressed`` line: the refusals kept out of the log since the
+        first of them (`SUPPRESSED_SUMMARY_S` ago, or fewer when the connection closes)."""
+        self._quiet_timer = None
+        quiet = self._quiet
+        if not quiet.total:
+            return
+        log.info(
+            "request_refusals_suppressed",
+            conn=self.id,
+            client=self.refusals.name,
+            client_pid=self.peer.pid,
+            uid=self.peer.uid,
+            suppressed=quiet.total,
+            by_code=dict(sorted(quiet.by_code.items())),
+            **({"by_limit": dict(sorted(quiet.by_limit.items()))} if quiet.by_limit else {}),
+            window_s=round(time.monotonic() - self._quiet_since, 3),
+        )
+        quiet.total = 0
+        quiet.by_code.clear()
+        quiet.by_limit.clear()
+
+    def _close_refusals(self) -> None:
+        """The connection ended: the last summary, and its refusals kept for `priod status`."""
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+        self._summarize_refusals()
+        self.refusals.open = False
+        if self.refusals.total:
+            self.shared.refusals.closed.append(self.refusals)
 
     def _hello(self, req: Hello, fds: list[int]) -> HelloReply:
         self.greeted = True
         if req.client:
-            structlog.contextvars.bind_contextvars(client=req.client[:64])
+            self.refusals.name = req.client[:64]
+            structlog.contextvars.bind_contextvars(client=self.refusals.name)
         cfg = self.shared.cfg
         return HelloReply(
             v=PROTOCOL_VERSION,

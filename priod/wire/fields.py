@@ -4,6 +4,9 @@ messages.py (requests) and replies.py (replies).
 A message type is a frozen dataclass whose annotations are the wire's field types; `Wire` reads
 them once per class into a table, and `Wire._read` checks a decoded frame against it with exact
 types (msgpack keeps bool and int apart, so this does too) and an error that names the field.
+Every mismatch is refused the same way (`InvalidRequest`, ``bad_request``, the connection goes
+on), whatever the value: a bin, a float or a bool where an int belongs, or an array or a map,
+which the frame decoder hands over as a `priod.wire.frames.Nested` (its kind and length).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 from priod.errors import InvalidRequest
 
-__all__ = ["MISSING", "Message", "Wire"]
+__all__ = ["MISSING", "Message", "Wire", "type_name"]
 
 Message = dict[str, Any]
 MISSING: Any = object()
@@ -56,12 +59,20 @@ class Wire:
                     value = float(value)
                 else:
                     names = " or ".join(k.__name__ for k in kinds if k is not type(None))
-                    raise InvalidRequest(f"field '{name}' must be {names}, got {type(value).__name__}")
+                    raise InvalidRequest(f"field '{name}' must be {names}, got {type_name(value)}")
             out[name] = value
         return out
 
     def _fields_dict(self) -> Message:
         return {name: getattr(self, name) for name, _, _ in self._fields()}
+
+
+def type_name(value: Any) -> str:
+    """A field value's type as a refusal names it: Python's name, or for an array or a map the
+    frame decoder kept only as its kind and length (`priod.wire.frames.Nested`) its wire name,
+    ``array`` or ``map``."""
+    wire_name = getattr(value, "wire_name", None)
+    return wire_name if isinstance(wire_name, str) else type(value).__name__
 
 
 def _kinds(hint: Any) -> tuple[type, ...]:

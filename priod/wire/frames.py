@@ -27,6 +27,7 @@ __all__ = [
     "DecodeLimits",
     "FrameDecoder",
     "FrameEncoder",
+    "Nested",
     "decode_body",
     "encode",
     "error_reply",
@@ -77,8 +78,11 @@ class DecodeLimits:
     max_map_len: int
     max_ext_len: int
     flat: bool = False
-    """The body is one map whose values are nil, bool, int, float, str or bin: no array or map
-    inside it (nesting depth 1)."""
+    """The body is one map whose values are nil, bool, int, float, str or bin. A value that is
+    an array or a map of at most ``max_map_len`` of those is a mistyped field, not a broken
+    frame: it decodes to a `Nested` (its items are read and dropped), which the request's own
+    checks refuse (``bad_request``, naming the field) on a connection that goes on. Anything
+    deeper, or longer, is refused as a frame (nesting depth 2 at most)."""
 
     def describe(self) -> str:
         shape = "one flat map (no array or map inside it)" if self.flat else "a map"
@@ -111,8 +115,51 @@ real request comes near that size) item by item, so nesting is refused at its fi
 instead of after msgpack has built up to 1024 levels of partial maps (~2 ms for a 100 KB frame)."""
 
 
+class Nested:
+    """What a flat request holds where a field's value was an array or a map (of scalars): its
+    kind and length, not its items. No request field takes one, so the request is refused as a
+    mistyped field (``bad_request``), like a str where an int belongs, and the connection goes
+    on: the frame was whole and in step. ``wire_name`` is the type an error names."""
+
+    __slots__ = ("kind", "length")
+
+    def __init__(self, kind: str, length: int) -> None:
+        self.kind = kind
+        self.length = length
+
+    @property
+    def wire_name(self) -> str:
+        return self.kind
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} of {self.length} items>"
+
+
 class _Nested(Exception):
-    """A flat body held an array or a map."""
+    """A flat body held an array or a map: on the small path anywhere (the item path then reads
+    the body again), on the item path inside a field's array or map, or as a key."""
+
+
+class _LongField(Exception):
+    """A flat body's field held an array or a map of more than ``max_map_len`` items."""
+
+    def __init__(self, key: str, kind: str, length: int) -> None:
+        super().__init__(key, kind, length)
+        self.key, self.kind, self.length = key, kind, length
+
+
+_MAP_HEADS = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})
+_ARRAY_HEADS = frozenset({*range(0x90, 0xA0), 0xDC, 0xDD})
+"""The first byte of a msgpack map and of an array (fix, 16 and 32-bit lengths)."""
+
+
+def _reread(exc: Exception) -> bool:
+    """Whether the small path's refusal may be a field holding an array or a map, which the item
+    path reads again (and then takes, or refuses naming the limit)."""
+    if isinstance(exc, _Nested | msgpack.StackError):
+        return True
+    text = str(exc)
+    return "exceeds max_array_len" in text or "exceeds max_map_len" in text
 
 
 class _NotAMap(Exception):
@@ -159,7 +206,12 @@ class _BodyDecoder:
                 msg = msgpack.unpackb(body, **self._kw)
             elif len(body) <= _SMALL_BODY:
                 self._maps = 0
-                msg = msgpack.unpackb(body, **self._flat_kw)
+                try:
+                    msg = msgpack.unpackb(body, **self._flat_kw)
+                except (_Nested, ValueError) as exc:  # not a request's usual path: no cost to it
+                    if not _reread(exc):
+                        raise
+                    msg = self._flat_items(body)
             else:
                 msg = self._flat_items(body)
         except (_Nested, msgpack.StackError) as exc:
@@ -168,9 +220,15 @@ class _BodyDecoder:
                     "frame body nests deeper than msgpack's 1024 levels; send one map with 'id' and 'op'"
                 ) from None
             raise ProtocolError(
-                f"frame body nests {'an array or a map' if isinstance(exc, _Nested) else 'containers'} inside the request "
-                "(nesting limit: depth 1); a request is one flat map whose values are nil, bool, int, float, str or bin; "
-                "see docs/protocol.md"
+                f"frame body nests {'an array or a map' if isinstance(exc, _Nested) else 'containers'} inside a field's "
+                "array or map, or as a key (nesting limit: depth 2); a request is one flat map whose values are nil, bool, "
+                "int, float, str or bin; see docs/protocol.md"
+            ) from None
+        except _LongField as exc:
+            raise ProtocolError(
+                f"frame body's field {exc.key!r} holds {'an array' if exc.kind == 'array' else 'a map'} of {exc.length} items, "
+                f"more than a mistyped field is read for (max_map_len={lim.max_map_len}); a request is one flat map whose "
+                "values are nil, bool, int, float, str or bin; see docs/protocol.md"
             ) from None
         except _NotAMap:
             raise ProtocolError("frame body is not a msgpack map, expected a map with 'id' and 'op'") from None
@@ -191,8 +249,10 @@ class _BodyDecoder:
         return msg
 
     def _flat_items(self, body: bytes) -> Any:
-        """A large flat body, one item at a time: any array or map header inside it fails at once
-        (their limits are 0 here; the top-level map's length is checked by hand)."""
+        """A flat body one item at a time (a large one, or a small one that holds an array or a
+        map): a field's array or map is read by `_nested_field`, and any array or map header
+        deeper fails at once (their limits are 0 here; the lengths of the top-level map and of
+        a field's array or map are checked by hand)."""
         lim = self.limits
         up = msgpack.Unpacker(
             raw=False,
@@ -214,12 +274,13 @@ class _BodyDecoder:
         try:
             for _ in range(n):
                 key = up.unpack()
-                value = up.unpack()
                 if type(key) is not str:
                     raise TypeError(f"{type(key).__name__} is not allowed for map key")
-                if type(value) is dict or type(value) is list:
-                    raise _Nested
-                msg[key] = value
+                at = up.tell()  # where the value begins: its first byte says whether it is a container
+                if at < len(body) and (body[at] in _MAP_HEADS or body[at] in _ARRAY_HEADS):
+                    msg[key] = self._nested_field(up, key, body[at] in _MAP_HEADS)
+                    continue
+                msg[key] = up.unpack()
         except ValueError as exc:
             # An array or a map inside: "nests", as the small path says (which lets arrays up to
             # max_array_len through msgpack and refuses them in its hook).
@@ -231,6 +292,24 @@ class _BodyDecoder:
         if up.tell() != len(body):
             raise msgpack.ExtraData(msg, body[up.tell() :])
         return msg
+
+    def _nested_field(self, up: msgpack.Unpacker, key: str, is_map: bool) -> Nested:
+        """The field ``key``'s array or map, as a `Nested`: at most ``max_map_len`` items, each
+        a scalar, read and dropped (what a field may hold is bounded as for a flat request)."""
+        n = up.read_map_header() if is_map else up.read_array_header()
+        kind = "map" if is_map else "array"
+        if n > self.limits.max_map_len:
+            raise _LongField(key, kind, n)
+        for _ in range(2 * n if is_map else n):
+            try:
+                item = up.unpack()  # an array or a map inside fails at its header (limits 0)
+            except ValueError as exc:
+                if "exceeds max_map_len(0)" in str(exc) or "exceeds max_array_len(0)" in str(exc):
+                    raise _Nested from None
+                raise
+            if type(item) is dict or type(item) is list:
+                raise _Nested  # an empty one
+        return Nested(kind, n)
 
 
 def decode_body(body: bytes, limits: DecodeLimits = REPLY_LIMITS) -> Message:

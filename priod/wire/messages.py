@@ -15,6 +15,7 @@ and type-checked is fields.py's.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Self
 
@@ -40,6 +41,7 @@ from priod.wire.replies import (
 )
 
 __all__ = [
+    "DEVICE_FORMS",
     "POOL_EXPORT_BYTES",
     "PROGRESS_SIGNAL_RECORDED",
     "PROTOCOL_VERSION",
@@ -71,6 +73,7 @@ __all__ = [
     "StatusRequest",
     "decode_request",
     "error_of",
+    "gpu_target",
     "is_progress",
     "progress_frame",
     "request_id",
@@ -159,26 +162,71 @@ def _need_uuid(device_uuid: str | None) -> None:
         uuid_key(device_uuid)  # raises InvalidRequest showing the expected form
 
 
+_GPU_NAME = re.compile(r"gpu([0-9]{1,9})", re.IGNORECASE)
+"""A GPU as `priod status` names it: ``gpu`` and the daemon's ordinal."""
+
+DEVICE_FORMS = (
+    "the daemon's ordinal as an int (0), its name as `priod status` shows it ('gpu0'), "
+    "or the GPU's UUID as nvidia-smi -L prints it (GPU-5f3c0e1a-9b7d-4e2f-8a61-0c4d2b9e7f13)"
+)
+"""The three ways a request names a GPU, for the messages that refuse any other."""
+
+
+def gpu_target(device: str) -> tuple[int, str | None]:
+    """The GPU a string names: ``gpuN`` (the daemon's ordinal N, as `priod status` shows it),
+    as ``(N, None)``; a UUID as ``(0, uuid)`` (the daemon maps it to its own ordinal).
+
+    Raises:
+        InvalidRequest: any other string; the message lists the three forms.
+    """
+    text = device.strip()
+    if (m := _GPU_NAME.fullmatch(text)) is not None:
+        return int(m.group(1)), None
+    try:
+        uuid_key(text)
+    except InvalidRequest:
+        raise InvalidRequest(f"device {device[:80]!r} names no GPU; give {DEVICE_FORMS}") from None
+    return 0, text
+
+
 @dataclass(frozen=True, slots=True)
 class AllocDevice(_Request):
-    """``device_uuid``, when given, names the GPU and ``device`` (the daemon's ordinal) is ignored."""
+    """``device``: the daemon's ordinal (an int, or ``gpuN`` as `priod status` names it) or the
+    GPU's UUID. ``device_uuid``, when given, names the GPU and ``device`` is ignored."""
 
     op: ClassVar[str] = "alloc_device"
     nbytes: int
-    device: int = 0
+    device: int | str = 0
     device_uuid: str | None = None
 
     def check(self) -> None:
         _need_size(self.nbytes, "a region holds")
         _need_uuid(self.device_uuid)
+        self.target()
+
+    def target(self) -> tuple[int, str | None]:
+        """The GPU this names: (the daemon's ordinal, None), or (0, its UUID) when named by UUID,
+        which the daemon maps to its own ordinal. Raises InvalidRequest for a string ``device``
+        that names no GPU."""
+        if isinstance(self.device, str):
+            ordinal, uuid = gpu_target(self.device)
+        else:
+            ordinal, uuid = self.device, None
+        return (ordinal, uuid) if self.device_uuid is None else (0, self.device_uuid)
 
 
-REGISTER_KINDS = ("cuda_ipc", "vmm_fd", "pool_fd")
+REGISTER_KINDS = ("cuda_ipc", "vmm_fd", "pool_fd", "memfd")
 """How a register_device request names the client's allocation: a legacy CUDA IPC handle
-(``cudaMalloc`` memory), a POSIX fd of a ``cuMemCreate`` allocation passed beside the frame, or a
-POSIX fd of a stream-ordered pool passed beside the frame with the allocation's export data."""
+(``cudaMalloc`` memory), a POSIX fd of a ``cuMemCreate`` allocation passed beside the frame, a
+POSIX fd of a stream-ordered pool passed beside the frame with the allocation's export data, or
+(sim engine only) the memfd of a sim device region, passed beside the frame: how a client
+registers a sim device region again after a daemon restart."""
 
-REGISTER_FDS = {"vmm_fd": "the allocation's POSIX fd", "pool_fd": "the pool's POSIX fd"}
+REGISTER_FDS = {
+    "vmm_fd": "the allocation's POSIX fd",
+    "pool_fd": "the pool's POSIX fd",
+    "memfd": "the sim device region's memfd",
+}
 """The register_device kinds that take one fd beside the frame, and what that fd is."""
 
 POOL_EXPORT_BYTES = 64
@@ -237,11 +285,19 @@ class Free(_Request):
     region: int
 
 
+MAX_UID = (1 << 32) - 2
+"""The largest Unix user id: uid_t is 32 bits, and its all-ones value means no user."""
+
+
 @dataclass(frozen=True, slots=True)
 class Share(_Request):
     op: ClassVar[str] = "share"
     region: int
     uid: int
+
+    def check(self) -> None:
+        if not 0 <= self.uid <= MAX_UID:
+            raise InvalidRequest(f"uid = {self.uid} is invalid; give the Unix user id to share with, 0 .. {MAX_UID}")
 
 
 @dataclass(frozen=True, init=False)

@@ -217,6 +217,14 @@ class Engine(ABC):
             "use alloc_device and view it with Region.torch()"
         )
 
+    def import_device_memfd(self, fd: int, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        """Take a memfd as device memory (sim only: a sim device region's memfd, registered
+        again by its client after a daemon restart). ``fd`` stays the caller's."""
+        raise InvalidRequest(
+            f"register_device of a memfd (kind 'memfd') is for the sim engine's device regions; this daemon runs the {self.name} engine: "
+            "register your CUDA buffer itself (register_device), or allocate again with alloc_device"
+        )
+
     def import_device_pool(self, fd: int, export: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
         """Import client-owned memory of a stream-ordered pool: the pool from its POSIX fd, the
         allocation from its ``CUmemPoolPtrExportData`` bytes, and take ``nbytes`` at ``offset``

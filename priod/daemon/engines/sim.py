@@ -189,6 +189,29 @@ class SimEngine(Engine):
             "register_device needs the cuda engine; under sim, use alloc_device (its memory is a memfd you can map)"
         )
 
+    def import_device_memfd(self, fd: int, offset: int, nbytes: int, device: int) -> DeviceMemory:
+        """A sim device region's memfd, registered again by its client (after a daemon restart):
+        checked as a host memfd is (`check_host_fd`: a plain memfd, sealed against shrinking,
+        read-write) and for its size; kept by a dup of its own."""
+        from priod.daemon.hostfd import check_host_fd
+
+        if not 0 <= device < self.cfg.devices:
+            raise InvalidRequest(
+                f"device {device} does not exist; the sim engine has devices 0..{self.cfg.devices - 1} ([sim] devices)"
+            )
+        if offset != 0:
+            raise InvalidRequest(f"offset = {offset} is invalid; a sim device memfd is registered from its byte 0")
+        check_host_fd(fd)
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise InvalidRequest(f"the passed memfd holds {size} bytes but the region asks for {nbytes}")
+        own = os.dup(fd)
+        try:
+            return SimDeviceMemory(own, nbytes, device)
+        except BaseException:
+            os.close(own)
+            raise
+
     def release_device(self, mem: DeviceMemory) -> None:
         assert isinstance(mem, SimDeviceMemory)
         release_mapping(mem)
