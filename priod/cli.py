@@ -327,4 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"priod: configuration error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`priod status | head`): as other command-line tools, stop
+        # quietly; stdout goes to /dev/null so that the interpreter's final flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141 - 128  # SIGPIPE's number, as a shell reports a command it ended
     return rc

@@ -287,3 +287,23 @@ def test_install_units_onto_this_machine_checks_this_installations_python(
         assert not (tmp_path / "root").exists()
     else:
         assert [w.action for w in install_units(tmp_path / "root")] == ["wrote"] * 4
+
+
+def test_status_into_a_closed_pipe_stops_quietly() -> None:
+    """`priod status | head -1`: the reader goes away and priod stops without a traceback, with
+    the status a shell gives a command that SIGPIPE ended (13 here, 141 in a shell)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIOD_")}
+    with daemon_process({"PRIOD_LOG__LEVEL": '"warning"'}) as d:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "priod", "status", "--socket", d.socket_path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before priod writes a byte
+        err = proc.stderr.read().decode()
+        rc = proc.wait(timeout=60)
+        proc.stderr.close()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert rc == 13, (rc, err)
