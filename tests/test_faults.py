@@ -480,7 +480,8 @@ async def test_daemon_restart_under_load_fails_clearly_and_reconnects(how: str) 
     env = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SERVICE__SHUTDOWN": '"cancel"'}
     with ExitStack() as stack:
         first = stack.enter_context(daemon_process(env, socket_path=path))
-        clients = [await priod.connect(path, name=f"load{i}", copy_path="daemon") for i in range(3)]
+        # reconnect_s=0: this test is of handling it by hand (tests/test_reconnect.py: by itself)
+        clients = [await priod.connect(path, name=f"load{i}", copy_path="daemon", reconnect_s=0) for i in range(3)]
         try:
             regions = []
             for c in clients:

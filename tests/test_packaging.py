@@ -404,7 +404,7 @@ def test_install_units_into_an_unwritable_root_says_what_to_do(
 
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["install-units", "--dest", str(blocker)]) == 1
+    assert main(["install-units", "--dest", str(blocker), "--prefix", "/usr"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"priod: cannot write the units under {blocker}: ") and err.endswith(
         "; run as root, or pass --dest DIR\n"

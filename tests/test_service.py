@@ -555,7 +555,8 @@ async def test_sigterm_finish_completes_queued_work_and_refuses_new() -> None:
     """With [service] shutdown = "finish", SIGTERM lets every queued copy complete and answers
     each one; copies sent after it are refused with ShuttingDown; the daemon exits 0."""
     with daemon_process(SLOW) as d:
-        c = await Client.connect(d.socket_path, copy_path="daemon")
+        # reconnect_s=0: the connection is to stay closed once the daemon has gone (no new one comes)
+        c = await Client.connect(d.socket_path, copy_path="daemon", reconnect_s=0)
         handles = await queue_bulk(c, 8)
         d.proc.send_signal(signal.SIGTERM)
         assert wait_log_event(d, "daemon_stopping")["policy"] == "finish"

@@ -332,7 +332,10 @@ def reregister_request(region: Region) -> tuple[Request, tuple[int, ...]] | str:
         req = RegisterDevice(b"", region.nbytes, 0, region.device or 0, region.device_uuid, kind="memfd", size=size)
         return req, (os.dup(region._fd),)
     if region._held is not None:
-        return cuda_register_request(region._held)
+        try:
+            return cuda_register_request(region._held)
+        except Exception as exc:  # the buffer is gone, or CUDA refuses it: reported, not raised
+            return f"registering its buffer again failed: {exc!r}"
     if region.kind == "device":
         return (
             "its memory was the daemon's own CUDA allocation, which went with the daemon; allocate it again "

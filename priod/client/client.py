@@ -271,7 +271,11 @@ class Client:
         """
         deadline = time.monotonic() + wait_s
         client = cls(path or await discover(deadline), name, expect_uid, copy_path, reconnect_s, retry_copies)
-        await client._open(max(0.0, deadline - time.monotonic()))
+        try:
+            await client._open(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            await client.close()
+            raise
         return client
 
     async def _open(self, wait_s: float) -> None:

@@ -3,6 +3,9 @@
 One request at a time on one socket; ``spin_us`` busy-polls for a reply before sleeping, since
 waking a sleeping process costs more than an urgent copy. Copies may also be started and polled
 (`start_copy`, `start_copy_batch`: handles with ``poll``, ``wait`` and ``cancel``).
+
+A lost connection is noticed at the next request, which reconnects (``reconnect_s``), registers
+the held regions again and then goes on (docs/reliability.md, "What survives a daemon restart").
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, Unpack
@@ -23,11 +27,15 @@ from priod.client.base import (
     CopyResult,
     R,
     Region,
+    RegionsLostWarning,
     Reply,
     alloc_device_request,
     batch_request,
     check_owner,
+    check_regions,
+    check_server,
     close_fds,
+    copy_lost,
     copy_request,
     cuda_register_request,
     hold_page,
@@ -35,16 +43,21 @@ from priod.client.base import (
     no_permission,
     progress,
     raise_if_cancelled,
+    reconnect_sleep,
+    regions_lost,
+    reregister_request,
 )
 from priod.client.direct import HoldPage
 from priod.client.route import CopyPath, DirectRoute, check_copy_path
 from priod.client.torch_face import block_segments, tensor_copy
 from priod.common.socket_path import find_socket
-from priod.errors import InvalidRequest, PriodError
+from priod.errors import ConnectionClosed, InvalidRequest, PriodError
 from priod.wire.messages import (
     PROTOCOL_VERSION,
     AllocHost,
     Cancel,
+    Copy,
+    CopyBatch,
     CopyBatchReply,
     CopyReply,
     Free,
@@ -62,6 +75,7 @@ from priod.wire.messages import (
     error_of,
     is_progress,
 )
+from priod.wire.replies import ErrorReply
 from priod.wire.transport import BlockingFramedSocket
 
 __all__ = ["DEFAULT_SPIN_US", "SyncBatchHandle", "SyncClient", "SyncCopyHandle"]
@@ -125,7 +139,7 @@ class _SyncHandle(Generic[R]):
 
     def _result(self, msg: Message) -> R:
         if (exc := error_of(msg)) is not None:
-            raise exc
+            raise self.client._lost_copies.pop(self.id, exc)
         return self._decode(msg)
 
     def wait(self, timeout: float | None = None) -> R:
@@ -179,17 +193,58 @@ class SyncClient:
         spin_us: float = DEFAULT_SPIN_US,
         expect_uid: int | None = None,
         copy_path: CopyPath = "auto",
+        reconnect_s: float = 30.0,
+        retry_copies: bool = False,
     ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
         sleeping (lower latency for urgent copies, at the cost of a core while waiting); 0
         sleeps at once. The default, `DEFAULT_SPIN_US`, covers a small copy's round trip.
-        ``copy_path``: this connection's default for `copy`'s ``path`` (see `Client.copy`)."""
+        ``copy_path``: this connection's default for `copy`'s ``path`` (see `Client.copy`).
+        ``reconnect_s``, ``retry_copies``: as for `priod.connect`; a lost connection is found
+        by the next request, which reconnects, registers the regions again and goes on (a copy
+        sent before the loss fails with `ConnectionClosed`, or is sent again with ``retry_copies``)."""
+        if reconnect_s < 0:
+            raise InvalidRequest(f"reconnect_s = {reconnect_s} is invalid; give seconds >= 0 (0: never reconnect)")
         self.copy_path = check_copy_path(copy_path)
         self.path = path or find_socket()
+        self.name, self.timeout, self.spin_us, self.expect_uid = name, timeout, spin_us, expect_uid
+        self.reconnect_s = reconnect_s
+        """See `Client.reconnect_s`."""
+        self.retry_copies = retry_copies
+        """See `Client.retry_copies`."""
+        self.reconnects = 0
+        """How many times this client reconnected by itself."""
+        self.lost_regions: list[Region] = []
+        """Regions the last reconnect could not register again (each one's ``lost`` says why)."""
+        self.generation = 0
+        self._ids = itertools.count(1)
+        self._regions: list[Region] = []
+        self._started: dict[int, Message | None] = {}
+        """Copies started and not yet collected by their handle: their reply once it came."""
+        self._started_copies: dict[int, tuple[Copy | CopyBatch, Region, Region]] = {}
+        """What those copies were, to send them again after a reconnect (``retry_copies``)."""
+        self._recorded: set[int] = set()
+        """Started copies whose signal_event the daemon reported recorded (a progress frame)."""
+        self._lost_copies: dict[int, ConnectionClosed] = {}
+        """Started copies a lost connection left unanswered: the error their handle raises."""
+        self._greeted = False
+        self._recovering = False
+        self._dead: ConnectionClosed | None = None
+        """Why this client is closed for good (closed, or a lost connection it did not recover)."""
+        self._route: DirectRoute | None = None
+        try:
+            self._connect()
+        except BaseException:
+            if hasattr(self, "_sock"):
+                self._sock.close()
+            raise
+
+    def _connect(self) -> None:
+        """Open the socket and handshake (again, after a lost connection)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self.path)  # blocking: waits while the daemon's listen backlog is full
-            check_owner(sock, self.path, expect_uid)
+            check_owner(sock, self.path, self.expect_uid)
         except PermissionError as exc:
             sock.close()
             raise no_permission(self.path) from exc
@@ -199,22 +254,167 @@ class SyncClient:
         except BaseException:
             sock.close()
             raise
-        sock.settimeout(timeout)
-        self._sock = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
-        self._ids = itertools.count(1)
-        self._regions: list[Region] = []
-        self._started: dict[int, Message | None] = {}
-        """Copies started and not yet collected by their handle: their reply once it came."""
-        self._recorded: set[int] = set()
-        """Started copies whose signal_event the daemon reported recorded (a progress frame)."""
-        msg, _ = self._request(Hello(PROTOCOL_VERSION, name or f"pid{os.getpid()}"))
-        self.server = HelloReply.decode(msg)
+        sock.settimeout(self.timeout)
+        self._sock = BlockingFramedSocket(sock, spin_s=self.spin_us / 1e6)
+        self.generation += 1
+        msg, _ = self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
+        self.server = check_server(HelloReply.decode(msg), self.path)
         """The daemon's hello: its version, backend, classes, and who it sees us as (``peer``)."""
+        if self._route is not None:
+            self._route.close()
         self._route = DirectRoute(self.server.backend, self.hold_page)
+        self._greeted = True
 
-    def _request(self, msg: Request | Message, fds: tuple[int, ...] = ()) -> Reply:
-        req_id = next(self._ids)
-        self._sock.send(msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}, fds)
+    @property
+    def route(self) -> DirectRoute:
+        assert self._route is not None
+        return self._route
+
+    # -- a lost connection ------------------------------------------------------------------------
+    @staticmethod
+    def _lost_by(exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection is gone (not a timeout, not a request's own error)."""
+        if isinstance(exc, PriodError):
+            return exc.code in ("closed", "shutting_down")
+        return isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
+
+    def _recover(self, exc: BaseException) -> bool:
+        """The connection was lost (``exc``): reconnect, register the regions again and settle
+        the started copies; True once reconnected, False where this client does not (then the
+        started copies have failed and the client is closed, unless within a reconnect)."""
+        if self._recovering:
+            return False
+        orphans = [rid for rid, reply in self._started.items() if reply is None]
+        if self._dead is not None or self.reconnect_s <= 0 or not self._greeted:
+            self._sock.close()
+            if self._dead is None:
+                self._dead = ConnectionClosed(f"connection to priod at {self.path} lost: {exc}")
+            self._settle(orphans, "The client does not reconnect by itself (reconnect_s = 0, or closed).", False)
+            return False
+        self._recovering = True
+        start = time.monotonic()
+        deadline = start + self.reconnect_s
+
+        try:
+            self._sock.close()
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    self._connect()
+                    self._restore()
+                    break
+                except (PriodError, OSError) as err:
+                    self._sock.close()
+                    if not self._lost_by(err) or time.monotonic() >= deadline:
+                        self._dead = ConnectionClosed(
+                            f"connection to priod at {self.path} lost, and reconnecting failed for "
+                            f"{time.monotonic() - start:.1f} s (reconnect_s = {self.reconnect_s}): {err}"
+                        )
+                        self._settle(orphans, f"The client did not reconnect: {err}.", False)
+                        return False
+                    time.sleep(min(reconnect_sleep(attempt), max(0.0, deadline - time.monotonic())))
+        finally:
+            self._recovering = False
+        self.reconnects += 1
+        self._settle(
+            orphans,
+            f"The client has reconnected (in {time.monotonic() - start:.2f} s) and registered its regions again.",
+            self.retry_copies,
+        )
+        if self.lost_regions:
+            warnings.warn(regions_lost(self.path, self.lost_regions), RegionsLostWarning, stacklevel=3)
+        return True
+
+    def _restore(self) -> None:
+        """Register every region held again (same Region objects, new ids), and share again."""
+        lost: list[Region] = []
+        for region in list(self._regions):
+            req = reregister_request(region)
+            if isinstance(req, str):
+                region.lost = req
+            else:
+                msg, fds = req
+                try:
+                    reply, got = self._request(msg, fds)
+                    close_fds(got)
+                    region.renew(RegionReply.decode(reply), self.generation)
+                    for uid in sorted(region.shared_with):
+                        self._request(Share(region.id, uid))
+                    continue
+                except PriodError as exc:
+                    if self._lost_by(exc):
+                        raise
+                    region.lost = f"registering it again failed: {exc}"
+                finally:
+                    close_fds(list(fds))
+            lost.append(region)
+        for region in lost:
+            self._regions.remove(region)
+        self.lost_regions = lost
+
+    def _settle(self, orphans: list[int], outcome: str, retry: bool) -> None:
+        """The started copies the lost connection left unanswered: sent again (``retry``), else
+        their reply becomes the `ConnectionClosed` that says what became of them."""
+        for rid in orphans:
+            entry = self._started_copies.get(rid)
+            if retry and entry is not None:
+                req, dst, src = entry
+                if req.wait_event is None and req.signal_event is None and dst.lost is None and src.lost is None:
+                    try:
+                        self._sock.send({**req.encode(rid), "dst": dst.id, "src": src.id})
+                        continue
+                    except (PriodError, OSError):
+                        pass
+            exc = self._lost_copies[rid] = copy_lost(rid, self.path, outcome)
+            self._started[rid] = ErrorReply(exc.code, str(exc)).encode(rid)
+
+    def _lost_error(self, exc: BaseException, copy: bool, req_id: int) -> ConnectionClosed:
+        """What a request whose connection was lost (``exc``), and not recovered, raises."""
+        dead = self._dead or ConnectionClosed(f"connection to priod at {self.path} lost: {exc}")
+        err = copy_lost(req_id, self.path, f"The client did not reconnect: {dead}") if copy else dead
+        err.__cause__ = exc
+        return err
+
+    def _request(
+        self,
+        msg: Request | Message,
+        fds: tuple[int, ...] = (),
+        regions: tuple[Region, Region] | None = None,
+    ) -> Reply:
+        """Send ``msg`` and wait for its reply. A connection found lost is recovered (`_recover`)
+        and the request sent again if it had not gone, or had gone and is not a copy (one of
+        ``regions``, whose new ids it then names), or is one and ``retry_copies`` is set."""
+        while True:
+            if self._dead is not None and not self._recovering:
+                raise self._dead
+            req_id = next(self._ids)
+            if regions is not None:
+                check_regions(self.generation, *regions)
+                assert not isinstance(msg, dict)
+                wire: Message = {**msg.encode(req_id), "dst": regions[0].id, "src": regions[1].id}
+            else:
+                wire = msg.encode(req_id) if not isinstance(msg, dict) else {**msg, "id": req_id}
+            try:
+                self._sock.send(wire, fds)
+            except BaseException as exc:
+                if not self._lost_by(exc):
+                    raise
+                if not self._recover(exc):
+                    raise self._lost_error(exc, False, req_id) from exc
+                continue  # it never left: nothing moved; send it on the new connection
+            try:
+                return self._receive(req_id)
+            except BaseException as exc:
+                if not self._lost_by(exc) or (isinstance(exc, PriodError) and getattr(exc, "_reply", False)):
+                    raise
+                if not self._recover(exc):
+                    raise self._lost_error(exc, regions is not None, req_id) from exc
+                if regions is not None and not self.retry_copies:
+                    err = copy_lost(req_id, self.path, "The client has reconnected and registered its regions again.")
+                    raise err from exc
+
+    def _receive(self, req_id: int) -> Reply:
         while True:
             reply, got = self._sock.receive()
             if is_progress(reply) and reply.get("id") == req_id:
@@ -223,6 +423,7 @@ class SyncClient:
             if reply.get("id") == req_id:
                 if (exc := error_of(reply)) is not None:
                     close_fds(got)
+                    exc._reply = True  # type: ignore[attr-defined]  # the request's own error, not a loss
                     raise exc
                 return reply, got
             self._keep(reply, got)
@@ -240,26 +441,42 @@ class SyncClient:
         elif not rid and (exc := error_of(reply)) is not None:
             raise exc
 
-    def _start(self, msg: Request) -> int:
-        req_id = next(self._ids)
-        self._started[req_id] = None
-        try:
-            self._sock.send(msg.encode(req_id))
-        except BaseException:
-            del self._started[req_id]
-            raise
-        return req_id
+    def _start(self, msg: Copy | CopyBatch, dst: Region, src: Region) -> int:
+        while True:
+            if self._dead is not None:
+                raise self._dead
+            check_regions(self.generation, dst, src)
+            req_id = next(self._ids)
+            self._started[req_id] = None
+            self._started_copies[req_id] = (msg, dst, src)
+            try:
+                self._sock.send({**msg.encode(req_id), "dst": dst.id, "src": src.id})
+                return req_id
+            except BaseException as exc:
+                del self._started[req_id], self._started_copies[req_id]
+                if not self._lost_by(exc):
+                    raise
+                if not self._recover(exc):
+                    raise self._lost_error(exc, False, req_id) from exc
+                # it never left: send it on the new connection
 
     def _take(self, req_id: int, timeout: float) -> Message | None:
         """A started copy's reply, read within ``timeout`` seconds, else None."""
         deadline = time.perf_counter() + timeout
         while self._started.get(req_id) is None:
             left = deadline - time.perf_counter()
-            got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
+            try:
+                got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
+            except BaseException as exc:
+                if not self._lost_by(exc):
+                    raise
+                self._recover(exc)  # settles this copy: an error reply, or sent again
+                continue
             if got is None:
                 return None
             self._keep(*got)
         self._recorded.discard(req_id)
+        self._started_copies.pop(req_id, None)
         return self._started.pop(req_id)
 
     def raw_request(self, msg: Message) -> Message:
@@ -270,7 +487,7 @@ class SyncClient:
 
     def _region(self, reply: Reply) -> Region:
         msg, fds = reply
-        region = Region(RegionReply.decode(msg), fds, 1)
+        region = Region(RegionReply.decode(msg), fds, self.generation)
         self._regions.append(region)
         return region
 
@@ -309,14 +526,20 @@ class SyncClient:
         return self._region(reply).holding(obj)
 
     def free(self, region: Region) -> None:
-        self._route.forget(region)
+        if region.lost is not None:  # gone with the daemon already: nothing to free there
+            region.unmap()
+            return
+        check_regions(self.generation, region)
+        self.route.forget(region)
         self._request(Free(region.id))
         region.unmap()
         if region in self._regions:
             self._regions.remove(region)
 
     def share(self, region: Region, uid: int) -> None:
+        check_regions(self.generation, region)
         self._request(Share(region.id, uid))
+        region.shared_with.add(uid)
 
     def copy(
         self,
@@ -330,11 +553,12 @@ class SyncClient:
     ) -> CopyResult:
         """Copy and wait for it (see `Client.copy`: ``timeout``, and ``path``, the direct path
         or the daemon's)."""
-        if self._route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
-            return self._route.copy(dst, src, nbytes, options.get("dst_offset", 0), options.get("src_offset", 0))
+        check_regions(self.generation, dst, src)
+        if self.route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
+            return self.route.copy(dst, src, nbytes, options.get("dst_offset", 0), options.get("src_offset", 0))
         if timeout is not None:
             return self.start_copy(dst, src, nbytes, **options).wait(timeout)
-        msg, _ = self._request(copy_request(dst, src, nbytes, options))
+        msg, _ = self._request(copy_request(dst, src, nbytes, options), regions=(dst, src))
         return CopyReply.decode(msg)
 
     def start_copy(
@@ -342,7 +566,7 @@ class SyncClient:
     ) -> SyncCopyHandle:
         """Send a copy and return at once (see `Client.start_copy`)."""
         req = copy_request(dst, src, nbytes, options)
-        return SyncCopyHandle(self, self._start(req), req.signal_event is not None)
+        return SyncCopyHandle(self, self._start(req, dst, src), req.signal_event is not None)
 
     def copy_batch(
         self,
@@ -355,8 +579,9 @@ class SyncClient:
         **options: Unpack[BatchOptions],
     ) -> BatchResult:
         """Copy every segment and wait for the batch (see `Client.copy_batch`)."""
-        if self._route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
-            return self._route.copy_batch(dst, src, self._route.check_batch(dst, src, segments))
+        check_regions(self.generation, dst, src)
+        if self.route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
+            return self.route.copy_batch(dst, src, self.route.check_batch(dst, src, segments))
         return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
 
     def start_copy_batch(
@@ -364,7 +589,7 @@ class SyncClient:
     ) -> SyncBatchHandle:
         """Send a batch and return at once (see `Client.start_copy_batch`)."""
         req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
-        return SyncBatchHandle(self, self._start(req), req.signal_event is not None)
+        return SyncBatchHandle(self, self._start(req, dst, src), req.signal_event is not None)
 
     def copy_tensor(
         self,
@@ -439,7 +664,8 @@ class SyncClient:
         self._request(Ping())
 
     def close(self) -> None:
-        self._route.close()
+        self._dead = ConnectionClosed("this client was closed")
+        self.route.close()
         self._sock.close()
         for region in self._regions:
             region.unmap()
