@@ -184,3 +184,22 @@ def test_a_uid_past_its_hold_budget_goes_through_the_daemon_and_comes_back() -> 
             return c.copy(dev, host, 4096, priority="urgent").path == "direct"
 
         wait_until(direct_again, 10, "the direct path after the budget refilled")
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, 1e-9, float("nan"), float("inf"), float("-inf"), 1e300])
+def test_sync_timeouts_of_any_value_end_cleanly_and_leave_no_copy_running(timeout: float) -> None:
+    """A blocking copy given any float as its timeout either finishes, times out (cancelled in
+    the daemon, `CopyTimeout`), or is refused before it is sent (NaN): never a ValueError or
+    OverflowError from the socket with the copy still running."""
+    slow = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_SIM__H2D_GBPS": "0.5"}  # 64 MiB: ~130 ms
+    with daemon_process(slow) as d, priod.SyncClient(d.socket_path) as c:
+        host, dev = c.alloc_host(64 * MiB), c.alloc_device(64 * MiB)
+        try:
+            r = c.copy(dev, host, priority="bulk", timeout=timeout)
+            assert r.nbytes == 64 * MiB and timeout > 1
+        except priod.CopyTimeout:
+            assert timeout <= 1e-9
+        except InvalidRequest as exc:
+            assert timeout != timeout and "timeout = nan" in str(exc)
+        assert c.status()["totals"]["copies"] in (0, 1)
+        assert not any(c["pending"] for c in c.status()["clients"]), "a copy runs on after the call returned"

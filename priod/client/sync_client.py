@@ -119,7 +119,7 @@ class _SyncHandle(Generic[R]):
                 "this copy was sent without signal_event; pass signal_event= to wait on it from a stream"
             )
         c = self.client
-        deadline = time.perf_counter() + (math.inf if timeout is None else timeout)
+        deadline = time.perf_counter() + timeout_seconds(timeout)
         while self.id not in c._recorded:
             if self.poll_reply(0.0) is not None:
                 assert self._reply is not None
@@ -144,8 +144,15 @@ class _SyncHandle(Generic[R]):
 
     def wait(self, timeout: float | None = None) -> R:
         """Block for the result; with ``timeout`` (seconds), cancel the copy in the daemon once it
-        passes and raise `CopyTimeout` with how far it got (unless it finished meanwhile)."""
-        msg = self.poll_reply(math.inf if timeout is None else timeout)
+        passes and raise `CopyTimeout` with how far it got (unless it finished meanwhile). A
+        timeout of 0 or less times out at once; one past `MAX_TIMEOUT_S` (or inf) waits for good;
+        NaN cancels the copy and raises `InvalidRequest`, so that no copy runs on unwatched."""
+        try:
+            seconds = timeout_seconds(timeout)
+        except InvalidRequest:
+            self._stop()
+            raise
+        msg = self.poll_reply(seconds)
         if msg is None:
             msg = self._stop()
             raise_if_cancelled(self.id, timeout, msg)
@@ -166,6 +173,20 @@ class _SyncHandle(Generic[R]):
         finished). For a batch, `segments_done` then says how many segments landed whole."""
         nbytes, self.segments_done = progress(self._stop(), self._decode)
         return nbytes
+
+
+MAX_TIMEOUT_S = 1e9
+"""Longer timeouts (about 32 years) wait for good: a socket's timeout must fit a C time type."""
+
+
+def timeout_seconds(timeout: float | None) -> float:
+    """A timeout as seconds to wait: None and anything past `MAX_TIMEOUT_S` wait for good, and
+    0 or less not at all; NaN is refused, as the number it stands for cannot be known."""
+    if timeout is None:
+        return math.inf
+    if math.isnan(timeout):
+        raise InvalidRequest("timeout = nan is not a number of seconds; pass seconds >= 0, or None to wait for good")
+    return math.inf if timeout > MAX_TIMEOUT_S else max(0.0, float(timeout))
 
 
 class SyncCopyHandle(_SyncHandle[CopyReply]):
@@ -557,6 +578,7 @@ class SyncClient:
         if self.route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
             return self.route.copy(dst, src, nbytes, options.get("dst_offset", 0), options.get("src_offset", 0))
         if timeout is not None:
+            timeout_seconds(timeout)  # NaN is refused before anything is sent
             return self.start_copy(dst, src, nbytes, **options).wait(timeout)
         msg, _ = self._request(copy_request(dst, src, nbytes, options), regions=(dst, src))
         return CopyReply.decode(msg)
@@ -582,6 +604,7 @@ class SyncClient:
         check_regions(self.generation, dst, src)
         if self.route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
             return self.route.copy_batch(dst, src, self.route.check_batch(dst, src, segments))
+        timeout_seconds(timeout)  # NaN is refused before anything is sent
         return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
 
     def start_copy_batch(
