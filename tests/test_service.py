@@ -781,3 +781,29 @@ def test_under_journald_each_line_carries_its_syslog_priority(tmp_path: Path) ->
     assert len(parsed) == len(lines) > 0, lines[:5]
     assert {(prio, e["level"]) for prio, e in parsed} >= {(6, "info"), (4, "warning")}
     assert all({"info": 6, "warning": 4, "error": 3, "debug": 7}[e["level"]] == prio for prio, e in parsed)
+
+
+@ONE_LOOP
+async def test_a_copy_held_for_its_event_across_a_reload_that_removes_its_class_still_lands(tmp_path: Path) -> None:
+    """A copy waiting on its wait_event when SIGHUP removes its class moves to the fallback
+    class, as queued copies do, and lands once its event completes (it used to fail with
+    ``engine: unknown class``)."""
+    from priod.wire.ipc_event import SimEvent
+
+    config = tmp_path / "priod.toml"
+    config.write_text(CONFIG_AFTER.replace("[limits]\nmax_regions = 2\n", ""))
+    with daemon_process(config=str(config)) as d:
+        c = await Client.connect(d.socket_path, copy_path="daemon")
+        host, dev, evr = await c.alloc_host(65536), await c.alloc_device(65536), await c.alloc_device(4096)
+        assert host.array is not None and dev.array is not None
+        host.array[:] = 7
+        ev = SimEvent(evr, 0)
+        ev.record()
+        held = c.start_copy(dev, host, wait_event=ev, priority="interactive")
+        config.write_text(CONFIG_BEFORE)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_log_event(d, "config_reloaded")
+        ev.complete()
+        r = await held.wait(timeout=10)
+        assert r.nbytes == 65536 and (dev.array == 7).all()
+        await c.close()

@@ -177,6 +177,10 @@ class Gates:
             heapq.heappop(heap)
         return None
 
+    def requests(self) -> list[Request]:
+        """Every request held now."""
+        return [g.request for g in self._gates.values()]
+
     def get(self, request_id: int) -> Request | None:
         """The request if it is held."""
         gate = self._gates.get(request_id)

@@ -353,6 +353,8 @@ class Daemon:
             )
             cfg = cfg.replace(server={"socket": self.cfg.socket_path})
         self.scheduler.set_policy(cfg.policy())
+        for req in self.pump.gates.requests():  # held for an event: their class moves as queued ones' do
+            req.cls = self.scheduler.class_after_reload(req.cls)
         self.pump.configure_holds()
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits

@@ -89,6 +89,8 @@ class Scheduler:
                 f"host bandwidth = {host_bandwidth} is invalid; give a finite number of bytes/s >= 0 (0: none)"
             )
         self._policy = policy
+        self._class_names: set[str] = {c.name for c in policy.classes}
+        self._fallback = ""  # set by set_policy: a class name only a reload can remove
         self._lanes: dict[LaneKey, Lane] = {}
         for info in sorted(lanes, key=lambda i: i.key):
             if info.key in self._lanes:
@@ -143,6 +145,7 @@ class Scheduler:
         names = {c.name for c in policy.classes}
         nonstrict = [c for c in policy.classes if not c.strict] or list(policy.classes)
         fallback = min(nonstrict, key=lambda c: c.weight).name
+        self._class_names, self._fallback = names, fallback
         self._policy = policy
         self._dispatch.configure(policy)
         self._chooser.explore_s = policy.explore_ms / 1e3
@@ -160,6 +163,11 @@ class Scheduler:
                 t.route = None
             if t.queued:
                 self._place(t)
+
+    def class_after_reload(self, cls: str) -> str:
+        """``cls`` where the policy has it, else the class `set_policy` moves such requests to:
+        for requests accepted before a reload and not queued here (held for their events)."""
+        return cls if cls in self._class_names else self._fallback
 
     def lane_params(self, lane: LaneKey) -> LaneParams:
         """Chunk size, in-flight bound and express range of ``lane`` under the current policy."""
