@@ -18,6 +18,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -806,4 +807,29 @@ async def test_a_copy_held_for_its_event_across_a_reload_that_removes_its_class_
         ev.complete()
         r = await held.wait(timeout=10)
         assert r.nbytes == 65536 and (dev.array == 7).all()
+        await c.close()
+
+
+@ONE_LOOP
+async def test_a_reload_that_raises_the_request_rate_frees_connections_waiting_for_a_token(tmp_path: Path) -> None:
+    """A connection out of request tokens waits for the next one to accrue; when SIGHUP raises
+    the rate, it asks again under the new rate at once instead of waiting out the old rate's
+    timer (10 s here)."""
+    config = tmp_path / "priod.toml"
+    config.write_text("[limits]\nmax_requests_per_s_per_uid = 0.1\nrequest_burst_per_uid = 4\n")
+    with daemon_process(config=str(config)) as d:
+        c = await Client.connect(d.socket_path, copy_path="daemon")
+        for _ in range(4):  # the burst's last tokens (hello took one)
+            try:
+                await asyncio.wait_for(c.ping(), 0.5)
+            except TimeoutError:
+                break
+        waiting = asyncio.ensure_future(c.ping())
+        await asyncio.sleep(0.3)
+        assert not waiting.done(), "the uid should be out of tokens"
+        config.write_text("[limits]\nmax_requests_per_s_per_uid = 10000.0\nrequest_burst_per_uid = 2000\n")
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGHUP)
+        await asyncio.wait_for(waiting, 5)
+        assert time.monotonic() - t0 < 3, "the waiting ping waited out the old rate's timer"
         await c.close()

@@ -358,6 +358,8 @@ class Daemon:
         self.pump.configure_holds()
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits
+        for session in list(self.shared.sessions.values()):
+            session.limits_changed()
         # Series of classes that are gone would otherwise keep their last value forever.
         self.metrics.forget_classes()
         self.refresh_metrics()

@@ -435,6 +435,14 @@ class Session:
         self._rate_timer = None
         self._on_ready()
 
+    def limits_changed(self) -> None:
+        """A reload changed the limits: a connection waiting for a request token asks again at
+        once, under the new rate, instead of waiting out a timer the old rate set."""
+        if self._rate_timer is not None:
+            self._rate_timer.cancel()
+            self._rate_timer = None
+            asyncio.get_running_loop().call_soon(self._on_ready)
+
     def _setup_done(self, task: asyncio.Task[None]) -> None:
         self._setup = None
         if not task.cancelled() and isinstance(task.exception(), ConnectionClosed):
