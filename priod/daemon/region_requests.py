@@ -9,6 +9,7 @@ on a worker thread; the session runs it as a task and holds the requests behind 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from priod.daemon.engines.base import Engine
@@ -33,11 +34,13 @@ class RegionRequests:
     """The region handlers of one connection, each ``(request, fds) -> reply`` as the session's
     dispatch table takes them (a set-up handler returns ``(reply, fds to send)``)."""
 
-    __slots__ = ("holdings", "shared")
+    __slots__ = ("holdings", "own_copies", "shared")
 
-    def __init__(self, shared: RegionParts, holdings: Holdings) -> None:
+    def __init__(self, shared: RegionParts, holdings: Holdings, own_copies: Callable[[], Collection[int]]) -> None:
         self.shared = shared
         self.holdings = holdings
+        self.own_copies = own_copies
+        """The scheduler ids of this connection's copies pending now (`free` tells them apart)."""
 
     async def alloc_host(self, req: AllocHost, fds: list[int]) -> tuple[RegionReply, list[int]]:
         region, fd = await self.shared.regions.alloc_host(self.holdings, req.nbytes)
@@ -85,7 +88,7 @@ class RegionRequests:
         return RegionReply(region.id, region.nbytes, region.kind, region.device, export, gpu)
 
     def free(self, req: Free, fds: list[int]) -> Empty:
-        self.shared.regions.free(self.holdings, req.region)
+        self.shared.regions.free(self.holdings, req.region, self.own_copies())
         return Empty()
 
     def share(self, req: Share, fds: list[int]) -> Empty:

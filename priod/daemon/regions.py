@@ -21,7 +21,7 @@ import itertools
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -548,11 +548,17 @@ class RegionTable:
         region.shared_uids.add(uid)
         log.info("region_shared", region=region.id, with_uid=uid)
 
-    def free(self, holder: Holdings, region_id: int) -> None:
+    def free(self, holder: Holdings, region_id: int, own: Collection[int] = ()) -> None:
+        """The owner frees a region. Its own copies naming it (``own``: their scheduler ids)
+        must end first; other connections' copies (a uid it was shared with) are cancelled with
+        ``not_found`` if queued or held, and finish if in flight: no one else can keep the
+        owner's memory pinned by queuing a copy that never runs."""
         region = self.owned(holder, region_id)
-        if region.users:
+        mine = len(region.users.intersection(own))
+        if mine:
             raise InvalidRequest(
-                f"region {region.id} has {len(region.users)} copies queued or in flight; wait for them or cancel them, then free it"
+                f"region {region.id} has {mine} of this connection's copies queued or in flight; wait for them or "
+                "cancel them, then free it"
             )
         self.release(region)
 

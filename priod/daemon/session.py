@@ -317,7 +317,7 @@ class Session:
         """Refusals the line budget kept out of the log since the last summary."""
         self._quiet_since = 0.0
         self._quiet_timer: asyncio.TimerHandle | None = None
-        regions = RegionRequests(shared, self.holdings)
+        regions = RegionRequests(shared, self.holdings, lambda: [q.id for q in self.pending.values()])
         self._handlers: dict[type, Callable[[Any, list[int]], Any]] = {
             Hello: self._hello,
             Ping: self._ping,
