@@ -212,6 +212,9 @@ def format_status(st: dict[str, Any]) -> str:
         refused = direct.get("refused")
         if refused:  # uids told on their pages that their hold budget is spent
             lines.append("  hold budgets spent now (uids): " + " ".join(f"{lane}={n}" for lane, n in refused.items()))
+        spent = direct.get("refused_lanes")
+        if spent:  # lanes where all uids together spent direct_hold_total_share: every page told
+            lines.append("  lane hold totals spent now: " + " ".join(spent))
     clients = st.get("clients_total", len(st["clients"]))  # a non-root viewer sees only its own lines
     lines += [
         "",

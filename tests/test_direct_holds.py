@@ -870,6 +870,135 @@ def test_a_uid_that_spends_its_hold_budget_is_told_on_its_pages_until_it_refills
     assert holds.figures()["refused"] == {}
 
 
+# -- the lane's total over all uids -------------------------------------------------------------
+STEP_S = 0.00025
+"""The scans of `take_turns`: every 250 us."""
+
+
+def take_turn(pages: list[HoldPage], step: int, open_: list[bool]) -> None:
+    """Step ``step`` of uids taking turns on h2d, one page each: every 60 ms each takes a turn of
+    15 ms (7.5 ms with more than four, so that the lane is wanted throughout), 0.25 of the time or
+    less, its own budget; through its turn it announces 1-ms copies back to back."""
+    period = 240  # steps: 60 ms
+    turn = min(60, period // len(pages))
+    phase = step % period
+    whose = phase // turn if phase < turn * len(pages) else -1
+    if step % 4:
+        return
+    for k, page in enumerate(pages):
+        slot = page.slot(None, "h2d")
+        if open_[k]:
+            page.end(slot)
+            open_[k] = False
+        if k == whose:
+            page.begin(slot)
+            open_[k] = True
+
+
+def take_turns(holds: Holds, uids: int, seconds: float = 2.0) -> list[bool]:
+    """``uids`` uids take turns (`take_turn`) for ``seconds``: whether the lane was held at each
+    scan (held from one scan to the next)."""
+    pages = [page_pair(holds, owner=k + 1, uid=1000 + k) for k in range(uids)]
+    open_ = [False] * uids
+    held = []
+    for step in range(round(seconds / STEP_S)):
+        take_turn(pages, step, open_)
+        held.append(H2D in holds.scan(step * STEP_S).held)
+    return held
+
+
+@pytest.mark.parametrize("uids", [1, 3, 8])
+def test_uids_taking_turns_hold_a_lane_for_the_total_share_at_most(uids: int) -> None:
+    """Holds add up over uids: each uid here holds within its own budget (0.25 of the time), and
+    without a bound on the total three of them held the lane 0.75 of the time, eight of them all
+    of it. All uids together hold it for ``total_share`` at most (its burst past that over 2 s),
+    and use what it allows; no uid's own budget runs out."""
+    holds = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=0.5)
+    held = take_turns(holds, uids)
+    fraction = sum(held) / len(held)
+    assert fraction <= 0.5 + 0.05 / 2 + 0.005
+    if uids > 1:
+        assert fraction >= 0.45  # the total is used, not undercut
+    else:
+        assert fraction == pytest.approx(0.25, abs=0.01)
+    assert holds.figures()["refused"] == {}  # every uid within its own budget
+
+
+def test_one_uid_alone_holds_as_without_a_total() -> None:
+    """One uid's holds are bounded by its own budget (0.25 of the time) before the lane's total
+    (0.5): with the total, its holds, its budget and its pages' words are as without one."""
+    bounded = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=0.5)
+    unbounded = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=1.0)
+    flooding = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=0.5)
+    assert take_turns(bounded, 1) == take_turns(unbounded, 1)
+    assert bounded._buckets[(1000, H2D)].tokens == unbounded._buckets[(1000, H2D)].tokens
+    # A uid that holds all it can (a copy never ended, announced again each 5 ms) runs out of its
+    # own budget first: refused and held exactly as without a total.
+    seen: list[list[tuple[bool, bool]]] = []
+    for holds in (flooding, Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=1.0)):
+        client = page_pair(holds)
+        slot = client.slot(None, "h2d")
+        trace: list[tuple[bool, bool]] = []
+        for step in range(8000):
+            if step % 20 == 0:
+                if step:
+                    client.end(slot)
+                client.begin(slot)
+            trace.append((H2D in holds.scan(step * STEP_S).held, client.refused(slot)))
+        assert holds.figures()["refused_lanes"] == []
+        seen.append(trace)
+    assert seen[0] == seen[1] and any(refused for _, refused in seen[0])
+
+
+def test_a_spent_lane_total_is_told_on_every_page_of_the_lane_until_it_refills() -> None:
+    """When the uids together have spent the lane's total, every page's word for that lane reads
+    refused, whatever its uid (one that never held, a page opened meanwhile too), and no copy
+    holds the lane; the other lane reads granted. Once the total has refilled to ``regrant_s``
+    (found by the scans though the pages stay idle) they all read granted, and copies hold again."""
+    holds = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=0.5)
+    pages = [page_pair(holds, owner=k + 1, uid=1000 + k) for k in range(3)]
+    second = page_pair(holds, owner=10, uid=1000)  # the first uid's other connection
+    idle = page_pair(holds, owner=11, uid=5000)  # a uid that never announces
+    everyone = [*pages, second, idle]
+    open_ = [False] * 3
+    whole = holds._lanes[H2D]
+    step = 0
+    flips = 0
+    was = False
+    for step in range(8000):  # 2 s of turns: the total runs out, refills, and runs out again
+        take_turn(pages, step, open_)
+        holds.scan(step * STEP_S)
+        words = {page.refused(page.slot(None, "h2d")) for page in everyone}
+        assert words == {whole.refused}  # every page of the lane reads the same
+        assert not any(page.refused(page.slot(None, "d2h")) for page in everyone)
+        flips += whole.refused != was
+        was = whole.refused
+        if was:
+            assert holds.held == frozenset()
+    assert flips >= 4  # refused and granted again, more than once
+    while not whole.refused:
+        step += 1
+        take_turn(pages, step, open_)
+        holds.scan(step * STEP_S)
+    assert holds.figures()["refused_lanes"] == ["gpu0/h2d"] and holds.figures()["refused"] == {}
+    late = page_pair(holds, owner=12, uid=6000)
+    assert late.refused(late.slot(None, "h2d")) and not late.refused(late.slot(None, "d2h"))  # told at open
+    for k, page in enumerate(pages):
+        if open_[k]:
+            page.end(page.slot(None, "h2d"))
+    t = step * STEP_S
+    refilled = whole.at + (holds.regrant_s - whole.tokens) / holds.total_share
+    while t < refilled - 0.001:  # the pages stay idle: the scans skip them
+        t += 0.001
+        holds.scan(t)
+        assert all(page.refused(page.slot(None, "h2d")) for page in [*everyone, late])
+    holds.scan(refilled + 1e-6)
+    assert not any(page.refused(page.slot(None, "h2d")) for page in [*everyone, late])
+    assert holds.figures()["refused_lanes"] == []
+    idle.begin(idle.slot(None, "h2d"))  # and copies hold again
+    assert holds.scan(refilled + 0.001).held == {H2D}
+
+
 def test_what_a_client_writes_in_the_daemons_half_changes_nothing_the_daemon_decides() -> None:
     """Two daemons see the same copies announced; on one of them the client also writes random
     words over the daemon's half of its page before every scan. Both decide the same (held lanes,

@@ -333,6 +333,14 @@ def test_a_reload_applies_its_budget_at_once() -> None:
             r"^\[scheduler\] urgent_budget_share = 1.5 is invalid; set 0 < urgent_budget_share <= 1",
         ),
         (
+            {"direct_hold_total_share": 0.0},
+            r"^\[scheduler\] direct_hold_total_share = 0.0 is invalid; set 0 < direct_hold_total_share <= 1",
+        ),
+        (
+            {"direct_hold_total_share": float("nan")},
+            r"^\[scheduler\] direct_hold_total_share = nan is invalid",
+        ),
+        (
             {"urgent_burst_bytes": 100},
             r"^\[scheduler\] urgent_burst_bytes = 100 is invalid; set urgent_burst_bytes >= 4096$",
         ),

@@ -253,6 +253,60 @@ async def test_a_timeout_cancels_a_held_copy(daemon: DaemonProcess) -> None:
         assert (await c.status())["held_copies"] == 0
 
 
+async def test_a_copy_held_past_max_event_wait_s_is_cancelled_by_the_daemon() -> None:
+    """With ``[limits] max_event_wait_s``, a copy (or batch) whose wait_event never completes is
+    cancelled by the daemon about then, with an error that names the limit and how to raise it; a
+    copy whose event completes in time lands; the connection goes on."""
+    env = {"PRIOD_LOG__LEVEL": '"error"', "PRIOD_LIMITS__MAX_EVENT_WAIT_S": "0.3"}
+    with daemon_process(env) as d:
+        async with priod.connect(d.socket_path, copy_path="daemon") as c:
+            src, dst, evr = await regions(c, MiB, 8)
+            assert src.array is not None and dst.array is not None
+            never, late = SimEvent(evr, 0), SimEvent(evr, 1)
+            never.record()
+            late.record()
+            t0 = time.perf_counter()
+            stuck = c.start_copy(dst, src, 4096, wait_event=never)
+            stuck_batch = c.start_copy_batch(dst, src, [(0, 0, 64)], wait_event=never)
+            ok = c.start_copy(dst, src, wait_event=late)
+            await asyncio.sleep(0.1)
+            late.complete()
+            assert (await ok.wait(timeout=5)).nbytes == MiB
+            assert np.array_equal(dst.array, src.array)
+            for h in (stuck, stuck_batch):
+                with pytest.raises(Cancelled) as info:
+                    await h.wait(timeout=5)
+                assert not isinstance(info.value, CopyTimeout) and info.value.bytes_done == 0
+                assert "its wait_event did not complete within [limits] max_event_wait_s = 0.3 s" in str(info.value)
+                assert "raise max_event_wait_s" in str(info.value)
+            waited = time.perf_counter() - t0
+            assert 0.25 <= waited < 1.0, waited
+            assert (await c.status())["held_copies"] == 0
+            await c.ping()
+            assert (await c.copy(dst, src, 4096)).nbytes == 4096
+
+
+def test_gates_expire_at_max_wait_and_not_before() -> None:
+    """`Gates.poll` hands a copy held past ``max_wait_s`` back with a `Cancelled` error, polls it
+    once more at the limit rather than later, lets one whose event completed by then through, and
+    with 0 holds copies for ever."""
+    g = Gates()
+    g.configure(0.05)
+    stuck, fine = _Ev(), _Ev()
+    g.hold(_req(1), stuck, 0.0)
+    g.hold(_req(2), fine, 0.0)
+    assert g.poll(0.049) == ([], [])
+    assert g.next_due() == pytest.approx(0.05)  # capped at the limit, not 0.049 + back-off
+    fine.done = True
+    opened, failed = g.poll(0.05)
+    assert [r.id for r in opened] == [2]
+    assert [r.id for r, _ in failed] == [1] and isinstance(failed[0][1], Cancelled)
+    assert "max_event_wait_s = 0.05 s" in str(failed[0][1]) and len(g) == 0
+    forever = Gates()
+    forever.hold(_req(3), _Ev(), 0.0)
+    assert forever.poll(1e6) == ([], []) and len(forever) == 1
+
+
 async def test_hostile_handles_are_refused_and_the_connection_goes_on(daemon: DaemonProcess) -> None:
     """Malformed, foreign and out-of-range handles are refused with a message naming the fix;
     a region of someone else's cannot serve as an event; the connection keeps working."""

@@ -249,6 +249,56 @@ def test_sync_reconnect_off_keeps_the_connection_closed() -> None:
         assert c.reconnects == 0
 
 
+@pytest.mark.parametrize("op", ["ping", "copy", "wait_recorded"])
+def test_sync_client_without_reconnect_raises_connection_closed_naming_the_socket(op: str) -> None:
+    """With reconnect_s=0, a SyncClient whose daemon was SIGKILLed raises `ConnectionClosed`
+    naming the socket path (never a bare BrokenPipeError or ConnectionResetError) on its next
+    request: a ping, a blocking copy, or waiting for a held copy's signal_event to be recorded
+    (blocked in a read when the daemon dies); and keeps raising it."""
+    from priod.wire.ipc_event import SimEvent
+
+    with restartable() as (path, _, first), priod.SyncClient(path, reconnect_s=0, copy_path="daemon") as c:
+        h, d, evr = c.alloc_host(MiB), c.alloc_device(MiB), c.alloc_device(4096)
+        at = rf"^connection to priod at {path} lost: "
+        if op == "wait_recorded":
+            never = SimEvent(evr, 0)
+            never.record()
+            held = c.start_copy(d, h, wait_event=never, signal_event=SimEvent(evr, 1))
+            threading.Timer(0.2, first.stop, (signal.SIGKILL,)).start()
+            with pytest.raises(priod.ConnectionClosed, match=LOST_COPY) as info:
+                held.wait_recorded(timeout=10)
+            assert path in str(info.value)
+        else:
+            first.stop(signal.SIGKILL)
+            with pytest.raises(priod.ConnectionClosed, match=at) as info:
+                c.ping() if op == "ping" else c.copy(d, h)
+            assert not isinstance(info.value, OSError)
+        with pytest.raises(priod.ConnectionClosed, match=at):
+            c.ping()
+        assert c.reconnects == 0
+
+
+def test_blocking_transport_turns_a_dead_peer_into_connection_closed() -> None:
+    """`BlockingFramedSocket` raises `ConnectionClosed` naming its peer for a reset, a broken
+    pipe and an end of stream alike, with the OS error as the cause."""
+    a, b = socket.socketpair()
+    framed = BlockingFramedSocket(a, peer="/run/priod/priod.sock")
+    try:
+        framed.send({"id": 1, "op": "ping"})
+        b.close()  # with our frame unread: the read sees a reset
+        at = r"^connection to priod at /run/priod/priod\.sock lost: "
+        with pytest.raises(priod.ConnectionClosed, match=at + r"\[Errno 104\]") as reset:
+            framed.receive()
+        assert isinstance(reset.value.__cause__, ConnectionResetError)
+        with pytest.raises(priod.ConnectionClosed, match=at + r"\[Errno 32\]") as pipe:
+            framed.send({"id": 2, "op": "ping"})
+        assert isinstance(pipe.value.__cause__, BrokenPipeError)
+        with pytest.raises(priod.ConnectionClosed, match=at + r"the daemon closed the connection$"):
+            framed.receive_within(1.0)
+    finally:
+        framed.close()
+
+
 async def test_regions_past_the_new_daemons_limits_are_reported() -> None:
     with restartable() as (path, stack, first):
         async with priod.connect(path, name="crowded") as c:

@@ -128,7 +128,13 @@ class _SyncHandle(Generic[R]):
             left = deadline - time.perf_counter()
             if left <= 0:
                 raise TimeoutError(f"the daemon did not record copy {self.id}'s signal_event within {timeout} s")
-            got = c._sock.receive() if left == math.inf else c._sock.receive_within(left)
+            try:
+                got = c._sock.receive() if left == math.inf else c._sock.receive_within(left)
+            except BaseException as exc:
+                if not c._lost_by(exc):
+                    raise
+                c._recover(exc)  # settles this copy (an error reply, or sent again), as `_take` does
+                continue
             if got is not None:
                 c._keep(*got)
 
@@ -276,7 +282,7 @@ class SyncClient:
             sock.close()
             raise
         sock.settimeout(self.timeout)
-        self._sock = BlockingFramedSocket(sock, spin_s=self.spin_us / 1e6)
+        self._sock = BlockingFramedSocket(sock, spin_s=self.spin_us / 1e6, peer=self.path)
         self.generation += 1
         msg, _ = self._request(Hello(PROTOCOL_VERSION, self.name or f"pid{os.getpid()}"))
         self.server = check_server(HelloReply.decode(msg), self.path)
@@ -299,6 +305,12 @@ class SyncClient:
             return exc.code in ("closed", "shutting_down")
         return isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
 
+    def _lost_why(self, exc: BaseException) -> str:
+        """The message of a lost connection: the transport's own names the path already."""
+        if isinstance(exc, ConnectionClosed) and str(exc).startswith(f"connection to priod at {self.path} "):
+            return str(exc)
+        return f"connection to priod at {self.path} lost: {exc}"
+
     def _recover(self, exc: BaseException) -> bool:
         """The connection was lost (``exc``): reconnect, register the regions again and settle
         the started copies; True once reconnected, False where this client does not (then the
@@ -309,7 +321,7 @@ class SyncClient:
         if self._dead is not None or self.reconnect_s <= 0 or not self._greeted:
             self._sock.close()
             if self._dead is None:
-                self._dead = ConnectionClosed(f"connection to priod at {self.path} lost: {exc}")
+                self._dead = ConnectionClosed(self._lost_why(exc))
             self._settle(orphans, "The client does not reconnect by itself (reconnect_s = 0, or closed).", False)
             return False
         self._recovering = True
@@ -392,7 +404,7 @@ class SyncClient:
 
     def _lost_error(self, exc: BaseException, copy: bool, req_id: int) -> ConnectionClosed:
         """What a request whose connection was lost (``exc``), and not recovered, raises."""
-        dead = self._dead or ConnectionClosed(f"connection to priod at {self.path} lost: {exc}")
+        dead = self._dead or ConnectionClosed(self._lost_why(exc))
         err = copy_lost(req_id, self.path, f"The client did not reconnect: {dead}") if copy else dead
         err.__cause__ = exc
         return err

@@ -64,6 +64,9 @@ class LimitsConfig:
     max_queued_bytes: int = 64 << 30
     max_queued_segments: int = 1 << 20
     """Segments of pending batches (copy_batch): about 32 bytes of daemon memory each."""
+    max_event_wait_s: float = 60.0
+    """Seconds a copy may be held for its ``wait_event`` before the daemon cancels it (an event
+    never recorded complete would hold it, and its place in the limits, forever). 0: no limit."""
     # Per uid, over all its connections (uid 0 and the daemon's own uid included, except for
     # the connection count).
     max_connections_per_uid: int = 64
@@ -354,6 +357,10 @@ def _validate(cfg: Config) -> None:
     need(
         lim.request_burst_per_uid >= 1,
         f"[limits] request_burst_per_uid = {lim.request_burst_per_uid} is invalid; set request_burst_per_uid >= 1",
+    )
+    need(
+        0 <= lim.max_event_wait_s < float("inf"),
+        f"[limits] max_event_wait_s = {lim.max_event_wait_s} is invalid; set a finite number of seconds >= 0 (0: no limit)",
     )
     for name in ("max_pinned_total_bytes", "max_device_total_bytes", "max_regions_total", "max_shares_per_region"):
         need(getattr(lim, name) >= 0, f"[limits] {name} must be >= 0")

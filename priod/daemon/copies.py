@@ -354,6 +354,8 @@ def outcome_reply(
         )
     if f.outcome == "failed":
         return ErrorReply("engine", f"copy failed {progress}: {f.error}", f.bytes_done, done)
+    if f.error is not None:  # cancelled by the daemon for a reason of its own (gates.py: a wait_event's limit)
+        return ErrorReply(p.cancel_code, f"copy cancelled {progress}: {f.error}", f.bytes_done, done)
     return ErrorReply(p.cancel_code, f"{_CANCEL_WHY[p.cancel_code]} {progress}", f.bytes_done, done)
 
 

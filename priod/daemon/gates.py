@@ -10,6 +10,11 @@ and queued like any copy once its event has completed. A held copy holds nothing
 no lane, no chunk, no place in a queue; it counts against its client's limits, as any pending
 copy does, so a flood of them is bounded by ``[limits] max_queued_requests``.
 
+A copy held longer than ``[limits] max_event_wait_s`` (`Gates.configure`) comes out of `Gates.poll`
+with a `Cancelled` error saying so: an event never recorded complete would otherwise hold it, and
+its place in those limits, until its client cancels it or leaves. It is checked when the copy is
+polled anyway, so the limit costs a comparison per poll, and no poll is due later than it.
+
 `EventTable` (one per connection) opens each handle once (``cudaIpcOpenEventHandle`` costs
 about an event create) and closes them all when the connection ends.
 
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 from priod.daemon.engines.base import Engine, IpcEvent, Memory
 from priod.daemon.sched.scheduler import Request
-from priod.errors import LimitExceeded
+from priod.errors import Cancelled, LimitExceeded
 
 __all__ = [
     "GATE_BACKOFF",
@@ -113,6 +118,13 @@ class Gates:
         """(due, seq, request id); entries of gates gone or re-timed are skipped when popped."""
         self._seq = 0
         self.polls = 0
+        self.max_wait_s = 0.0
+        """``[limits] max_event_wait_s``: a copy held longer is cancelled (0: never)."""
+
+    def configure(self, max_wait_s: float) -> None:
+        """Take ``[limits] max_event_wait_s`` (at start and on reload); copies held now are
+        judged by it from their next poll."""
+        self.max_wait_s = max_wait_s
 
     def __len__(self) -> int:
         return len(self._gates)
@@ -132,12 +144,14 @@ class Gates:
 
     def poll(self, now: float) -> tuple[list[Request], list[tuple[Request, Exception]]]:
         """Poll the gates that are due (at most `GATE_POLLS_PER_TURN`): the requests whose event
-        completed, taken out, and those whose event failed, taken out with the error."""
+        completed, taken out, and those whose event failed, taken out with the error (a
+        `Cancelled` one for a copy held past `max_wait_s`)."""
         opened: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
         again: list[Gate] = []
         heap, gates = self._heap, self._gates
         polled = 0
+        max_wait = self.max_wait_s
         while heap and heap[0][0] <= now and polled < GATE_POLLS_PER_TURN:
             due, _, rid = heapq.heappop(heap)
             gate = gates.get(rid)
@@ -153,13 +167,26 @@ class Gates:
             if done:
                 del gates[rid]
                 opened.append(gate.request)
+            elif max_wait and now - gate.since >= max_wait:
+                del gates[rid]
+                failed.append((gate.request, self._expired(now - gate.since)))
             else:
                 gate.due = now + self._interval(now - gate.since)
+                if max_wait and gate.due > gate.since + max_wait:
+                    gate.due = gate.since + max_wait  # polled once more at the limit, not later
                 again.append(gate)
         for gate in again:  # after the loop: a gate due at once is polled once per turn, not 256 times
             self._push(gate)
         self.polls += polled
         return opened, failed
+
+    def _expired(self, age: float) -> Cancelled:
+        return Cancelled(
+            f"its wait_event did not complete within [limits] max_event_wait_s = {self.max_wait_s:g} s "
+            f"(held {age:.3g} s), so the daemon cancelled it; record the event behind the work that "
+            "produces the source before sending the copy, or raise max_event_wait_s in the daemon's "
+            "config (0: no limit)"
+        )
 
     def _interval(self, age: float) -> float:
         if age < GATE_SPIN_S:

@@ -17,15 +17,19 @@ reads them while they are written; a ``begun`` that reads lower than before is n
 is held while ``begun != ended``, for at most ``direct_hold_max_ms`` per copy, and only while
 the uid has hold budget left on that lane (a token bucket of held seconds:
 ``urgent_budget_share`` of the time, ``direct_hold_burst_ms`` deep; each copy costs at least
-`BEGIN_CHARGE_S`). So a buggy or hostile client can delay bulk by that much and no more; what it
-writes is only numbers to the daemon. This module is the bookkeeping; the pump calls
+`BEGIN_CHARGE_S`). Holds of all uids together take at most ``direct_hold_total_share`` of a
+lane's time: a second token bucket per lane, charged once for each stretch the lane was held
+whoever held it, with the same depth (so several uids, each within its own budget, cannot
+together hold bulk back for more). So a buggy or hostile client can delay bulk by that much and
+no more; what it writes is only numbers to the daemon. This module is the bookkeeping; the pump calls
 `Holds.scan` each turn and tells the scheduler which lanes are held.
 
 The page's second half is the daemon's (`priod.wire.hold_page`): one word per slot, 1 while the
 uid's hold budget on that lane is spent (its bucket empty; a copy announced then runs un-held,
-so the client should send it through the daemon), 0 again once the bucket has refilled enough
-for a hold (`Holds.regrant_s`). The daemon writes the word when that changes, on every page of
-the uid, and never reads it back: a client writing there changes only what it reads itself.
+so the client should send it through the daemon), or while the lane's total is (then on every
+page, whatever its uid), 0 again once the empty buckets have refilled enough for a hold
+(`Holds.regrant_s`). The daemon writes the word when that changes, on every page concerned, and
+never reads it back: a client writing there changes only what it reads itself.
 The word is kept current by the scans (before each submission, and on `priod status`): on a
 daemon with nothing to do it may read 1 until the next scan.
 
@@ -76,18 +80,22 @@ RECENT_TIMED = 1024
 
 @dataclass(eq=False)
 class _Bucket:
-    """Hold budget of one uid on one lane, in seconds of holding, and what its pages are told."""
+    """Hold budget of one uid on one lane, or of the whole lane (``total``), in seconds of
+    holding, and what its pages are told."""
 
     lane: LaneKey
     tokens: float
     at: float
+    total: bool = False
+    """The lane's bucket, over all uids (refills at `Holds.total_share`), not one uid's."""
     refused: bool = False
     """Told to the uid's pages: the budget is spent (set at empty, cleared at `Holds.regrant_s`)."""
     clear_at: float = math.inf
     """While refused: when the bucket will have refilled to `Holds.regrant_s`, if nothing is
     charged meanwhile (the scan looks at it then, though no page of it changes)."""
     slots: list[_Slot] = field(default_factory=list)
-    """The slots of open pages that draw on it (each page of the uid has one for the lane)."""
+    """The slots of open pages that draw on it (each page of the uid has one for the lane; for
+    the lane's bucket, every page's slot of the lane)."""
 
 
 @dataclass
@@ -120,10 +128,15 @@ class DirectTimes:
 class _Slot:
     lane: LaneKey
     bucket: _Bucket
+    whole: _Bucket
+    """The lane's bucket over all uids (`Holds.total_share`)."""
     told: memoryview
     """The page's daemon half as uint64 words: this slot's word is ``told[index]``. Written,
     never read: the client can write there too."""
     index: int
+    refused: bool = False
+    """What this slot's word was last set to by the daemon (the daemon's own record: the word
+    itself is never read back): refused while its uid's bucket or its lane's is."""
     seen_begun: int = 0
     since: float = -math.inf
     """When the daemon saw the current copy begin (its ``begun`` change)."""
@@ -181,6 +194,8 @@ class Holds:
     hold_max_s: float = 0.005
     share: float = 0.25
     burst_s: float = 0.05
+    total_share: float = 0.5
+    """Of a lane's time, what the holds of all uids together may take (``burst_s`` deep)."""
     pages: dict[int, HoldPage] = field(default_factory=dict)
     copies: dict[LaneKey, int] = field(default_factory=dict)
     """Direct copies announced per lane (for status and metrics)."""
@@ -194,13 +209,16 @@ class Holds:
     timed: dict[LaneKey, DirectTimes] = field(default_factory=dict)
     """Direct copies timed per lane (for status and metrics)."""
     _buckets: dict[tuple[int | None, LaneKey], _Bucket] = field(default_factory=dict)
+    _lanes: dict[LaneKey, _Bucket] = field(default_factory=dict)
+    """Each lane's bucket over all uids."""
     _refusing: set[_Bucket] = field(default_factory=set)
     """Buckets whose pages are told the budget is spent: looked at each scan until refilled."""
     _looked: float = -math.inf
     """When the last scan read the pages."""
 
-    def configure(self, hold_max_ms: float, share: float, burst_ms: float) -> None:
+    def configure(self, hold_max_ms: float, share: float, burst_ms: float, total_share: float) -> None:
         self.hold_max_s, self.share, self.burst_s = hold_max_ms / 1e3, share, burst_ms / 1e3
+        self.total_share = total_share
         for bucket in self._refusing:
             bucket.clear_at = -math.inf  # the limits changed: judged afresh at the next scan
 
@@ -236,12 +254,15 @@ class Holds:
         counters = words[: WORDS_PER_SLOT * len(lanes)]
         told = words[DAEMON_WORD : DAEMON_WORD + len(lanes)]
         words.release()
-        slots = [_Slot(lane, self._bucket(uid, lane, now), told, i) for i, lane in enumerate(lanes)]
+        slots = [
+            _Slot(lane, self._bucket(uid, lane, now), self._whole(lane, now), told, i) for i, lane in enumerate(lanes)
+        ]
         page = HoldPage(owner, uid, fd, view, slots, counters, told, opened=now)
         for slot in slots:
             slot.bucket.slots.append(slot)
-            if slot.bucket.refused:  # another connection of the uid spent it
-                told[slot.index] = REFUSED
+            slot.whole.slots.append(slot)
+            # Another connection of the uid spent its budget, or the uids together the lane's.
+            self._word(slot)
         self.pages[owner] = page
         return page
 
@@ -251,6 +272,7 @@ class Holds:
         if page is not None:
             for slot in page.slots:
                 slot.bucket.slots.remove(slot)
+                slot.whole.slots.remove(slot)
             page.words.release()  # the mapping cannot close while a view of it is exported
             page.told.release()
             page.view.close()
@@ -263,16 +285,39 @@ class Holds:
             bucket = self._buckets[(uid, lane)] = _Bucket(lane, self.burst_s, now)
         return bucket
 
+    def _whole(self, lane: LaneKey, now: float) -> _Bucket:
+        bucket = self._lanes.get(lane)
+        if bucket is None:
+            bucket = self._lanes[lane] = _Bucket(lane, self.burst_s, now, total=True)
+        return bucket
+
+    def _rate(self, bucket: _Bucket) -> float:
+        return self.total_share if bucket.total else self.share
+
+    def _refill(self, bucket: _Bucket, now: float) -> None:
+        bucket.tokens = min(self.burst_s, bucket.tokens + (now - bucket.at) * self._rate(bucket))
+        bucket.at = now
+
     def scan(self, now: float) -> HoldsScan:
         """Read every page once: which lanes are held now, and where copies began.
 
         A slot holds its lane while its copy is announced and not over, for at most
         ``hold_max_s`` from when the daemon first saw it, and while its uid's bucket for the
-        lane has tokens; held time is charged to the bucket at the next scan. Each page is told
-        when its uid's bucket for a lane runs empty or has refilled (`regrant_s`), and direct
-        copies are timed where the looks bound them closely (the module's docstring).
+        lane has tokens, and the lane's bucket over all uids too; held time is charged to the
+        uid's bucket at the next scan, and to the lane's once however many uids held it. Each page
+        is told when its uid's bucket for a lane, or the lane's, runs empty or has refilled
+        (`regrant_s`), and direct copies are timed where the looks bound them closely (the
+        module's docstring).
         """
         looked, self._looked = self._looked, now
+        for lane in self.held:  # held since the last scan: charged to the lane's total once
+            whole = self._lanes[lane]
+            self._refill(whole, now)
+            # A debt of one burst at most: a loop that stalled with a lane held does not refuse
+            # every uid on it for long after.
+            whole.tokens = max(-self.burst_s, whole.tokens - (now - looked))
+            if whole.tokens <= 0 and not whole.refused:
+                self._judge(whole, whole.tokens, now)
         if self._refusing:
             self._look_at_refusing(now)
         if not self.pages:
@@ -294,8 +339,7 @@ class Holds:
                 b, e = values[2 * i], values[2 * i + 1]
                 lane = slot.lane
                 bucket = slot.bucket
-                bucket.tokens = min(self.burst_s, bucket.tokens + (now - bucket.at) * self.share)
-                bucket.at = now
+                self._refill(bucket, now)
                 step = (b - slot.seen_begun) % (1 << 64)
                 if 0 < step < BACKWARDS:
                     # A step back is no copy: ``begun`` only counts up, and reads lower only from
@@ -331,7 +375,7 @@ class Holds:
                     continue
                 if slot.cut:
                     continue
-                if now - slot.since > self.hold_max_s or bucket.tokens <= 0:
+                if now - slot.since > self.hold_max_s or bucket.tokens <= 0 or slot.whole.refused:
                     slot.cut = True
                     self.cut[lane] = self.cut.get(lane, 0) + 1
                     continue
@@ -368,18 +412,27 @@ class Holds:
             self._tell(bucket, True)
         else:
             return
-        bucket.clear_at = at + (self.regrant_s - tokens) / self.share if self.share > 0 else math.inf
+        rate = self._rate(bucket)
+        bucket.clear_at = at + (self.regrant_s - tokens) / rate if rate > 0 else math.inf
 
     def _tell(self, bucket: _Bucket, refused: bool) -> None:
         bucket.refused = refused
-        word = REFUSED if refused else GRANTED
         for slot in bucket.slots:
-            slot.told[slot.index] = word  # one aligned 8-byte store
+            self._word(slot)
         if refused:
             self._refusing.add(bucket)
         else:
             self._refusing.discard(bucket)
             bucket.clear_at = math.inf
+
+    @staticmethod
+    def _word(slot: _Slot) -> None:
+        """Set the slot's word where what it should say changed: refused while its uid's bucket
+        or its lane's is (one aligned 8-byte store; the word itself is never read back)."""
+        refused = slot.bucket.refused or slot.whole.refused
+        if refused != slot.refused:
+            slot.refused = refused
+            slot.told[slot.index] = REFUSED if refused else GRANTED
 
     def _look_at_refusing(self, now: float) -> None:
         """Tell the pages of a refused bucket that has refilled meanwhile (its pages may all be
@@ -387,15 +440,18 @@ class Holds:
         nothing new). The bucket itself refills when a page of it is next looked at."""
         for bucket in list(self._refusing):
             if now >= bucket.clear_at:
-                self._judge(bucket, min(self.burst_s, bucket.tokens + (now - bucket.at) * self.share), now)
+                tokens = min(self.burst_s, bucket.tokens + (now - bucket.at) * self._rate(bucket))
+                self._judge(bucket, tokens, now)
 
     def figures(self) -> dict[str, object]:
         """For `priod status`: pages open, copies announced, holds cut short and counters read
         stepping back, per lane; the direct copies timed and their p50 and p99 over the latest
-        `RECENT_TIMED` (microseconds); the uids whose hold budget is spent now, counted per lane."""
+        `RECENT_TIMED` (microseconds); the uids whose hold budget is spent now, counted per lane,
+        and the lanes whose total for all uids is spent now."""
         refused: dict[str, int] = {}
         for bucket in self._refusing:
-            refused[str(bucket.lane)] = refused.get(str(bucket.lane), 0) + 1
+            if not bucket.total:
+                refused[str(bucket.lane)] = refused.get(str(bucket.lane), 0) + 1
         return {
             "pages": len(self.pages),
             "held": sorted(str(k) for k in self.held),
@@ -404,4 +460,5 @@ class Holds:
             "stepped_back": {str(k): n for k, n in sorted(self.stepped_back.items())},
             "timed": {str(k): {"copies": t.count, **t.percentiles_us()} for k, t in sorted(self.timed.items())},
             "refused": dict(sorted(refused.items())),
+            "refused_lanes": sorted(str(b.lane) for b in self._refusing if b.total),
         }

@@ -28,7 +28,7 @@ from priod.daemon.holds import Holds
 from priod.daemon.log import error_fields
 from priod.daemon.looptimer import LoopTimer
 from priod.daemon.sched.scheduler import Chunk, Finished, Request, Scheduler
-from priod.errors import NotFound, PriodError
+from priod.errors import Cancelled, NotFound, PriodError
 
 __all__ = ["BULK_POLL_MARGIN_S", "CopyTarget", "InFlight", "Pump", "next_poll_at", "reanchor_dues"]
 
@@ -241,7 +241,9 @@ class Pump:
     def configure_holds(self) -> None:
         """Take the hold limits from the scheduler's policy (at start and on reload)."""
         p = self.scheduler.policy
-        self.holds.configure(p.direct_hold_max_ms, p.urgent_budget_share, p.direct_hold_burst_ms)
+        self.holds.configure(
+            p.direct_hold_max_ms, p.urgent_budget_share, p.direct_hold_burst_ms, p.direct_hold_total_share
+        )
 
     def scan_holds(self) -> None:
         """Read the hold pages and tell the scheduler which lanes clients' direct copies hold."""
@@ -340,7 +342,13 @@ class Pump:
         now = time.perf_counter()
         opened, failed = self.gates.poll(now)
         for req, exc in failed:
-            self._on_finished(Finished(req, "failed", 0, error=exc))
+            if isinstance(exc, Cancelled):  # held past [limits] max_event_wait_s
+                log.warning(
+                    "wait_event_timed_out", request=req.id, owner=str(req.owner), held_s=round(now - req.arrival, 3)
+                )
+                self._on_finished(Finished(req, "cancelled", 0, error=exc))
+            else:
+                self._on_finished(Finished(req, "failed", 0, error=exc))
         for req in opened:
             self._admit(req, now)
         if opened:

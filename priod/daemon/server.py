@@ -192,6 +192,7 @@ class Daemon:
         self.pump = Pump(
             self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll, on_signalled=signal_recorded
         )
+        self.pump.gates.configure(cfg.limits.max_event_wait_s)
         self.own_uid = os.geteuid()
         """With uid 0, the uid that sees every client in `status` and may use PRIVILEGED_RESERVE."""
         _raise_open_files_limit()
@@ -358,6 +359,7 @@ class Daemon:
         self.pump.configure_holds()
         self.shared.cfg = cfg
         self.regions.limits = cfg.limits
+        self.pump.gates.configure(cfg.limits.max_event_wait_s)
         for session in list(self.shared.sessions.values()):
             session.limits_changed()
         # Series of classes that are gone would otherwise keep their last value forever.

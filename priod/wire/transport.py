@@ -520,7 +520,9 @@ class BlockingFramedSocket:
         max_frame: int = DEFAULT_MAX_FRAME,
         spin_s: float = 0.0,
         limits: DecodeLimits = REPLY_LIMITS,
+        peer: str = "",
     ) -> None:
+        """``peer``: what the errors of a lost connection name (the daemon's socket path)."""
         if sock.gettimeout() == 0.0:
             sock.setblocking(True)  # a socket with a timeout keeps it
         self.sock = sock
@@ -529,30 +531,49 @@ class BlockingFramedSocket:
         self.spin_s = spin_s
         """Busy-poll this long for a reply before sleeping in recv: waking a sleeping process
         costs tens to hundreds of microseconds, more than an urgent copy itself."""
+        self.peer = peer
+
+    def _lost(self, why: object) -> ConnectionClosed:
+        """The error of a connection the peer ended (it exited, or closed it), as the async
+        client's: `ConnectionClosed`, never a bare BrokenPipeError or ConnectionResetError."""
+        at = f" at {self.peer}" if self.peer else ""
+        return ConnectionClosed(f"connection to priod{at} lost: {why}")
 
     def send(self, msg: Message, fds: Sequence[int] = ()) -> None:
+        """Raises:
+        ConnectionClosed: the peer is gone (EPIPE, ECONNRESET)."""
         frame = encode(msg)
-        if fds:
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-            sent = self.sock.sendmsg([frame], rights)
-            if sent < len(frame):
-                self.sock.sendall(frame[sent:])
-        else:
-            self.sock.sendall(frame)
+        try:
+            if fds:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+                sent = self.sock.sendmsg([frame], rights)
+                if sent < len(frame):
+                    self.sock.sendall(frame[sent:])
+            else:
+                self.sock.sendall(frame)
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            raise self._lost(exc) from exc
+
+    def _recvmsg(self, flags: int = 0) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
+        try:
+            return recvmsg(self.sock, flags)
+        except (ConnectionResetError, ConnectionAbortedError) as exc:
+            raise self._lost(exc) from exc
 
     def _recv(self) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
         if self.spin_s > 0:
             deadline = time.perf_counter() + self.spin_s
             while time.perf_counter() < deadline:
                 try:
-                    data, ancdata, flags = recvmsg(self.sock, socket.MSG_DONTWAIT)
+                    data, ancdata, flags = self._recvmsg(socket.MSG_DONTWAIT)
                     return data, ancdata, flags
                 except BlockingIOError:
                     continue
-        data, ancdata, flags = recvmsg(self.sock)
+        data, ancdata, flags = self._recvmsg()
         return data, ancdata, flags
 
     def receive(self) -> tuple[Message, list[int]]:
+        """The next message; `ConnectionClosed` once the peer is gone."""
         while not self._messages:
             self._take_in(*self._recv())
         return self._messages.popleft()
@@ -561,7 +582,7 @@ class BlockingFramedSocket:
         fds = fds_from_ancdata(ancdata, flags)
         if not data:
             close_received(fds)
-            raise ConnectionClosed("the daemon closed the connection")
+            raise self._lost("the daemon closed the connection")
         self._messages.extend(self._inbox.feed(data, fds))
 
     def receive_within(self, timeout: float) -> tuple[Message, list[int]] | None:
@@ -573,14 +594,14 @@ class BlockingFramedSocket:
         spin_until = min(deadline, time.perf_counter() + self.spin_s) if self.sock.gettimeout() is None else 0.0
         while not self._messages and time.perf_counter() < spin_until:
             try:
-                self._take_in(*recvmsg(self.sock, socket.MSG_DONTWAIT))
+                self._take_in(*self._recvmsg(socket.MSG_DONTWAIT))
             except BlockingIOError:
                 continue
         while not self._messages:
             ready, _, _ = select.select([self.sock], [], [], max(deadline - time.perf_counter(), 0.0))
             if not ready:
                 return None
-            self._take_in(*recvmsg(self.sock))
+            self._take_in(*self._recvmsg())
         return self._messages.popleft()
 
     def close(self) -> None:

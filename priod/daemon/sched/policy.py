@@ -132,6 +132,11 @@ class SchedulerSettings:
     urgent_burst_bytes: int = 64 << 20
     """The token bucket's depth: urgent bytes a client may send at once after a quiet spell.
     An urgent copy larger than this is always served as ``high``."""
+    direct_hold_total_share: float = 0.5
+    """Per lane: the share of its time that the holds of clients' direct urgent copies, all uids
+    together, may take (each uid alone: ``urgent_budget_share``); past it every client's page
+    reads refused on the lane and their urgent copies go through the daemon. 0.5 keeps bulk at
+    least half the link however many uids take turns holding it."""
 
     def with_classes(self, classes: tuple[ClassSpec, ...], tuning: Tuning | None = None) -> Policy:
         """The `Policy` of these settings, ``classes`` (the ``[classes]`` tables) and ``tuning``."""
@@ -207,6 +212,11 @@ def validate_policy(policy: Policy) -> None:
     need(
         0 < share <= 1,
         f"[scheduler] urgent_budget_share = {share} is invalid; set 0 < urgent_budget_share <= 1 (of a lane's bandwidth)",
+    )
+    total = policy.direct_hold_total_share
+    need(
+        0 < total <= 1,
+        f"[scheduler] direct_hold_total_share = {total} is invalid; set 0 < direct_hold_total_share <= 1 (of a lane's time)",
     )
     need(
         policy.urgent_burst_bytes >= ALIGN,
