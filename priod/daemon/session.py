@@ -96,6 +96,17 @@ log = structlog.get_logger("priod.daemon.session")
 REQUESTS_PER_TURN = 64
 """Requests of one connection handled in one loop turn; the rest wait a turn, so a client
 that sends thousands at once cannot hold the loop from the others."""
+STATUS_TOKENS = 3
+"""Request tokens (a copy's cost: ~25 us of daemon CPU for a pipelined 1-byte sim copy, 5 for a
+ping) a `status` is charged, plus one per `STATUS_CONNECTIONS_PER_TOKEN` connections served:
+measured 70 us with 1 connection, 110 with 33, 170 with 97 (2-vCPU VM, sim, 2026-12-06)."""
+STATUS_CONNECTIONS_PER_TOKEN = 24
+"""See `STATUS_TOKENS`: ~1 us of a status per connection listed, 24 of them a copy's 25 us."""
+BATCH_SEGMENTS_PER_TOKEN = 40
+"""A copy_batch of N segments is charged 1 + ceil(N / this) tokens, before its table is checked
+(a refused batch too): taken and run, 48 us at 16 segments, 192 at 256, 2.5 ms at 4,096,
+19.5 ms at 32,768, ~0.6 us a segment, 40 of them a copy's 25 us (2-vCPU VM, sim, 2026-12-06).
+A table refused after its whole check costs ~0.06 us a segment: charged the same, by size."""
 SEGMENTS_PER_TURN = MAX_SEGMENTS
 """Batch segments one connection's requests may bring in one loop turn: checking a table costs
 O(N log N) of the loop (a few milliseconds for the largest), so a client sending batch after
@@ -291,6 +302,8 @@ class Session:
         self.queued_segments = 0
         """Segments of this connection's pending batches ([limits] max_queued_segments)."""
         self._turn_segments = 0
+        self._turn_extra = 0
+        """Tokens this turn's requests cost beyond one each (`STATUS_TOKENS`, batches)."""
         self.events = EventTable(shared.engine)
         """The IPC events this connection's copies named, opened once each (gates.py)."""
         self.greeted = False
@@ -390,9 +403,9 @@ class Session:
         )
         used = 0
         self._draining = True
-        self._turn_segments = 0
+        self._turn_segments = self._turn_extra = 0
         try:
-            for _ in range(granted):
+            while used + self._turn_extra < granted:
                 if self._setup is not None or self._ended.done():
                     return
                 if self._turn_segments >= SEGMENTS_PER_TURN:
@@ -421,14 +434,17 @@ class Session:
                     self._setup = asyncio.ensure_future(setup)  # in this context: keeps the log context
                     self._setup.add_done_callback(self._setup_done)
             loop = asyncio.get_running_loop()
-            if granted < REQUESTS_PER_TURN and lim.max_requests_per_s_per_uid > 0:
-                # The uid is out of tokens (this turn got fewer than a full turn's worth, all
-                # used): come back when one has accrued, not on the next turn.
+            # Settle now (the finally then settles nothing): what the turn cost decides the wait.
+            rate.refund(granted - used - self._turn_extra)
+            granted = used + self._turn_extra
+            if lim.max_requests_per_s_per_uid > 0 and rate.tokens < 1:
+                # The uid is out of tokens, or in debt after an expensive request: come back when
+                # its bucket holds a whole token again, not on the next turn.
                 self._rate_timer = loop.call_later(rate.wait_s(lim.max_requests_per_s_per_uid), self._rate_resume)
             else:
                 loop.call_soon(self._on_ready)
         finally:
-            rate.refund(granted - used)
+            rate.refund(granted - used - self._turn_extra)
             self._draining = False
 
     def _rate_resume(self) -> None:
@@ -522,8 +538,11 @@ class Session:
                 return None
             if type(req) is CopyBatch:
                 # Counted before the checks: a turn ends after the largest table, taken or
-                # refused (SEGMENTS_PER_TURN).
-                self._turn_segments += len(req.segments) // SEGMENT_BYTES
+                # refused (SEGMENTS_PER_TURN), and the uid is charged for it (BATCH_SEGMENTS_PER_TOKEN).
+                # Charged by size before the checks too: a refused table cost its check.
+                n = len(req.segments) // SEGMENT_BYTES
+                self._turn_segments += n
+                self._turn_extra += (n + BATCH_SEGMENTS_PER_TOKEN - 1) // BATCH_SEGMENTS_PER_TOKEN
                 take_batch(self, req_id, req)
                 return None
             reply = self._handlers[type(req)](req, fds)
@@ -679,6 +698,8 @@ class Session:
         return Empty()
 
     def _status(self, req: StatusRequest, fds: list[int]) -> StatusReply:
+        # Charged by what it costs the loop (STATUS_TOKENS): ~3 copies, more with many clients.
+        self._turn_extra += STATUS_TOKENS - 1 + len(self.shared.sessions) // STATUS_CONNECTIONS_PER_TOKEN
         return StatusReply(self.shared.status(self.peer))
 
     def _hold_page(self, req: OpenHoldPage, fds: list[int]) -> tuple[HoldPageReply, list[int]]:
