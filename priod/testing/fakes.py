@@ -214,16 +214,8 @@ class ManualEngine(Engine):
 
     def submit_range(self, job: ChunkJob) -> Completion:
         """Record the chunk (in `submitted`) and return it; nothing moves until the test says so."""
-        lane, path, dst, dst_offset, src, src_offset, nbytes = (
-            job.lane,
-            job.path,
-            job.dst,
-            job.dst_offset,
-            job.src,
-            job.src_offset,
-            job.nbytes,
-        )
-        strict, gated = job.strict, job.gated
+        lane, path, dst, src, nbytes = job.lane, job.path, job.dst, job.src, job.nbytes
+        dst_offset, src_offset, strict, gated = job.dst_offset, job.src_offset, job.strict, job.gated
         if self.closed:
             raise RuntimeError("submit on a closed ManualEngine")
         info = self._lanes.get(lane)

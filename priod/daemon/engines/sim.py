@@ -218,16 +218,8 @@ class SimEngine(Engine):
         os.close(mem.fd)
 
     def submit_range(self, job: ChunkJob) -> Completion:
-        lane, path, dst, dst_offset, src, src_offset, nbytes = (
-            job.lane,
-            job.path,
-            job.dst,
-            job.dst_offset,
-            job.src,
-            job.src_offset,
-            job.nbytes,
-        )
-        strict, gated = job.strict, job.gated
+        lane, path, dst, src, nbytes = job.lane, job.path, job.dst, job.src, job.nbytes
+        dst_offset, src_offset, strict, gated = job.dst_offset, job.src_offset, job.strict, job.gated
         # One copy engine per lane: strict DMA chunks queue with the rest (the scheduler
         # already put them first), as they would on a single hardware queue; only a gated chunk
         # waiting at a closed gate lets them pass (`Worker._take_turn`).

@@ -232,16 +232,8 @@ class CudaEngine(Engine):
                 range falls outside them.
             EngineError: Express asked of a lane that has none; CudaError when CUDA refuses.
         """
-        lane, path, dst, dst_offset, src, src_offset, nbytes = (
-            job.lane,
-            job.path,
-            job.dst,
-            job.dst_offset,
-            job.src,
-            job.src_offset,
-            job.nbytes,
-        )
-        strict, gated = job.strict, job.gated
+        lane, path, dst, src, nbytes = job.lane, job.path, job.dst, job.src, job.nbytes
+        dst_offset, src_offset, strict, gated = job.dst_offset, job.src_offset, job.strict, job.gated
         dev, info, s_host, d_host = self._ends(lane, dst, src)
         if (
             nbytes < 0
