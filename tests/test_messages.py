@@ -115,7 +115,7 @@ def test_the_written_out_copy_forms_agree_with_the_general_ones() -> None:
 def test_every_op_has_a_type() -> None:
     assert set(REQUEST_TYPES) == {
         *("hello", "ping", "status", "alloc_host", "register_host", "alloc_device", "register_device"),
-        *("free", "share", "copy", "copy_batch", "cancel", "hold_page"),
+        *("free", "share", "copy", "copy_batch", "cancel", "hold_page", "ring"),
     }
 
 

@@ -58,6 +58,7 @@ from priod.client.base import (
     regions_lost,
     reregister_request,
 )
+from priod.client.copy_ring import ClientRing
 from priod.client.direct import HoldPage
 from priod.client.route import CopyPath, DirectRoute, check_copy_path
 from priod.client.torch_face import block_segments, tensor_copy
@@ -76,6 +77,7 @@ from priod.wire.messages import (
     HelloReply,
     Message,
     OpenHoldPage,
+    OpenRing,
     Ping,
     RegionReply,
     RegisterHost,
@@ -86,6 +88,7 @@ from priod.wire.messages import (
     error_of,
     is_progress,
 )
+from priod.wire.ring import RING_VERSION, ring_supported
 from priod.wire.transport import FramedSocket
 
 __all__ = [
@@ -198,8 +201,14 @@ class Client:
         copy_path: CopyPath = "auto",
         reconnect_s: float = 30.0,
         retry_copies: bool = False,
+        ring: bool = True,
     ) -> None:
         self.path = path
+        self.use_ring = ring
+        """Send plain copies through a shared-memory copy ring when the daemon offers one
+        (`priod.wire.ring`); False: every request goes on the socket."""
+        self._ring: ClientRing | None = None
+        self._ring_due = False
         self.reconnect_s = reconnect_s
         """On a lost connection, reconnect (and register the regions again) for up to this
         many seconds; 0: never (the connection stays closed, as `reconnect` leaves it to you)."""
@@ -255,6 +264,7 @@ class Client:
         copy_path: CopyPath = "auto",
         reconnect_s: float = 30.0,
         retry_copies: bool = False,
+        ring: bool = True,
     ) -> Client:
         """Connect and handshake; retry for up to ``wait_s`` seconds while the daemon is not up.
 
@@ -268,9 +278,13 @@ class Client:
         ``reconnect_s``: on a lost connection (a daemon restart), reconnect with jittered
         exponential backoff for up to this many seconds and register every held region again
         (0: never). ``retry_copies``: send again the copies the lost connection left unanswered.
+
+        ``ring``: send plain copies (no events, a shipped class) through the connection's
+        shared-memory copy ring, where the daemon offers one (docs/design.md: it costs the loop
+        less than a frame); False keeps every request on the socket.
         """
         deadline = time.monotonic() + wait_s
-        client = cls(path or await discover(deadline), name, expect_uid, copy_path, reconnect_s, retry_copies)
+        client = cls(path or await discover(deadline), name, expect_uid, copy_path, reconnect_s, retry_copies, ring)
         try:
             await client._open(max(0.0, deadline - time.monotonic()))
         except BaseException:
@@ -325,6 +339,59 @@ class Client:
         if self._route is not None:
             self._route.close()
         self._route = DirectRoute(self._server.backend)
+        self._drop_ring()
+        if self.use_ring and self._server.ring == RING_VERSION and ring_supported():
+            await self._attach_ring()
+
+    async def _attach_ring(self) -> None:
+        """Map the connection's copy ring; on any refusal the socket carries every copy."""
+        try:
+            _, fds = await self._request(OpenRing())
+            ring = ClientRing(fds)
+        except (ValueError, OSError, InvalidRequest):
+            return
+        self._ring = ring
+        asyncio.get_running_loop().add_reader(ring.wake_fd, self._on_ring_wake, ring)
+
+    def _on_ring_wake(self, ring: ClientRing) -> None:
+        ring.clear_wake()  # first: a completion published after the drain wakes us again
+        self._take_completions(ring)
+
+    def _take_completions(self, ring: ClientRing) -> None:
+        for req_id, msg in ring.completions():
+            self._copies.pop(req_id, None)
+            fut = self._pending.pop(req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result((msg, []))
+
+    def _drop_ring(self) -> None:
+        """Stop using the ring (the connection is gone): completions already there count first."""
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            self._take_completions(ring)
+            if not ring.closed:
+                asyncio.get_running_loop().remove_reader(ring.wake_fd)
+            ring.close()
+
+    def _ring_doorbell(self) -> None:
+        self._ring_due = False
+        if self._ring is not None:
+            self._ring.ring()
+
+    def _send_copy(self, req: Copy) -> tuple[int, asyncio.Future[Reply]]:
+        """Send a copy: a descriptor on the ring when it can go there, a frame otherwise."""
+        ring = self._ring
+        if ring is not None and self._closed_exc is None and ring.eligible(req):
+            req_id = next(self._ids)
+            if ring.submit(req_id, req):
+                loop = asyncio.get_running_loop()
+                fut: asyncio.Future[Reply] = loop.create_future()
+                self._pending[req_id] = fut
+                if not self._ring_due:  # one doorbell for every copy this loop turn publishes
+                    self._ring_due = True
+                    loop.call_soon(self._ring_doorbell)
+                return req_id, fut
+        return self._send(req)
 
     async def reconnect(self, wait_s: float = 10.0) -> None:
         """Open a fresh connection by hand (the client does it by itself unless ``reconnect_s``
@@ -482,6 +549,7 @@ class Client:
         if self._sock is not None:
             self._sock.set_listener(None)
             self._sock.close()
+        self._drop_ring()
         again = self._will_reconnect(cause)
         if again:
             # Copies wait for the reconnect's outcome, which their error then states.
@@ -626,7 +694,7 @@ class Client:
         """
         self._check_region(dst, src)
         req = copy_request(dst, src, nbytes, options)
-        req_id, fut = self._send(req)
+        req_id, fut = self._send_copy(req)
         self._copies[req_id] = (req, dst, src)
         return CopyHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
 
@@ -858,12 +926,13 @@ class _Connecting:
         copy_path: CopyPath,
         reconnect_s: float = 30.0,
         retry_copies: bool = False,
+        ring: bool = True,
     ) -> None:
-        self._args = (path, name, wait_s, expect_uid, copy_path, reconnect_s, retry_copies)
+        self._args = (path, name, wait_s, expect_uid, copy_path, reconnect_s, retry_copies, ring)
         self._client: Client | None = None
 
     def __await__(self) -> Generator[Any, None, Client]:
-        path, name, wait_s, expect_uid, copy_path, reconnect_s, retry_copies = self._args
+        path, name, wait_s, expect_uid, copy_path, reconnect_s, retry_copies, ring = self._args
         return Client.connect(
             path,
             name=name,
@@ -872,6 +941,7 @@ class _Connecting:
             copy_path=copy_path,
             reconnect_s=reconnect_s,
             retry_copies=retry_copies,
+            ring=ring,
         ).__await__()
 
     async def __aenter__(self) -> Client:
@@ -894,15 +964,17 @@ def connect(
     copy_path: CopyPath = "auto",
     reconnect_s: float = 30.0,
     retry_copies: bool = False,
+    ring: bool = True,
 ) -> _Connecting:
     """Connect to the daemon at ``path`` (default: the first that exists of $PRIOD_SOCKET,
     $XDG_RUNTIME_DIR/priod.sock, /run/priod/priod.sock; `priod.common.socket_path.find_socket`);
     with ``expect_uid``, only to a daemon whose process runs as that uid (see `Client.connect`);
     ``copy_path``: the connection's default for `Client.copy`'s ``path``; ``reconnect_s`` and
-    ``retry_copies``: what the client does when the connection is lost (see `Client.connect`)."""
+    ``retry_copies``: what the client does when the connection is lost, ``ring``: whether plain
+    copies go through the shared-memory copy ring (see `Client.connect`)."""
     if reconnect_s < 0:
         raise InvalidRequest(f"reconnect_s = {reconnect_s} is invalid; give seconds >= 0 (0: never reconnect)")
-    return _Connecting(path, name, wait_s, expect_uid, check_copy_path(copy_path), reconnect_s, retry_copies)
+    return _Connecting(path, name, wait_s, expect_uid, check_copy_path(copy_path), reconnect_s, retry_copies, ring)
 
 
 # The blocking client lives in sync_client.py; both are importable from here, as from `priod`.

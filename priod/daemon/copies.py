@@ -22,6 +22,7 @@ from priod.daemon.gates import EventTable
 from priod.daemon.log import error_fields
 from priod.daemon.pump import Pump
 from priod.daemon.regions import Holdings, Region, RegionTable, UidHoldings
+from priod.daemon.rings import CopyRing
 from priod.daemon.sched.scheduler import Finished, Scheduler
 from priod.daemon.sched.scheduler import Request as QueuedCopy
 from priod.errors import InvalidRequest, LimitExceeded, ShuttingDown
@@ -35,6 +36,7 @@ __all__ = [
     "cancel_copy",
     "check_copy_bounds",
     "check_limits",
+    "complete_on_ring",
     "copy_finished",
     "copy_log_fields",
     "count_pending",
@@ -129,6 +131,8 @@ class PendingCopy:
     """The client's event the pump records behind the copy's last chunk, if it named one."""
     signal_error: Exception | None = None
     """Why the signal_event could not be recorded: the copy's reply then says so."""
+    by_ring: bool = False
+    """It came as a ring descriptor: once done, its completion goes back on the ring."""
 
     @property
     def dst_mem(self) -> Memory:
@@ -139,9 +143,10 @@ class PendingCopy:
         return self.src.mem
 
 
-def take_copy(session: CopySession, req_id: int, req: Copy) -> None:
+def take_copy(session: CopySession, req_id: int, req: Copy, by_ring: bool = False) -> None:
     """Check a copy (regions, bounds, limits, events) and queue it; its reply comes when it ends
-    (`copy_finished`). Raises a RequestError naming the fix, and then nothing is queued."""
+    (`copy_finished`). Raises a RequestError naming the fix, and then nothing is queued.
+    ``by_ring``: it came on the connection's copy ring (rings.py), where its completion goes."""
     now = time.perf_counter()
     dst, src = _copy_regions(session, req_id, req.dst, req.src)
     nbytes = req.nbytes
@@ -150,6 +155,7 @@ def take_copy(session: CopySession, req_id: int, req: Copy) -> None:
     check_copy_bounds(regions, dst, req.dst_offset, src, req.src_offset, nbytes)
     check_limits(session.shared.cfg.limits, session, session.holdings.tally, nbytes, 0)
     payload = PendingCopy(session, req_id, dst, req.dst_offset, src, req.src_offset)
+    payload.by_ring = by_ring
     if req.wait_event is not None or req.signal_event is not None:
         _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
@@ -357,6 +363,23 @@ def outcome_reply(
     if f.error is not None:  # cancelled by the daemon for a reason of its own (gates.py: a wait_event's limit)
         return ErrorReply(p.cancel_code, f"copy cancelled {progress}: {f.error}", f.bytes_done, done)
     return ErrorReply(p.cancel_code, f"{_CANCEL_WHY[p.cancel_code]} {progress}", f.bytes_done, done)
+
+
+def complete_on_ring(
+    ring: CopyRing, f: Finished, p: PendingCopy, queued_s: float, transfer_s: float, total_s: float
+) -> bool:
+    """Write a copy that is done (as `outcome_reply`'s first case) to its connection's ring;
+    False if the ring has no room (then the reply goes on the socket)."""
+    req = f.request
+    return ring.complete(
+        p.client_id,
+        req.nbytes,
+        round(queued_s * 1e9) / 1e3,
+        round(transfer_s * 1e9) / 1e3,
+        round(total_s * 1e9) / 1e3,
+        "express" if req.path is _EXPRESS else "dma",
+        f.missed_deadline,
+    )
 
 
 def check_copy_bounds(

@@ -39,6 +39,7 @@ from priod.daemon.config import Config
 from priod.daemon.copies import (
     PendingCopy,
     cancel_copy,
+    complete_on_ring,
     copy_finished,
     copy_log_fields,
     count_pending,
@@ -53,9 +54,10 @@ from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
 from priod.daemon.region_requests import RegionRequests
 from priod.daemon.regions import Holdings, RegionTable
+from priod.daemon.rings import CopyRing
 from priod.daemon.sched.scheduler import Finished, Scheduler
 from priod.daemon.sched.scheduler import Request as QueuedCopy
-from priod.errors import ConnectionClosed, NotFound, PriodError, ProtocolError, RequestError
+from priod.errors import ConnectionClosed, InvalidRequest, NotFound, PriodError, ProtocolError, RequestError
 from priod.wire.batch import MAX_SEGMENTS, SEGMENT_BYTES
 from priod.wire.messages import (
     PROTOCOL_VERSION,
@@ -68,6 +70,7 @@ from priod.wire.messages import (
     Hello,
     Message,
     OpenHoldPage,
+    OpenRing,
     Ping,
     RegisterDevice,
     RegisterHost,
@@ -83,9 +86,11 @@ from priod.wire.replies import (
     ErrorReply,
     HelloReply,
     HoldPageReply,
+    RingReply,
     StatusReply,
     progress_frame,
 )
+from priod.wire.ring import RING_ENTRIES, RING_VERSION, RingCorrupt, ring_supported
 from priod.wire.transport import FramedSocket, Peer, close_received
 
 # PendingCopy and copy_finished are copies.py's, for the server.
@@ -306,6 +311,8 @@ class Session:
         """Tokens this turn's requests cost beyond one each (`STATUS_TOKENS`, batches)."""
         self.events = EventTable(shared.engine)
         """The IPC events this connection's copies named, opened once each (gates.py)."""
+        self.ring: CopyRing | None = None
+        """Its copy ring, once the client asked for one (rings.py)."""
         self.greeted = False
         self.closed = False
         self.copies = 0
@@ -343,6 +350,7 @@ class Session:
             Share: regions.share,
             Cancel: self._cancel,
             OpenHoldPage: self._hold_page,
+            OpenRing: self._open_ring,
         }
         """Every request type but Copy, whose reply comes later (`copy_finished`)."""
 
@@ -410,6 +418,14 @@ class Session:
                     return
                 if self._turn_segments >= SEGMENTS_PER_TURN:
                     break  # checked a large batch this turn: the others go first
+                if self.ring is not None and self.ring.submissions.pending():
+                    # The ring first: a client publishes a copy there before it sends the frames
+                    # that may name it (a cancel, a status), so each finds it taken. Under the same
+                    # turn bound and request tokens as a frame.
+                    used += 1
+                    if not self._take_from_ring(self.ring):
+                        return
+                    continue
                 try:
                     item = self.sock.take()
                 except ConnectionClosed:
@@ -446,6 +462,32 @@ class Session:
         finally:
             rate.refund(granted - used - self._turn_extra)
             self._draining = False
+
+    def _take_from_ring(self, ring: CopyRing) -> bool:
+        """Queue the ring's next copy, or refuse it on the socket; False if the ring is broken
+        (the connection then ends, as for a bad frame)."""
+        try:
+            taken = ring.submissions.take()
+        except RingCorrupt as exc:
+            self._end(ProtocolError(f"copy ring: {exc}"))
+            return False
+        if taken is None:
+            return True
+        req_id, req = taken
+        self.last_active = time.monotonic()
+        try:
+            if isinstance(req, PriodError):
+                raise req
+            req.check()  # as decode_request checks a frame's copy: the same refusals
+            take_copy(self, req_id, req, by_ring=True)
+        except RequestError as exc:
+            self._refuse(req_id, exc, "copy")
+        except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
+            log.exception("request_failed", op="copy")
+            self._refuse(
+                req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), "copy"
+            )
+        return True
 
     def _rate_resume(self) -> None:
         self._rate_timer = None
@@ -501,6 +543,8 @@ class Session:
         self.shared.pump.drop_owner(self.id)
         self.shared.pump.close_holds(self.id)
         self.events.close()  # after drop_owner: no held copy polls them any more
+        if self.ring is not None:
+            self.ring.close()
         self.shared.regions.release_all(self.holdings)
 
     def cancel_all(self, code: str) -> None:
@@ -523,6 +567,7 @@ class Session:
             "queued_bytes": self.queued_bytes,
             "copies": self.copies,
             "events": len(self.events),
+            "ring_completions": self.ring.completed if self.ring is not None else None,
             "output_buffered": self.sock.output_buffered,
             "refused": self.refusals.total,
         }
@@ -692,6 +737,7 @@ class Session:
             max_frame_bytes=cfg.server.max_frame_bytes,
             classes=[c.name for c in cfg.classes],
             peer={"pid": self.peer.pid, "uid": self.peer.uid, "gid": self.peer.gid},
+            ring=RING_VERSION if ring_supported() else 0,
         )
 
     def _ping(self, req: Ping, fds: list[int]) -> Empty:
@@ -713,6 +759,14 @@ class Session:
             {"device": k.device, "device_uuid": uuids.get(k.device), "direction": k.direction.value} for k in lanes
         ]
         return HoldPageReply(described), [os.dup(page.fd)]
+
+    def _open_ring(self, req: OpenRing, fds: list[int]) -> tuple[RingReply, list[int]]:
+        """This connection's copy ring (rings.py); duplicates of its three fds go to the client."""
+        if not ring_supported():
+            raise InvalidRequest("this daemon's machine has no copy ring (x86-64 only); send copies on the socket")
+        if self.ring is None:
+            self.ring = CopyRing(asyncio.get_running_loop(), self._on_ready)
+        return RingReply(RING_ENTRIES, RING_VERSION), self.ring.client_fds()
 
     # -- copies ----------------------------------------------------------------------------
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:
@@ -742,7 +796,13 @@ class Session:
         # The reply goes first: the client waits for it, while the counts, the metrics and the
         # log line below wait for no one (they cost tens of microseconds, most of a small copy's time).
         try:
-            if not self.closed:
+            if self.closed:
+                pass
+            elif p.by_ring and f.outcome == "done" and p.signal_error is None and self.ring is not None:
+                # On the ring when it has room; the socket otherwise (a client that never reads it).
+                if not complete_on_ring(self.ring, f, p, queued_s, end - first, total_s):
+                    self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
+            else:
                 self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
         finally:
             # Then the books, in this same callback: the client's next request is read after it.

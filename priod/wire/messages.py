@@ -34,6 +34,7 @@ from priod.wire.replies import (
     HelloReply,
     HoldPageReply,
     RegionReply,
+    RingReply,
     StatusReply,
     error_of,
     is_progress,
@@ -63,11 +64,13 @@ __all__ = [
     "HelloReply",
     "HoldPageReply",
     "OpenHoldPage",
+    "OpenRing",
     "Ping",
     "RegionReply",
     "RegisterDevice",
     "RegisterHost",
     "Request",
+    "RingReply",
     "Share",
     "StatusReply",
     "StatusRequest",
@@ -484,6 +487,14 @@ class OpenHoldPage(_Request):
 
 
 @dataclass(frozen=True, slots=True)
+class OpenRing(_Request):
+    """Ask for this connection's copy ring (`priod.wire.ring`); comes back with three fds beside
+    the reply: the ring's memfd, the client's doorbell and the daemon's wake-up (eventfds)."""
+
+    op: ClassVar[str] = "ring"
+
+
+@dataclass(frozen=True, slots=True)
 class Cancel(_Request):
     op: ClassVar[str] = "cancel"
     target: int
@@ -503,6 +514,7 @@ Request = (
     | CopyBatch
     | Cancel
     | OpenHoldPage
+    | OpenRing
 )
 
 REQUEST_TYPES: dict[str, type[Request]] = {
@@ -521,6 +533,7 @@ REQUEST_TYPES: dict[str, type[Request]] = {
         CopyBatch,
         Cancel,
         OpenHoldPage,
+        OpenRing,
     )
 }
 """Every operation a client may send; anything else is refused with ``bad_request``."""

@@ -24,6 +24,7 @@ __all__ = [
     "HelloReply",
     "HoldPageReply",
     "RegionReply",
+    "RingReply",
     "StatusReply",
     "error_of",
     "is_progress",
@@ -54,6 +55,8 @@ class HelloReply(_Reply):
     max_frame_bytes: int
     classes: list[str]
     peer: dict[str, int]
+    ring: int = 0
+    """The copy ring's layout version this daemon makes (`priod.wire.ring`); 0: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +204,14 @@ class HoldPageReply(_Reply):
     ``device_uuid`` and ``direction`` (``h2d`` or ``d2h``). The page's memfd comes beside it."""
 
     lanes: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RingReply(_Reply):
+    """The copy ring's size; its memfd, the client's doorbell and the daemon's wake-up come beside it."""
+
+    entries: int
+    version: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,120 @@
+"""A connection's copy ring in the daemon (the layout and its rules: `priod.wire.ring`).
+
+The daemon makes the ring's memfd (sealed: the client can neither shrink nor grow it) and both
+eventfds, and keeps its own descriptors of all three; the client gets duplicates. So a hostile
+client can write anything into the ring's bytes and its doorbell, and nothing else: what it
+writes is checked (`SubmissionReader`), a completion queue it never reads makes the daemon
+answer on the socket, and unmapping or closing its copies changes nothing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import mmap
+import os
+from collections.abc import Callable
+
+from priod.wire.ring import (
+    RING_ENTRIES,
+    CompletionWriter,
+    SubmissionReader,
+    ring_bytes,
+    write_header,
+)
+
+__all__ = ["CopyRing"]
+
+
+class CopyRing:
+    """One connection's ring: the submissions it reads and the completions it writes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_doorbell: Callable[[], None]) -> None:
+        size = ring_bytes(RING_ENTRIES)
+        self.fd = os.memfd_create("priod-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.doorbell = self.wake_fd = -1
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            """Written by the client after it publishes descriptors."""
+            self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            """Written by the daemon after it publishes completions."""
+            self._map = mmap.mmap(self.fd, size)
+        except BaseException:
+            for fd in (self.fd, self.doorbell, self.wake_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        self._buf = memoryview(self._map)
+        write_header(self._buf, RING_ENTRIES)
+        self.submissions = SubmissionReader(self._buf, RING_ENTRIES)
+        self._completions = CompletionWriter(self._buf, RING_ENTRIES)
+        self._loop = loop
+        self._wake_due = False
+        self._burst = False
+        self.completed = 0
+        """Completions written to the ring (the rest of this connection's replies went by the socket)."""
+        self.closed = False
+        loop.add_reader(self.doorbell, self._rung, on_doorbell)
+
+    def client_fds(self) -> list[int]:
+        """Duplicates for the client: the memfd, its doorbell, the daemon's wake-up."""
+        return [os.dup(self.fd), os.dup(self.doorbell), os.dup(self.wake_fd)]
+
+    def _rung(self, on_doorbell: Callable[[], None]) -> None:
+        # Read (and so reset) the doorbell before the queue is looked at: a descriptor published
+        # after that look rings it again.
+        try:
+            os.eventfd_read(self.doorbell)
+        except BlockingIOError:
+            pass
+        on_doorbell()
+
+    def complete(
+        self,
+        req_id: int,
+        nbytes: int,
+        queued_us: float,
+        transfer_us: float,
+        total_us: float,
+        path: str,
+        missed_deadline: bool,
+    ) -> bool:
+        """Write a copy's completion and wake the client; False if the queue has no room."""
+        if self.closed or not self._completions.try_complete(
+            req_id, nbytes, queued_us, transfer_us, total_us, path, missed_deadline
+        ):
+            return False
+        self.completed += 1
+        if not self._burst:
+            # The first completion of a loop turn wakes the client at once; any more in the same
+            # turn share one wake-up at its end (as the socket's replies share one send).
+            self._burst = True
+            self._wake()
+            self._loop.call_soon(self._end_burst)
+        else:
+            self._wake_due = True
+        return True
+
+    def _wake(self) -> None:
+        try:
+            os.eventfd_write(self.wake_fd, 1)
+        except BlockingIOError:
+            pass  # the counter is full: the client has a wake-up pending anyway
+
+    def _end_burst(self) -> None:
+        self._burst = False
+        if self._wake_due and not self.closed:
+            self._wake_due = False
+            self._wake()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self.doorbell)
+        self._buf.release()
+        self._map.close()
+        for fd in (self.fd, self.doorbell, self.wake_fd):
+            os.close(fd)

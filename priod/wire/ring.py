@@ -1,0 +1,305 @@
+"""The copy ring: a shared-memory submission and completion queue per connection.
+
+A plain copy (no events, one of the `RING_CLASSES`) costs the daemon's loop less as a fixed
+64-byte descriptor in shared memory than as a msgpack frame on the socket: no frame to decode,
+no reply to encode, and one doorbell for every copy a loop turn brings. The socket stays for
+everything else (the handshake, fds, other requests, errors with text) and as the fallback when
+a ring is full.
+
+One memfd per connection, made by the daemon (``ring`` request) and sealed against resizing, so
+a client can neither shrink it under the daemon (a mapping past the end would fault) nor grow
+it; both map it read-write. Beside it come two eventfds: the client's doorbell (written after
+descriptors are published) and the daemon's (written after completions are). All integers are
+little-endian; each index is one aligned 8-byte store by its one writer:
+
+- ``[0, 64)``: header, written once by the daemon: magic, `RING_VERSION`, entries, sizes.
+- ``SQ_TAIL`` (client), ``SQ_HEAD`` (daemon), ``CQ_TAIL`` (daemon), ``CQ_HEAD`` (client): free
+  running uint64 counters, each on its own cache line.
+- ``[HEADER_BYTES, ...)``: ``entries`` submission slots of `DESCRIPTOR`, then ``entries``
+  completion slots of `COMPLETION`. Slot ``i % entries`` holds entry ``i``, and its first word
+  is ``i`` itself: a slot that does not carry the sequence number expected is torn or forged.
+
+Ordering: a writer fills a slot, then stores the counter; a reader loads the counter, then the
+slot. On x86-64 (total store order) separate stores and loads keep that order, so no fence is
+needed; `ring_supported` is False elsewhere, and clients there use the socket.
+
+Waking: after publishing, the client writes its doorbell; the daemon reads the doorbell (which
+resets it) before it looks at the queue, so a descriptor published after that look rings again.
+The same holds for completions the other way. The doorbells are system calls; one per loop turn
+on each side, however many copies the turn carries.
+
+Trust: the daemon keeps its own copy of every counter it owns and checks those the client owns:
+a tail that runs backwards or more than ``entries`` ahead, or a slot with the wrong sequence
+number, is `RingCorrupt` (the daemon closes that connection, as for a bad frame); a descriptor
+with bad fields is refused like the same copy sent as a frame, by its request id, on the socket.
+A completion queue the client does not read fills up: the daemon then answers on the socket.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import struct
+from typing import Final
+
+from priod.errors import InvalidRequest
+from priod.wire.messages import MAX_ID, Copy
+
+__all__ = [
+    "COMPLETION",
+    "CQ_HEAD",
+    "CQ_TAIL",
+    "DESCRIPTOR",
+    "HEADER_BYTES",
+    "RING_CLASSES",
+    "RING_ENTRIES",
+    "RING_VERSION",
+    "SQ_HEAD",
+    "SQ_TAIL",
+    "CompletionReader",
+    "CompletionWriter",
+    "RingCorrupt",
+    "SubmissionReader",
+    "SubmissionWriter",
+    "check_header",
+    "ring_bytes",
+    "ring_eligible",
+    "ring_supported",
+    "write_header",
+]
+
+RING_VERSION: Final = 1
+"""The layout's version: a client maps only a ring whose header carries the version it knows."""
+MAGIC: Final = 0x474E4952  # b"RING"
+RING_ENTRIES: Final = 1024
+"""Slots in each queue: more copies than a connection may have pending by default
+(``[limits] max_queued_requests``), so a ring is full only for a client past its limits."""
+HEADER: Final = struct.Struct("<IIIII")
+"""magic, version, entries, descriptor bytes, completion bytes."""
+SQ_TAIL: Final = 64
+SQ_HEAD: Final = 128
+CQ_TAIL: Final = 192
+CQ_HEAD: Final = 256
+HEADER_BYTES: Final = 4096
+U64: Final = struct.Struct("<Q")
+
+DESCRIPTOR: Final = struct.Struct("<QQIIQQQdBB6x")
+"""seq, request id, dst region, src region, dst offset, src offset, nbytes, deadline_ms, class
+(index into `RING_CLASSES`), flags (`HAS_DEADLINE`)."""
+COMPLETION: Final = struct.Struct("<QQQdddBB6x")
+"""seq, request id, nbytes, queued_us, transfer_us, total_us, path (index into `PATHS`),
+missed_deadline (0 or 1)."""
+HAS_DEADLINE: Final = 1
+RING_CLASSES: Final = ("urgent", "high", "normal", "bulk")
+"""The classes a descriptor can name (the shipped ones); a copy of any other goes by the socket."""
+CLASS_INDEX: Final = {name: i for i, name in enumerate(RING_CLASSES)}
+PATHS: Final = ("dma", "express")
+PATH_INDEX: Final = {name: i for i, name in enumerate(PATHS)}
+MAX_REGION_ID: Final = 0xFFFFFFFF
+MAX_U64: Final = (1 << 64) - 1
+
+
+class RingCorrupt(Exception):
+    """The client broke the ring's rules (a counter out of range, a torn or forged slot)."""
+
+
+def ring_supported() -> bool:
+    """Whether this machine's memory order lets the ring go without fences (x86-64)."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def ring_bytes(entries: int = RING_ENTRIES) -> int:
+    return HEADER_BYTES + entries * (DESCRIPTOR.size + COMPLETION.size)
+
+
+def write_header(buf: memoryview, entries: int = RING_ENTRIES) -> None:
+    HEADER.pack_into(buf, 0, MAGIC, RING_VERSION, entries, DESCRIPTOR.size, COMPLETION.size)
+
+
+def check_header(buf: memoryview) -> int:
+    """The ring's entries, once its header says it is a ring of this layout and size."""
+    if len(buf) < HEADER_BYTES:
+        raise InvalidRequest(
+            f"the daemon's ring is {len(buf)} bytes, too small for a header; is it a priod of this version?"
+        )
+    magic, version, entries, dsize, csize = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or version != RING_VERSION or dsize != DESCRIPTOR.size or csize != COMPLETION.size:
+        raise InvalidRequest(
+            f"the daemon's ring has layout version {version} (magic {magic:#x}); this client knows version "
+            f"{RING_VERSION}: it uses the socket instead"
+        )
+    if entries < 1 or len(buf) < ring_bytes(entries):
+        raise InvalidRequest(f"the daemon's ring claims {entries} entries in {len(buf)} bytes")
+    return int(entries)
+
+
+def ring_eligible(req: Copy) -> bool:
+    """Whether a copy can be a descriptor: no events, a class the ring names, ids that fit."""
+    return (
+        req.wait_event is None
+        and req.signal_event is None
+        and req.priority in CLASS_INDEX
+        and 0 <= req.dst <= MAX_REGION_ID
+        and 0 <= req.src <= MAX_REGION_ID
+        and 0 <= req.nbytes <= MAX_U64
+        and 0 <= req.dst_offset <= MAX_U64
+        and 0 <= req.src_offset <= MAX_U64
+    )
+
+
+class SubmissionWriter:
+    """The client's side of the submission queue."""
+
+    def __init__(self, buf: memoryview, entries: int) -> None:
+        self._buf, self._entries = buf, entries
+        self._tail = U64.unpack_from(buf, SQ_TAIL)[0]
+
+    def try_submit(self, req_id: int, req: Copy) -> bool:
+        """Publish one descriptor; False if the queue is full (send it on the socket)."""
+        buf, tail = self._buf, self._tail
+        if tail - U64.unpack_from(buf, SQ_HEAD)[0] >= self._entries:
+            return False
+        deadline = req.deadline_ms
+        DESCRIPTOR.pack_into(
+            buf,
+            HEADER_BYTES + (tail % self._entries) * DESCRIPTOR.size,
+            tail,
+            req_id,
+            req.dst,
+            req.src,
+            req.dst_offset,
+            req.src_offset,
+            req.nbytes,
+            math.nan if deadline is None else deadline,
+            CLASS_INDEX[req.priority],
+            0 if deadline is None else HAS_DEADLINE,
+        )
+        self._tail = tail + 1
+        U64.pack_into(buf, SQ_TAIL, tail + 1)  # after the slot: the daemon reads it once it sees this
+        return True
+
+
+class SubmissionReader:
+    """The daemon's side of the submission queue: what it reads from the client is checked."""
+
+    def __init__(self, buf: memoryview, entries: int) -> None:
+        self._buf, self._entries = buf, entries
+        self._head = 0
+
+    def pending(self) -> bool:
+        return bool(U64.unpack_from(self._buf, SQ_TAIL)[0] != self._head)
+
+    def take(self) -> tuple[int, Copy | InvalidRequest] | None:
+        """The next descriptor as (request id, copy), or None if there is none; a descriptor
+        that names no class of the ring's comes as (request id, the refusal to answer it with).
+        The copy's own fields are the caller's to check (`Copy.check`), as for a frame's.
+
+        Raises:
+            RingCorrupt: the client's tail or slot breaks the ring's rules.
+        """
+        buf, head = self._buf, self._head
+        tail = U64.unpack_from(buf, SQ_TAIL)[0]
+        if tail == head:
+            return None
+        if not 0 < tail - head <= self._entries:
+            raise RingCorrupt(f"submission tail {tail} is not within {self._entries} ahead of head {head}")
+        seq, req_id, dst, src, dst_off, src_off, nbytes, deadline, cls, flags = DESCRIPTOR.unpack_from(
+            buf, HEADER_BYTES + (head % self._entries) * DESCRIPTOR.size
+        )
+        if seq != head:
+            raise RingCorrupt(f"submission slot {head % self._entries} holds entry {seq}, not {head}: torn or forged")
+        self._head = head + 1
+        U64.pack_into(buf, SQ_HEAD, head + 1)  # the slot is free for the client again
+        if not 0 < req_id <= MAX_ID:
+            raise RingCorrupt(f"a descriptor with request id {req_id} (ids are 1 .. 2**63-1)")
+        if cls >= len(RING_CLASSES):
+            return req_id, _refused(f"class index {cls} is not one of the ring's {len(RING_CLASSES)} classes")
+        deadline_ms = deadline if flags & HAS_DEADLINE else None
+        return req_id, Copy(dst, src, nbytes, dst_off, src_off, RING_CLASSES[cls], deadline_ms)
+
+
+def _refused(why: str) -> InvalidRequest:
+    return InvalidRequest(f"ring descriptor: {why}; the client library wrote it wrong: upgrade or report it")
+
+
+class CompletionWriter:
+    """The daemon's side of the completion queue."""
+
+    def __init__(self, buf: memoryview, entries: int) -> None:
+        self._buf, self._entries = buf, entries
+        self._tail = 0
+
+    def try_complete(
+        self,
+        req_id: int,
+        nbytes: int,
+        queued_us: float,
+        transfer_us: float,
+        total_us: float,
+        path: str,
+        missed_deadline: bool,
+    ) -> bool:
+        """Publish one completion; False if the client has not made room (answer on the socket).
+        The client's head is read, not trusted: one out of range counts as no room."""
+        buf, tail = self._buf, self._tail
+        if not 0 <= tail - U64.unpack_from(buf, CQ_HEAD)[0] < self._entries:
+            return False
+        COMPLETION.pack_into(
+            buf,
+            HEADER_BYTES + self._entries * DESCRIPTOR.size + (tail % self._entries) * COMPLETION.size,
+            tail,
+            req_id,
+            nbytes,
+            queued_us,
+            transfer_us,
+            total_us,
+            PATH_INDEX[path],
+            missed_deadline,
+        )
+        self._tail = tail + 1
+        U64.pack_into(buf, CQ_TAIL, tail + 1)
+        return True
+
+
+class CompletionReader:
+    """The client's side of the completion queue: each completion as the reply the socket
+    would have brought (`priod.wire.replies.CopyReply`'s fields)."""
+
+    def __init__(self, buf: memoryview, entries: int) -> None:
+        self._buf, self._entries = buf, entries
+        self._head = U64.unpack_from(buf, CQ_HEAD)[0]
+        self._base = HEADER_BYTES + entries * DESCRIPTOR.size
+
+    def pending(self) -> bool:
+        return bool(U64.unpack_from(self._buf, CQ_TAIL)[0] != self._head)
+
+    def drain(self) -> list[tuple[int, dict[str, object]]]:
+        buf, head, entries = self._buf, self._head, self._entries
+        tail = U64.unpack_from(buf, CQ_TAIL)[0]
+        out: list[tuple[int, dict[str, object]]] = []
+        while head != tail:
+            seq, req_id, nbytes, queued_us, transfer_us, total_us, path, missed = COMPLETION.unpack_from(
+                buf, self._base + (head % entries) * COMPLETION.size
+            )
+            head += 1
+            if seq != head - 1:
+                continue  # the daemon writes the slot before the tail: never seen; skip rather than guess
+            out.append(
+                (
+                    req_id,
+                    {
+                        "id": req_id,
+                        "ok": True,
+                        "nbytes": nbytes,
+                        "queued_us": queued_us,
+                        "transfer_us": transfer_us,
+                        "total_us": total_us,
+                        "path": PATHS[path] if path < len(PATHS) else "dma",
+                        "missed_deadline": bool(missed),
+                    },
+                )
+            )
+        if head != self._head:
+            self._head = head
+            U64.pack_into(buf, CQ_HEAD, head)
+        return out

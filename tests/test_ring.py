@@ -1,0 +1,289 @@
+"""The copy ring (priod/wire/ring.py): plain copies through shared memory, the same outcomes as
+on the socket, and a hostile ring treated as a hostile socket is.
+
+The daemon runs in its own process (sim engine). The hostile clients speak the wire by hand: a
+hello, a ``ring`` request, then whatever they write into the ring's bytes and doorbell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from priod.client import Client, SyncClient
+from priod.errors import ConnectionClosed, InvalidRequest
+from priod.testing import DaemonProcess, daemon_process
+from priod.wire.messages import PROTOCOL_VERSION
+from priod.wire.ring import (
+    COMPLETION,
+    CQ_HEAD,
+    CQ_TAIL,
+    DESCRIPTOR,
+    HEADER_BYTES,
+    RING_ENTRIES,
+    SQ_HEAD,
+    SQ_TAIL,
+    U64,
+    check_header,
+    ring_supported,
+)
+from priod.wire.transport import BlockingFramedSocket
+
+pytestmark = pytest.mark.skipif(not ring_supported(), reason="the copy ring is x86-64 only")
+QUIET = {"PRIOD_LOG__LEVEL": '"warning"', "PRIOD_LIMITS__MAX_REQUESTS_PER_S_PER_UID": "0"}
+
+
+@pytest.fixture(scope="module")
+def ringd() -> Iterator[DaemonProcess]:
+    with daemon_process(QUIET) as d:
+        yield d
+
+
+async def _clients_ring_completions(c: Client) -> int:
+    st = await c.status()
+    return sum(x["ring_completions"] or 0 for x in st["clients"])
+
+
+# -- the ring at work ----------------------------------------------------------------------------
+async def test_plain_copies_go_through_the_ring_and_land_exactly(ringd: DaemonProcess) -> None:
+    rng = np.random.default_rng(1)
+    async with await Client.connect(ringd.socket_path) as c:
+        dev, host, back = await c.alloc_device(1 << 20), await c.alloc_host(1 << 20), await c.alloc_host(1 << 20)
+        host.array[:] = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+        before = await _clients_ring_completions(c)
+        handles = []
+        for i in range(300):
+            off, n = int(rng.integers(0, 1 << 19)), int(rng.integers(1, 1 << 14))
+            cls = ("urgent", "high", "normal", "bulk")[i % 4]
+            handles.append((off, n, c.start_copy(dev, host, n, dst_offset=off, src_offset=off, priority=cls)))
+        for _, n, h in handles:
+            r = await h
+            assert r.nbytes == n and r.path in ("dma", "express") and r.total_us >= r.transfer_us >= 0
+        await c.copy(back, dev, 1 << 20)
+        written = np.zeros(1 << 20, dtype=bool)
+        for off, n, _ in handles:
+            written[off : off + n] = True
+        assert np.array_equal(back.array[written], host.array[written])
+        # Every one of them came back on the ring (status itself and alloc went on the socket).
+        assert await _clients_ring_completions(c) - before == 301
+
+
+async def test_a_refused_copy_says_the_same_on_ring_and_socket(ringd: DaemonProcess) -> None:
+    messages = []
+    for ring in (True, False):
+        async with await Client.connect(ringd.socket_path, ring=ring) as c:
+            dev, host = await c.alloc_device(4096), await c.alloc_host(4096)
+            with pytest.raises(InvalidRequest) as info:
+                await c.copy(dev, host, 100, dst_offset=4000)
+            messages.append(re.sub(r"region \d+", "region R", str(info.value)))
+            r = await c.copy(dev, host, 4096)  # the connection goes on
+            assert r.nbytes == 4096
+    assert messages[0] == messages[1]
+
+
+async def test_ring_and_socket_copies_mix_on_one_connection(ringd: DaemonProcess) -> None:
+    """Copies the ring cannot carry (a custom class, here refused by name; events) go on the
+    socket beside ring copies, and every reply finds its copy."""
+    async with await Client.connect(ringd.socket_path) as c:
+        dev, host = await c.alloc_device(1 << 16), await c.alloc_host(1 << 16)
+        host.array[:] = 7
+        hs = [c.start_copy(dev, host, 64, dst_offset=64 * i, src_offset=64 * i) for i in range(50)]
+        bad = c.start_copy(dev, host, 64, priority="no-such-class")
+        results = [await h for h in hs]
+        assert all(r.nbytes == 64 for r in results)
+        with pytest.raises(InvalidRequest, match="no-such-class"):
+            await bad
+        assert (dev.array[: 64 * 50] == 7).all()
+
+
+def test_the_blocking_client_still_copies_beside_a_ring_client(ringd: DaemonProcess) -> None:
+    with SyncClient(ringd.socket_path) as s:
+        dev, host = s.alloc_device(4096), s.alloc_host(4096)
+        host.array[:] = 3
+        assert s.copy(dev, host, 4096).nbytes == 4096
+        assert (dev.array == 3).all()
+
+
+# -- hostile rings -----------------------------------------------------------------------------
+@contextmanager
+def raw_ring(path: str) -> Iterator[tuple[BlockingFramedSocket, memoryview, int, list[int]]]:
+    """A hand-made client: hello, two regions, a ring. Yields (socket, ring bytes, doorbell, [dst, src])."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.settimeout(10)
+    fs = BlockingFramedSocket(sock)
+    fs.send({"id": 1, "op": "hello", "v": PROTOCOL_VERSION, "client": "hostile-ring"})
+    assert fs.receive()[0]["ok"]
+    ids = []
+    for i, op in enumerate(("alloc_device", "alloc_host")):
+        fs.send({"id": 2 + i, "op": op, "nbytes": 1 << 16})
+        msg, fds = fs.receive()
+        for fd in fds:
+            os.close(fd)
+        ids.append(msg["region"])
+    fs.send({"id": 4, "op": "ring"})
+    msg, fds = fs.receive()
+    assert msg["ok"] and len(fds) == 3, msg
+    memfd, doorbell, wake = fds
+    m = mmap.mmap(memfd, os.fstat(memfd).st_size)
+    os.close(memfd)
+    buf = memoryview(m)
+    try:
+        assert check_header(buf) == RING_ENTRIES
+        yield fs, buf, doorbell, ids
+    finally:
+        buf.release()
+        m.close()
+        os.close(doorbell)
+        os.close(wake)
+        fs.close()
+
+
+def put(buf: memoryview, seq: int, req_id: int, dst: int, src: int, nbytes: int = 64, cls: int = 2, **kw: Any) -> None:
+    DESCRIPTOR.pack_into(
+        buf,
+        HEADER_BYTES + (seq % RING_ENTRIES) * DESCRIPTOR.size,
+        kw.get("slot_seq", seq),
+        req_id,
+        dst,
+        src,
+        0,
+        0,
+        nbytes,
+        kw.get("deadline", 0.0),
+        cls,
+        kw.get("flags", 0),
+    )
+
+
+def publish(buf: memoryview, doorbell: int, tail: int) -> None:
+    U64.pack_into(buf, SQ_TAIL, tail)
+    os.eventfd_write(doorbell, 1)
+
+
+def honest_round_trip_ms(path: str) -> float:
+    with SyncClient(path) as s:
+        dev, host = s.alloc_device(4096), s.alloc_host(4096)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            s.copy(dev, host, 4096)
+        return (time.perf_counter() - t0) / 20 * 1e3
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        pytest.param(lambda buf, db, ids: publish(buf, db, 5 * RING_ENTRIES), id="tail-far-ahead"),
+        pytest.param(lambda buf, db, ids: (put(buf, 0, 10, *ids, slot_seq=12345), publish(buf, db, 1)), id="torn-slot"),
+        pytest.param(lambda buf, db, ids: (put(buf, 0, 0, *ids), publish(buf, db, 1)), id="id-zero"),
+    ],
+)
+def test_a_broken_ring_closes_that_connection_only(ringd: DaemonProcess, breakage: Any) -> None:
+    with raw_ring(ringd.socket_path) as (fs, buf, doorbell, ids):
+        breakage(buf, doorbell, ids)
+        msg, _ = fs.receive()
+        assert msg["ok"] is False and msg["id"] == 0 and "copy ring" in msg["error"]["message"], msg
+        with pytest.raises(ConnectionClosed):
+            fs.receive()  # then closed
+    assert ringd.proc.poll() is None
+    assert honest_round_trip_ms(ringd.socket_path) < 1000
+
+
+def test_bad_descriptor_fields_are_refused_by_id_and_the_ring_goes_on(ringd: DaemonProcess) -> None:
+    with raw_ring(ringd.socket_path) as (fs, buf, doorbell, ids):
+        put(buf, 0, 10, *ids, cls=99)
+        put(buf, 1, 11, *ids, nbytes=0)
+        put(buf, 2, 12, *ids, flags=1, deadline=float("nan"))
+        put(buf, 3, 13, ids[0], 999_999)  # no such region
+        put(buf, 4, 14, *ids, nbytes=1 << 20)  # past its regions
+        put(buf, 5, 15, *ids)  # a good one
+        publish(buf, doorbell, 6)
+        refused = {}
+        deadline = time.monotonic() + 10
+        while len(refused) < 5 and time.monotonic() < deadline:
+            msg, _ = fs.receive()
+            refused[msg["id"]] = msg["error"]["code"]
+        assert refused == {10: "bad_request", 11: "bad_request", 12: "bad_request", 13: "not_found", 14: "bad_request"}
+        while U64.unpack_from(buf, CQ_TAIL)[0] < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert U64.unpack_from(buf, CQ_TAIL)[0] == 1  # the good one, on the ring
+        assert U64.unpack_from(buf, SQ_HEAD)[0] == 6
+
+
+def test_a_client_that_never_reads_its_completions_gets_them_on_the_socket(ringd: DaemonProcess) -> None:
+    n = RING_ENTRIES + 100
+    with raw_ring(ringd.socket_path) as (fs, buf, doorbell, ids):
+        seq = 0
+        deadline = time.monotonic() + 30
+        while seq < n and time.monotonic() < deadline:
+            head = U64.unpack_from(buf, SQ_HEAD)[0]
+            while seq < n and seq - head < RING_ENTRIES:
+                put(buf, seq, seq + 1, *ids)
+                seq += 1
+            publish(buf, doorbell, seq)
+            time.sleep(0.001)
+        on_socket: set[int] = set()
+        while len(on_socket) < n - RING_ENTRIES and time.monotonic() < deadline:
+            msg, _ = fs.receive()
+            assert msg["ok"], msg
+            on_socket.add(msg["id"])
+        assert U64.unpack_from(buf, CQ_TAIL)[0] == RING_ENTRIES  # the ring is full, and
+        assert U64.unpack_from(buf, CQ_HEAD)[0] == 0
+        assert len(on_socket) == n - RING_ENTRIES  # every other copy was answered on the socket
+        on_ring = {
+            struct.unpack_from("<QQ", buf, HEADER_BYTES + RING_ENTRIES * DESCRIPTOR.size + COMPLETION.size * i)[1]
+            for i in range(RING_ENTRIES)
+        }
+        assert on_ring | on_socket == set(range(1, n + 1))
+
+
+def test_a_doorbell_flood_and_a_punched_ring_harm_no_one_else(ringd: DaemonProcess) -> None:
+    alone = honest_round_trip_ms(ringd.socket_path)
+    with raw_ring(ringd.socket_path) as (_, buf, doorbell, _ids):
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.is_set():
+                try:
+                    os.eventfd_write(doorbell, 1)
+                except OSError:
+                    return
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        try:
+            beside = honest_round_trip_ms(ringd.socket_path)
+        finally:
+            stop.set()
+            t.join()
+        # Zeroing the ring's pages under the daemon (a hole punched in the memfd reads as zeros).
+        buf[:] = b"\0" * len(buf)
+        os.eventfd_write(doorbell, 1)
+        time.sleep(0.05)
+    assert ringd.proc.poll() is None
+    assert beside < 10 * alone + 50, (alone, beside)  # generous: a flood costs a read per loop turn
+    assert honest_round_trip_ms(ringd.socket_path) < 1000
+
+
+def test_no_ring_when_the_client_says_so(ringd: DaemonProcess) -> None:
+    async def main() -> tuple[bool, int]:
+        async with await Client.connect(ringd.socket_path, ring=False) as c:
+            dev, host = await c.alloc_device(4096), await c.alloc_host(4096)
+            await c.copy(dev, host, 64)
+            st = await c.status()
+            mine = [x for x in st["clients"] if x["pid"] == os.getpid() and x["copies"] == 1]
+            return c._ring is None, mine[0]["ring_completions"] is None
+
+    assert asyncio.run(main()) == (True, True)
