@@ -4,6 +4,7 @@
     python scripts/loadtest.py --spawn-daemon --backend sim --duration 20 --out out/load
     python scripts/loadtest.py --socket /run/priod/priod.sock --clients 24 --duration 60 --out out/load
     python scripts/loadtest.py --spawn-daemon --soak --duration 120 --out out/soak
+    python scripts/loadtest.py --spawn-daemon --soak --duration 120 --kill-every 10-20 --out out/soak-restarts
 
 Each client is its own process with its own connection and a profile (``--client SPEC``,
 repeatable; SPEC is comma-separated ``key=value``):
@@ -37,6 +38,20 @@ own total_us, errors by kind, bytes corrupted (a success whose destination diffe
 under ``--out``. Exit status: 0 clean; 1 errors, corruption, loss, a leak or a crashed client;
 2 a soak whose figures did not stay flat.
 
+Restarts (``--kill-every 10-20``, with ``--spawn-daemon``): the daemon is killed every 10 to 20
+seconds (uniform; ``--kill-signal KILL|TERM|mixed``) while the load runs, and a new one started
+at once on the same socket path. The clients reconnect by themselves (``--reconnect-s``; with
+``--retry-copies`` the client library also sends interrupted copies again). Each copy's
+destination range first gets "old bytes", so that every word is known to be new, old or
+neither. Counted per class: copies succeeded and verified; copies failed with a documented
+restart error (`restart_kind`: ``lost_reply``, ``shutting_down``, ``reconnecting``), each sent
+again by the client (``--restart-resubmits``) and how many of those then succeeded; copies lost
+(no reply and no error by the end of the drain); corrupted (a word neither old nor new, in a
+copy's range after success or failure, or a source changed); false successes (reported done,
+old bytes still there); and clients alive at the end (ran to the end, a ping answered). Any
+lost, corrupted or falsely successful copy, or a client not alive, fails the run. With
+``--soak`` the flatness checks run per daemon and across daemons (`soak_verdict_restarts`).
+
 Needs only numpy, msgpack, uvloop and structlog (priod's own dependencies); matplotlib is
 optional (no plots without it); psutil is not used (``/proc`` is read directly).
 """
@@ -52,15 +67,17 @@ import queue
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -74,6 +91,7 @@ if _ROOT not in sys.path:
 from priod.client import Client, Region, SyncClient
 from priod.errors import ConnectionClosed, PriodError
 from priod.testing import (
+    DaemonProcess,
     daemon_pid,
     daemon_process,
     memory_and_fds,
@@ -86,6 +104,7 @@ BLOCK_WORDS = 1 << 17
 """Patterns are written and checked 1 MiB at a time: no temporary as large as a copy."""
 _BASE = np.arange(BLOCK_WORDS, dtype=np.uint64)
 SLOT_ALIGN = 4096
+T = TypeVar("T")
 
 DEFAULT_MIX = (
     "class=urgent,dir=h2d,size=64KiB..2MiB,rate=100",
@@ -105,6 +124,10 @@ SOAK_MIX = (
 )
 """The soak's default clients: lighter than `DEFAULT_MIX` (the point is time, not load), and
 three of them reconnect with new regions over and over, so a per-connection leak shows."""
+
+RESTART_EXTRA = ("class=normal,dir=h2d,size=64KiB..1MiB,rate=20,window=1,api=sync",)
+"""With --kill-every the default mixes gain a blocking client (`SyncClient`), which finds a lost
+connection at its next request rather than when the socket closes."""
 
 
 # -- sizes and profiles ---------------------------------------------------------------------
@@ -175,6 +198,8 @@ class Profile:
     device: int = 0
     churn: int = 0
     """Reconnect (new connection, new regions) every this many copies; 0: never."""
+    api: str = "async"
+    """async: `priod.Client` on an event loop; sync: `priod.SyncClient`, one copy at a time."""
 
     @property
     def slots(self) -> int:
@@ -187,7 +212,11 @@ class Profile:
 
     def describe(self) -> str:
         load = f"rate={self.rate:g}/s" if self.rate > 0 else f"concurrency={self.concurrency}"
-        return f"{self.cls} {self.direction} size={self.size} {load}" + (f" churn={self.churn}" if self.churn else "")
+        return (
+            f"{self.cls} {self.direction} size={self.size} {load}"
+            + (f" churn={self.churn}" if self.churn else "")
+            + (" (SyncClient)" if self.api == "sync" else "")
+        )
 
 
 def parse_profile(spec: str) -> Profile:
@@ -200,19 +229,27 @@ def parse_profile(spec: str) -> Profile:
         key = {"dir": "direction", "class": "cls"}.get(key, key)
         if key in ("cls", "direction", "size"):
             setattr(p, key, value)
+        elif key == "api":
+            if value not in ("async", "sync"):
+                raise ValueError(f"api={value} is invalid; use async or sync")
+            p.api = value
         elif key in ("rate", "deadline_ms"):
             setattr(p, key, float(value))
         elif key in ("window", "concurrency", "requests", "count", "device", "churn"):
             setattr(p, key, int(value))
         else:
             raise ValueError(
-                f"unknown client spec key {key!r}; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn"
+                f"unknown client spec key {key!r}; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn, api"
             )
     if p.direction not in ("h2d", "d2h", "d2d"):
         raise ValueError(f"dir={p.direction} is invalid; use h2d, d2h or d2d")
     SizeDist(p.size)  # validate now, in the parent
     if p.slots < 1 or p.count < 1:
         raise ValueError(f"client spec {spec!r}: window, concurrency and count must be >= 1")
+    if p.api == "sync" and (p.slots != 1 or p.churn):
+        raise ValueError(
+            f"client spec {spec!r}: api=sync makes one copy at a time, without churn (window=1 with a rate)"
+        )
     return p
 
 
@@ -258,6 +295,68 @@ def count_bad(buf: npt.NDArray[np.uint8], key: int, scratch: npt.NDArray[np.uint
     return bad
 
 
+OLD_XOR = 0x5A5A_0F0F_A5A5_F0F0
+"""With --kill-every a copy's destination range is first filled with the pattern of ``key ^
+OLD_XOR`` (its "old bytes"), so that afterwards every word is known to be new, old or neither."""
+
+
+def classify_words(buf: npt.NDArray[np.uint8], key: int, old: int, scratch: npt.NDArray[np.uint64]) -> tuple[int, int]:
+    """(bytes still old, bytes neither old nor new) in ``buf``, by whole 8-byte words (a final
+    partial word byte by byte): what a copy's destination holds against its pattern for ``key``
+    and the ``old`` pattern written there before it."""
+    words = len(buf) // 8
+    w = buf[: words * 8].view(np.uint64)
+    still_old = neither = 0
+    old_exp = np.empty_like(scratch)
+    for start in range(0, words, BLOCK_WORDS):
+        blk = w[start : start + BLOCK_WORDS]
+        exp = scratch[: len(blk)]
+        np.add(_BASE[: len(blk)], np.uint64((key + start) & MASK), out=exp)
+        if np.array_equal(blk, exp):
+            continue
+        oexp = old_exp[: len(blk)]
+        np.add(_BASE[: len(blk)], np.uint64((old + start) & MASK), out=oexp)
+        not_new = blk != exp
+        is_old = blk == oexp
+        still_old += 8 * int(np.count_nonzero(is_old))
+        neither += 8 * int(np.count_nonzero(not_new & ~is_old))
+    tail = len(buf) % 8
+    if tail:
+        got = buf[words * 8 :]
+        new_t, old_t = _tail_bytes(key, words, tail), _tail_bytes(old, words, tail)
+        still_old += int(np.count_nonzero((got != new_t) & (got == old_t)))
+        neither += int(np.count_nonzero((got != new_t) & (got != old_t)))
+    return still_old, neither
+
+
+LOST_REPLY = "and the connection was lost before its reply"
+"""In `priod.client.base.copy_lost`'s message: the documented error of a copy a restart interrupted."""
+
+
+def restart_kind(exc: BaseException) -> str | None:
+    """The documented restart error ``exc`` is (docs/reliability.md, "What survives a daemon
+    restart"), or None for any other error: ``lost_reply``, the copy was sent and the
+    connection was lost before its reply (it may have moved bytes; re-submitting is safe);
+    ``shutting_down``, a stopping daemon refused it; ``reconnecting``, the client refused it
+    while it reconnects (it was never sent)."""
+    if getattr(exc, "code", None) == "shutting_down":
+        return "shutting_down"
+    if isinstance(exc, ConnectionClosed):
+        text = str(exc)
+        if LOST_REPLY in text and "The client did not reconnect" not in text:
+            return "lost_reply"
+        if "the client is reconnecting" in text:
+            return "reconnecting"
+    return None
+
+
+def own_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
 # -- the client process ---------------------------------------------------------------------
 
 
@@ -293,6 +392,31 @@ class WorkerStats:
     reconnects: int = 0
     elapsed_s: float = 0.0
     setup_s: float = 0.0
+    # With --kill-every (the daemon restarted under the load; see `restart_kind`):
+    restart_errors: dict[str, int] = field(default_factory=dict)
+    """Copies that failed with a documented restart error, by kind: ``lost_reply`` (sent, no
+    reply before the connection was lost: may have moved bytes), ``shutting_down`` (refused by
+    a stopping daemon), ``reconnecting`` (refused by the client while it reconnects)."""
+    first_restart_error: str = ""
+    restart_retried: int = 0
+    """Copies this client sent again after a restart error (the same copy, same pattern)."""
+    restart_retry_ok: int = 0
+    """Of those, the copies that succeeded on a re-submission."""
+    restart_gave_up: int = 0
+    """Copies still failing with a restart error after every re-submission."""
+    copies_lost: int = 0
+    """Copies with no reply and no error by the end of the drain, or a success for fewer bytes."""
+    copies_false_success: int = 0
+    """Copies reported done whose destination still held (some of) its old bytes."""
+    bytes_false_success: int = 0
+    client_reconnects: int = 0
+    """Reconnects the client library made by itself (reconnect_s), over every connection."""
+    alive: bool = True
+    """Ran to the end and its connection answered a ping after the load (with --kill-every)."""
+    alive_why: str = ""
+    fds_start: int = 0
+    fds_end: int = 0
+    """This process's own open fds when the load began and when it ended (connection open)."""
 
     def error(self, kind: str, nbytes: int, exc: BaseException) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -336,6 +460,27 @@ class Checker:
         self.stats.aux_copies += 1
         self.stats.aux_bytes += n
 
+    async def poison(self, ep: Endpoint, off: int, n: int, old: int) -> None:
+        """Write the "old bytes" (`OLD_XOR`) into a destination range before its copy."""
+        if ep.mapped:
+            write_pattern(ep.array[off : off + n], old)
+            return
+        assert self.stage_out is not None and self.stage_out.array is not None
+        write_pattern(self.stage_out.array[off : off + n], old)
+        await self.client.copy(ep.region, self.stage_out, n, dst_offset=off, src_offset=off, priority=self.cls)
+        self.stats.aux_copies += 1
+        self.stats.aux_bytes += n
+
+    async def classify(self, ep: Endpoint, off: int, n: int, key: int, old: int) -> tuple[int, int]:
+        """`classify_words` of a destination range, mapped or staged."""
+        if ep.mapped:
+            return classify_words(ep.array[off : off + n], key, old, self.scratch)
+        assert self.stage_out is not None and self.stage_out.array is not None
+        await self.client.copy(self.stage_out, ep.region, n, dst_offset=off, src_offset=off, priority=self.cls)
+        self.stats.aux_copies += 1
+        self.stats.aux_bytes += n
+        return classify_words(self.stage_out.array[off : off + n], key, old, self.scratch)
+
     async def check(self, ep: Endpoint, off: int, n: int, key: int) -> int:
         if ep.mapped:
             return count_bad(ep.array[off : off + n], key, self.scratch)
@@ -370,7 +515,12 @@ async def open_session(spec: dict[str, Any], prof: Profile, stats: WorkerStats, 
     staged = spec["verify"] == "staged"
     idx = spec["client"]
     client = await Client.connect(
-        spec["socket"], copy_path="daemon", name=f"loadtest/{idx}/{prof.name}", wait_s=spec.get("connect_wait_s", 10.0)
+        spec["socket"],
+        copy_path="daemon",
+        name=f"loadtest/{idx}/{prof.name}",
+        wait_s=spec.get("connect_wait_s", 10.0),
+        reconnect_s=spec.get("reconnect_s", 30.0),
+        retry_copies=spec.get("retry_copies", False),
     )
     try:
         host = await client.alloc_host(total)
@@ -392,6 +542,22 @@ async def open_session(spec: dict[str, Any], prof: Profile, stats: WorkerStats, 
     return Session(client, src, dst, Checker(client, prof.cls, stats, stage_in, stage_out))
 
 
+async def open_session_through_restarts(spec: dict[str, Any], prof: Profile, stats: WorkerStats, total: int) -> Session:
+    """`open_session`; with --kill-every, tried again while a restart gets in its way (the
+    daemon killed between the connect and the regions' allocation), for up to ``reconnect_s``."""
+    if not spec.get("restarts"):
+        return await open_session(spec, prof, stats, total)
+    deadline = time.monotonic() + spec.get("reconnect_s", 30.0)
+    while True:
+        try:
+            return await open_session(spec, prof, stats, total)
+        except PriodError as exc:
+            if not (isinstance(exc, ConnectionClosed) or restart_kind(exc)) or time.monotonic() >= deadline:
+                raise
+            stats.restart_errors["session"] = stats.restart_errors.get("session", 0) + 1
+            await asyncio.sleep(0.05)
+
+
 async def run_worker(spec: dict[str, Any]) -> WorkerStats:
     """One client: connect, allocate, say ready, wait for go, load until the end, report.
 
@@ -407,7 +573,7 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
     total = slot_bytes * prof.slots
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
-    first = await open_session(spec, prof, stats, total)
+    first = await open_session_through_restarts(spec, prof, stats, total)
     session: Session | None = first
     try:
         stats.setup_s = time.perf_counter() - t0
@@ -429,6 +595,8 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
         start = time.perf_counter()
         end = start + (end_wall - start_wall)
         max_requests = prof.requests or spec.get("requests", 0) or 0
+        restarts = bool(spec.get("restarts"))
+        stats.fds_start = own_fds()
         broken = False
         outstanding: dict[int, int] = {}  # slot -> bytes of the measured copy awaiting its reply
         seq = 0
@@ -450,6 +618,9 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
             key = request_key(idx, seq)
             stats.issued += 1
             epoch_issued += 1
+            if restarts:
+                await one_through_restarts(ses, slot, off, n, key)
+                return
             try:
                 await ses.checker.fill(ses.src, off, n, key)
             except ConnectionClosed as exc:
@@ -507,6 +678,118 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
             if r.path == "express":
                 stats.express += 1
 
+        def restart_error(kind: str, exc: BaseException) -> None:
+            stats.restart_errors[kind] = stats.restart_errors.get(kind, 0) + 1
+            if not stats.first_restart_error:
+                stats.first_restart_error = f"{kind}: {exc}"
+
+        async def next_daemon(ses: Session, generation: int, kind: str) -> None:
+            """After ``shutting_down``: wait until the client is on the next daemon (sent again
+            at once, the copy would be refused again by the one that is stopping)."""
+            if kind == "shutting_down":
+                until = time.monotonic() + spec.get("reconnect_s", 30.0)
+                while ses.client.generation == generation and time.monotonic() < until:
+                    await asyncio.sleep(0.01)
+
+        async def aux(ses: Session, op: Callable[[], Awaitable[T]]) -> T:
+            """A staging copy (or none, where both ends are mapped), tried again through restarts."""
+            for attempt in range(1 + spec.get("restart_resubmits", 3)):
+                generation = ses.client.generation
+                try:
+                    return await op()
+                except PriodError as exc:
+                    kind = restart_kind(exc)
+                    if kind is None or attempt == spec.get("restart_resubmits", 3):
+                        raise
+                    restart_error("aux:" + kind, exc)
+                    await next_daemon(ses, generation, kind)
+            raise AssertionError("unreachable")
+
+        async def one_through_restarts(ses: Session, slot: int, off: int, n: int, key: int) -> None:
+            """One copy while the daemon is restarted under it (--kill-every). Its destination
+            range first gets "old bytes"; a success must leave exactly the new ones (old ones
+            left: a false success; anything else: corrupted) and its source unchanged; a
+            documented restart error must leave old or new words only, and the copy is sent
+            again (up to ``restart_resubmits`` times). Any other error counts as before."""
+            nonlocal broken
+            old = key ^ OLD_XOR
+            for attempt in range(1 + spec.get("restart_resubmits", 3)):
+                if attempt == 1:
+                    stats.restart_retried += 1
+                try:
+                    await aux(ses, lambda: ses.checker.fill(ses.src, off, n, key))
+                    await aux(ses, lambda: ses.checker.poison(ses.dst, off, n, old))
+                except PriodError as exc:
+                    broken = broken or isinstance(exc, ConnectionClosed)
+                    stats.error("aux:" + type(exc).__name__, n, exc)
+                    await asyncio.sleep(0.001)
+                    return
+                started = time.perf_counter()
+                outstanding[slot] = n
+                generation = ses.client.generation
+                try:
+                    r = await ses.client.copy(
+                        ses.dst.region,
+                        ses.src.region,
+                        n,
+                        dst_offset=off,
+                        src_offset=off,
+                        priority=prof.cls,
+                        deadline_ms=prof.deadline_ms,
+                    )
+                except PriodError as exc:
+                    kind = restart_kind(exc)
+                    if kind is None:
+                        broken = broken or isinstance(exc, ConnectionClosed)  # it gave up reconnecting
+                        stats.error(type(exc).__name__, n, exc)
+                        await asyncio.sleep(0.001)
+                        return
+                    restart_error(kind, exc)
+                    await next_daemon(ses, generation, kind)
+                    try:  # an interrupted copy leaves old or new words in its range, nothing else
+                        _, neither = await aux(ses, lambda: ses.checker.classify(ses.dst, off, n, key, old))
+                    except PriodError:
+                        stats.bytes_unverified += n
+                        neither = 0
+                    if neither:
+                        stats.bytes_corrupted += neither
+                        stats.copies_corrupted += 1
+                    continue
+                finally:
+                    outstanding.pop(slot, None)
+                now = time.perf_counter()
+                if r.nbytes != n:
+                    stats.bytes_lost += abs(n - r.nbytes)
+                    stats.copies_lost += 1
+                try:
+                    still_old, neither = await aux(ses, lambda: ses.checker.classify(ses.dst, off, n, key, old))
+                    if ses.src.mapped:  # a copy must not write its source
+                        neither += count_bad(ses.src.array[off : off + n], key, ses.checker.scratch)
+                except PriodError as exc:
+                    stats.bytes_unverified += n
+                    stats.error("aux:" + type(exc).__name__, n, exc)
+                    still_old = neither = 0
+                else:
+                    stats.bytes_verified += n
+                if still_old:
+                    stats.copies_false_success += 1
+                    stats.bytes_false_success += still_old
+                if neither:
+                    stats.bytes_corrupted += neither
+                    stats.copies_corrupted += 1
+                if attempt:
+                    stats.restart_retry_ok += 1
+                stats.ok += 1
+                stats.bytes += n
+                stats.lat_us.append(round((now - started) * 1e6, 1))
+                stats.daemon_us.append(r.total_us)
+                stats.t_done.append(round(now - start, 4))
+                stats.sizes.append(n)
+                if r.path == "express":
+                    stats.express += 1
+                return
+            stats.restart_gave_up += 1
+
         async def closed_loop(ses: Session, slot: int) -> None:
             while more():
                 await one(ses, slot)
@@ -557,7 +840,8 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                         "ok": stats.ok,
                         "bytes": stats.bytes,
                         "errors": sum(stats.errors.values()),
-                        "bad": stats.bytes_corrupted,
+                        "restart_errors": sum(stats.restart_errors.values()),
+                        "bad": stats.bytes_corrupted + stats.bytes_false_success,
                         "lat_us": lat,
                     }
                 )
@@ -567,7 +851,7 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
             while True:
                 if session is None:
                     try:
-                        session = await open_session(spec, prof, stats, total)
+                        session = await open_session_through_restarts(spec, prof, stats, total)
                     except PriodError as exc:
                         stats.error("reconnect:" + type(exc).__name__, 0, exc)
                         break
@@ -584,6 +868,7 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                     # Copies still without a reply after the drain time: lost, as far as this client knows.
                     for n in outstanding.values():
                         stats.bytes_lost += n
+                        stats.copies_lost += 1
                         stats.errors["NoReply"] = stats.errors.get("NoReply", 0) + 1
                     main.cancel()
                     await asyncio.gather(main, return_exceptions=True)
@@ -596,16 +881,192 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                     or (max_requests and stats.issued >= max_requests)
                 ):
                     break
+                stats.client_reconnects += session.client.reconnects
                 await session.client.close()
                 session = None
         finally:
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
         stats.elapsed_s = time.perf_counter() - start
+        if broken or session is None:
+            stats.alive, stats.alive_why = False, stats.first_error or "its session could not be opened again"
+        elif restarts:
+            # Alive at the end: the connection (reconnected by itself as often as it took) answers.
+            try:
+                await asyncio.wait_for(session.client.ping(), spec.get("reconnect_s", 30.0) + 5)
+            except (PriodError, TimeoutError) as exc:
+                stats.alive, stats.alive_why = False, f"no ping after the load: {type(exc).__name__}: {exc}"
+        stats.fds_end = own_fds()
+        if session is not None:
+            stats.client_reconnects += session.client.reconnects
         return stats
     finally:
         if session is not None:
             await session.client.close()
+
+
+def run_sync_worker(spec: dict[str, Any]) -> WorkerStats:
+    """A `SyncClient` client (``api=sync``): one copy at a time, open loop at ``rate`` (or back to
+    back), its regions mapped in this process (the sim engine). With --kill-every it checks each
+    copy as `run_worker`'s ``one_through_restarts`` does; the blocking client finds a lost
+    connection at its next request and reconnects there."""
+    prof = Profile(**spec["profile"])
+    idx: int = spec["client"]
+    stats = WorkerStats(idx, prof.name, prof.cls, prof.direction, os.getpid())
+    rng = random.Random(spec["seed"] * 7919 + idx)
+    sizes = SizeDist(prof.size)
+    restarts = bool(spec.get("restarts"))
+    reconnect_s = spec.get("reconnect_s", 30.0)
+    resubmits = spec.get("restart_resubmits", 3)
+    t0 = time.perf_counter()
+    wait_until = time.monotonic() + spec.get("connect_wait_s", 10.0)
+    while True:
+        try:
+            client = SyncClient(
+                spec["socket"],
+                name=f"loadtest/{idx}/{prof.name}/sync",
+                copy_path="daemon",
+                reconnect_s=reconnect_s,
+                retry_copies=spec.get("retry_copies", False),
+            )
+            break
+        except ConnectionClosed:
+            if time.monotonic() >= wait_until:
+                raise
+            time.sleep(0.05)
+    try:
+        total = -(-sizes.max // SLOT_ALIGN) * SLOT_ALIGN
+        host, dev = client.alloc_host(total), client.alloc_device(total, prof.device)
+        src, dst = {"h2d": (host, dev), "d2h": (dev, host), "d2d": (dev, None)}[prof.direction]
+        if dst is None:
+            dst = client.alloc_device(total, prof.device)
+        if src.array is None or dst.array is None or spec["verify"] == "staged":
+            raise PriodError("api=sync needs regions mapped in the client (the sim engine) and --verify auto")
+        src_a, dst_a = src.array, dst.array
+        src_a[::4096] = 0
+        dst_a[::4096] = 0
+        stats.setup_s = time.perf_counter() - t0
+        _emit({"type": "ready", "client": idx, "verify": "mapped"})
+        go = json.loads(sys.stdin.readline() or "{}")
+        if "start" not in go:
+            return stats
+        time.sleep(max(0.0, go["start"] - time.time()))
+        start = time.perf_counter()
+        end = start + (go["end"] - go["start"])
+        max_requests = prof.requests or spec.get("requests", 0) or 0
+        scratch = np.empty(BLOCK_WORDS, dtype=np.uint64)
+        stats.fds_start = own_fds()
+        due, sent, next_progress = start, 0, start + spec.get("progress_s", 1.0)
+        broken = False
+
+        def progress() -> None:
+            nonlocal sent
+            lat = stats.lat_us[sent:]
+            sent += len(lat)
+            _emit(
+                {
+                    "type": "progress",
+                    "client": idx,
+                    "ok": stats.ok,
+                    "bytes": stats.bytes,
+                    "errors": sum(stats.errors.values()),
+                    "restart_errors": sum(stats.restart_errors.values()),
+                    "bad": stats.bytes_corrupted + stats.bytes_false_success,
+                    "lat_us": lat,
+                }
+            )
+
+        def next_daemon(generation: int) -> None:
+            # A stopping daemon refuses copies until it closes the connection; the blocking client
+            # finds that at a request and reconnects there.
+            until = time.monotonic() + reconnect_s
+            while client.generation == generation and time.monotonic() < until:
+                time.sleep(0.02)
+                try:
+                    client.ping()
+                except PriodError as exc:
+                    if restart_kind(exc) is None and not isinstance(exc, ConnectionClosed):
+                        raise
+
+        while not broken and time.perf_counter() < end and not (max_requests and stats.issued >= max_requests):
+            if prof.rate > 0:
+                due += rng.expovariate(prof.rate)
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                elif delay < 0:
+                    stats.late += 1
+            if time.perf_counter() >= next_progress:
+                progress()
+                next_progress += spec.get("progress_s", 1.0)
+            n = sizes.sample(rng)
+            key = request_key(idx, stats.issued + 1)
+            old = key ^ OLD_XOR
+            stats.issued += 1
+            write_pattern(src_a[:n], key)
+            for attempt in range(1 + (resubmits if restarts else 0)):
+                if restarts:
+                    write_pattern(dst_a[:n], old)
+                if attempt == 1:
+                    stats.restart_retried += 1
+                generation = client.generation
+                started = time.perf_counter()
+                try:
+                    r = client.copy(dst, src, n, priority=prof.cls, deadline_ms=prof.deadline_ms)
+                except PriodError as exc:
+                    kind = restart_kind(exc) if restarts else None
+                    if kind is None:
+                        broken = isinstance(exc, ConnectionClosed)
+                        stats.error(type(exc).__name__, n, exc)
+                        break
+                    stats.restart_errors[kind] = stats.restart_errors.get(kind, 0) + 1
+                    stats.first_restart_error = stats.first_restart_error or f"{kind}: {exc}"
+                    neither = classify_words(dst_a[:n], key, old, scratch)[1]
+                    if neither:
+                        stats.bytes_corrupted += neither
+                        stats.copies_corrupted += 1
+                    if kind == "shutting_down":
+                        next_daemon(generation)
+                    continue
+                now = time.perf_counter()
+                if r.nbytes != n:
+                    stats.bytes_lost += abs(n - r.nbytes)
+                    stats.copies_lost += 1
+                if restarts:
+                    still_old, neither = classify_words(dst_a[:n], key, old, scratch)
+                    neither += count_bad(src_a[:n], key, scratch)
+                else:
+                    still_old, neither = 0, count_bad(dst_a[:n], key, scratch)
+                if still_old:
+                    stats.copies_false_success += 1
+                    stats.bytes_false_success += still_old
+                if neither:
+                    stats.bytes_corrupted += neither
+                    stats.copies_corrupted += 1
+                stats.restart_retry_ok += attempt > 0
+                stats.bytes_verified += n
+                stats.ok += 1
+                stats.bytes += n
+                stats.lat_us.append(round((now - started) * 1e6, 1))
+                stats.daemon_us.append(r.total_us)
+                stats.t_done.append(round(now - start, 4))
+                stats.sizes.append(n)
+                break
+            else:
+                stats.restart_gave_up += 1
+        stats.elapsed_s = time.perf_counter() - start
+        if broken:
+            stats.alive, stats.alive_why = False, stats.first_error
+        elif restarts:
+            try:
+                client.ping()
+            except PriodError as exc:
+                stats.alive, stats.alive_why = False, f"no ping after the load: {type(exc).__name__}: {exc}"
+        stats.fds_end = own_fds()
+        stats.client_reconnects = client.reconnects
+        return stats
+    finally:
+        client.close()
 
 
 def worker_main(spec_json: str) -> int:
@@ -617,7 +1078,7 @@ def worker_main(spec_json: str) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        stats = runner(run_worker(spec))
+        stats = run_sync_worker(spec) if spec["profile"].get("api") == "sync" else runner(run_worker(spec))
     except PriodError as exc:
         _emit({"type": "fatal", "client": spec["client"], "error": f"{type(exc).__name__}: {exc}"})
         return 1
@@ -645,13 +1106,27 @@ class Monitor:
         self.path, self.pid = path, pid
         self.client: SyncClient | None = None
         self.samples: list[dict[str, float]] = []
+        self.daemon = 0
+        """Which daemon the samples are of: 0, then 1, 2, ... after each restart (--kill-every)."""
+        self._connect()
+
+    def _connect(self) -> None:
         try:
-            self.client = SyncClient(path, copy_path="daemon", name="loadtest/monitor", timeout=10)
+            # No reconnecting by itself: a sample must not wait for a daemon that is being restarted.
+            self.client = SyncClient(self.path, copy_path="daemon", name="loadtest/monitor", timeout=10, reconnect_s=0)
         except PriodError:
             self.client = None
 
+    def attach(self, pid: int) -> None:
+        """Watch the daemon that replaced the last one (--kill-every)."""
+        if self.client is not None:
+            self.client.close()
+        self.pid = pid
+        self.daemon += 1
+        self._connect()
+
     def sample(self, t: float) -> dict[str, float]:
-        s: dict[str, float] = {"t": round(t, 3), **memory_and_fds(self.pid)}
+        s: dict[str, float] = {"t": round(t, 3), "daemon": self.daemon, **memory_and_fds(self.pid)}
         if self.client is not None:
             try:
                 t0 = time.perf_counter()
@@ -673,23 +1148,147 @@ class Monitor:
             self.client.close()
 
 
+def daemon_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {"PRIOD_LOG__LEVEL": json.dumps(args.daemon_log_level)}
+    for item in args.daemon_env:
+        key, _, value = item.partition("=")
+        env[key] = value
+    return env
+
+
 @contextmanager
-def daemon_for(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
-    """The socket and pid of the daemon under test: our own (--spawn-daemon) or a running one."""
-    if args.spawn_daemon:
-        env = {"PRIOD_LOG__LEVEL": json.dumps(args.daemon_log_level)}
-        for item in args.daemon_env:
-            key, _, value = item.partition("=")
-            env[key] = value
-        with daemon_process(env, backend=args.backend) as d:
-            yield d.socket_path, d.proc.pid
+def daemon_for(args: argparse.Namespace) -> Iterator[tuple[str, int, Restarts | None]]:
+    """The socket and pid of the daemon under test: our own (--spawn-daemon) or a running one;
+    with --kill-every, the `Restarts` that kill it and start it again."""
+    if args.kill_every:
+        with Restarts(args) as restarts:
+            yield restarts.path, restarts.pid, restarts
+    elif args.spawn_daemon:
+        with daemon_process(daemon_env(args), backend=args.backend) as d:
+            yield d.socket_path, d.proc.pid, None
         if d.proc.returncode not in (0, None):
             print(f"loadtest: the daemon exited with {d.proc.returncode}; its log:\n{d.log()[-4000:]}", file=sys.stderr)
     else:
         path = args.socket or os.environ.get("PRIOD_SOCKET") or ""
         if not path:
             raise SystemExit("loadtest: pass --socket PATH or --spawn-daemon")
-        yield path, daemon_pid(path)
+        yield path, daemon_pid(path), None
+
+
+def parse_kill_every(text: str) -> tuple[float, float]:
+    """``10-20`` (seconds, uniform) or ``15`` -> (low, high)."""
+    lo, sep, hi = text.partition("-")
+    try:
+        low, high = float(lo), float(hi) if sep else float(lo)
+    except ValueError:
+        raise ValueError(f"--kill-every {text!r}: give seconds, e.g. 10-20 (uniform between) or 15") from None
+    if not 0 < low <= high:
+        raise ValueError(f"--kill-every {text!r}: give 0 < low <= high seconds, e.g. 10-20")
+    return low, high
+
+
+class Restarts:
+    """--kill-every: our own daemon, killed every low-high seconds (uniform) with SIGKILL or
+    SIGTERM (``--kill-signal``; mixed: the two alternately) while the load runs, and a new one
+    started at once on the same socket path, as systemd's ``Restart=`` or a DaemonSet would."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.low, self.high = parse_kill_every(args.kill_every)
+        self.signal = args.kill_signal
+        self.env, self.backend = daemon_env(args), args.backend
+        self.rng = random.Random(args.seed * 104729)
+        self.dir = tempfile.mkdtemp(prefix="priod-restarts-")
+        self.path = os.path.join(self.dir, "priod.sock")
+        self.events: list[dict[str, Any]] = []
+        self.bad_exits: list[str] = []
+        self.daemon: DaemonProcess | None = None
+        self._cm: Any = None
+        self.index = 0
+        self.next_kill = math.inf
+        self.stop_at = math.inf
+
+    @property
+    def pid(self) -> int:
+        assert self.daemon is not None
+        return self.daemon.proc.pid
+
+    def __enter__(self) -> Restarts:
+        self._start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end(signal.SIGTERM)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _start(self) -> None:
+        self._cm = daemon_process(self.env, backend=self.backend, socket_path=self.path)
+        self.daemon = self._cm.__enter__()
+
+    def _end(self, sig: int) -> int:
+        """Stop the daemon with ``sig``; its private directory goes too unless it exited
+        otherwise than that signal asks (SIGKILL: killed; SIGTERM: a clean 0), whose log is kept."""
+        d, cm = self.daemon, self._cm
+        if d is None:
+            return 0
+        self.daemon = self._cm = None
+        rc = d.stop(sig)
+        log_dir = os.path.dirname(d.log_path)
+        cm.__exit__(None, None, None)  # removes the directory of a clean stop
+        expected = -signal.SIGKILL if sig == signal.SIGKILL else 0
+        if rc != expected:
+            self.bad_exits.append(f"daemon {self.index} (pid {d.proc.pid}) exited with {rc}; log in {log_dir}")
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        return rc
+
+    def schedule(self, now: float, stop_at: float) -> None:
+        """Kills from ``now`` (time.monotonic) until ``stop_at``, when the load ends."""
+        self.stop_at = stop_at
+        self.next_kill = now + self.rng.uniform(self.low, self.high)
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_kill and now < self.stop_at
+
+    def restart(self, t: float) -> dict[str, Any]:
+        """Kill (or stop) the daemon and start a new one on the same path; the event's record."""
+        if self.signal != "mixed":
+            name = self.signal
+        elif not self.events:
+            name = self.rng.choice(("KILL", "TERM"))
+        else:  # alternately, so that a short run has both
+            name = "TERM" if self.events[-1]["signal"] == "KILL" else "KILL"
+        sig = signal.SIGKILL if name == "KILL" else signal.SIGTERM
+        old_pid = self.pid
+        t0 = time.monotonic()
+        rc = self._end(sig)
+        t1 = time.monotonic()
+        self.index += 1
+        self._start()
+        t2 = time.monotonic()
+        event = {
+            "t": round(t, 2),
+            "signal": name,
+            "old_pid": old_pid,
+            "exit": rc,
+            "new_pid": self.pid,
+            "stop_ms": round((t1 - t0) * 1e3, 1),
+            "down_ms": round((t2 - t0) * 1e3, 1),
+        }
+        self.events.append(event)
+        self.next_kill = t2 + self.rng.uniform(self.low, self.high)
+        return event
+
+    def report(self) -> dict[str, Any]:
+        down = [e["down_ms"] for e in self.events]
+        return {
+            "every_s": [self.low, self.high],
+            "signal": self.signal,
+            "count": len(self.events),
+            "by_signal": {k: sum(e["signal"] == k for e in self.events) for k in ("KILL", "TERM")},
+            "down_ms": summarize(down, ("p50", "max"), ndigits=1, empty=None),
+            "unexpected_exits": self.bad_exits,
+            "events": self.events,
+        }
 
 
 # -- aggregation ----------------------------------------------------------------------------
@@ -725,9 +1324,29 @@ def aggregate(results: list[dict[str, Any]], elapsed: float) -> dict[str, dict[s
                 "aux_bytes": 0,
                 "late": 0,
                 "directions": set(),
+                "restart_errors": {},
+                "restart_retried": 0,
+                "restart_retry_ok": 0,
+                "restart_gave_up": 0,
+                "copies_lost": 0,
+                "copies_false_success": 0,
+                "bytes_false_success": 0,
+                "alive": 0,
             },
         )
         c["clients"] += 1
+        c["alive"] += bool(r.get("alive", True))
+        for k, v in r.get("restart_errors", {}).items():
+            c["restart_errors"][k] = c["restart_errors"].get(k, 0) + v
+        for k in (
+            "restart_retried",
+            "restart_retry_ok",
+            "restart_gave_up",
+            "copies_lost",
+            "copies_false_success",
+            "bytes_false_success",
+        ):
+            c[k] += r.get(k, 0)
         c["directions"].add(r["direction"])
         c["lat"] += r["lat_us"]
         c["daemon"] += r["daemon_us"]
@@ -766,6 +1385,19 @@ def aggregate(results: list[dict[str, Any]], elapsed: float) -> dict[str, dict[s
             "bytes_unverified": c["bytes_unverified"],
             "aux_bytes": c["aux_bytes"],
             "late_arrivals": c["late"],
+            "restart": {
+                "verified": c["requests"],
+                "restart_errors": c["restart_errors"],
+                "resubmitted": c["restart_retried"],
+                "resubmitted_ok": c["restart_retry_ok"],
+                "gave_up": c["restart_gave_up"],
+                "lost": c["copies_lost"],
+                "corrupted": c["copies_corrupted"],
+                "false_successes": c["copies_false_success"],
+                "bytes_false_success": c["bytes_false_success"],
+                "clients": c["clients"],
+                "alive": c["alive"],
+            },
         }
     return out
 
@@ -849,6 +1481,17 @@ def soak_verdict(
             )
     if "fds" in out and out["fds"]["growth"] > args.soak_fds:
         problems.append(f"open fds grew by {out['fds']['growth']} first-to-last window (allowed {args.soak_fds})")
+    out["latency_us"] = latency_flat(windows, args, problems)
+    out["problems"] = problems
+    out["flat"] = not problems
+    return out
+
+
+def latency_flat(
+    windows: dict[str, list[dict[str, float | None]]], args: argparse.Namespace, problems: list[str]
+) -> dict[str, Any]:
+    """Each class's p50 and p99 in the first and last latency window after the warm-up; a
+    problem where the last p50 exceeds ``--soak-latency-factor`` times the first + 0.5 ms."""
     lat: dict[str, Any] = {}
     for cls, ws in windows.items():
         ws = [w for w in ws if w["t"] is not None and w["t"] >= args.soak_warmup_s and w["n"]]
@@ -858,7 +1501,91 @@ def soak_verdict(
         lat[cls] = {"first_p50": f50, "last_p50": l50, "first_p99": ws[0]["p99"], "last_p99": ws[-1]["p99"]}
         if f50 is not None and l50 is not None and l50 > args.soak_latency_factor * f50 + 500:
             problems.append(f"{cls} p50 latency went from {f50} us to {l50} us first-to-last window")
-    out["latency_us"] = lat
+    return lat
+
+
+RESTART_SOAK_NOTE = (
+    "the daemon was restarted every {low:g}-{high:g} s, so no daemon lives long enough for the soak's "
+    "first-to-last window over the run: RSS and fds are checked per daemon (over its life once its "
+    "clients are back, {settle:g} s after it listens: catches only fast leaks; a slow leak needs the "
+    "soak without --kill-every) and across daemons (each daemon's settled median against the first's: "
+    "every client registers the same regions again, so more means a region registered twice); the "
+    "clients' own fds are checked from the start of the load to its end, across every reconnect; "
+    "latency first-to-last window as without restarts"
+)
+
+
+def soak_verdict_restarts(
+    samples: list[dict[str, float]],
+    windows: dict[str, list[dict[str, float | None]]],
+    results: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The soak's flatness checks where the daemon is restarted under the load (see
+    `RESTART_SOAK_NOTE`): per daemon, across daemons, the clients' own fds, and latency."""
+    low, high = parse_kill_every(args.kill_every)
+    settle = args.soak_daemon_settle_s
+    problems: list[str] = []
+    starts = [0.0] + [e["t"] + e["down_ms"] / 1e3 for e in events]
+    ends = [e["t"] for e in events] + [args.duration]
+    per: list[dict[str, Any]] = []
+    for k, (t0, t1) in enumerate(zip(starts, ends, strict=True)):
+        rows = [s for s in samples if s.get("daemon") == k and t0 + settle <= s["t"] <= t1 and "fds" in s]
+        d: dict[str, Any] = {"daemon": k, "from_s": round(t0, 2), "to_s": round(t1, 2), "samples": len(rows)}
+        for key in ("RssAnon", "fds"):
+            vals = [r[key] for r in rows if key in r]
+            if not vals:
+                continue
+            d[key] = {"median": round(float(np.median(vals)), 2)}
+            third = len(vals) // 3
+            if third >= 2:
+                first, last = float(np.median(vals[:third])), float(np.median(vals[-third:]))
+                d[key].update(first=round(first, 2), last=round(last, 2), growth=round(last - first, 2))
+        per.append(d)
+        if "RssAnon" in d and "growth" in d["RssAnon"]:
+            allowed = max(args.soak_rss_mib, 0.05 * d["RssAnon"]["first"])
+            if d["RssAnon"]["growth"] > allowed:
+                problems.append(
+                    f"daemon {k}: anonymous RSS grew {d['RssAnon']['growth']} MiB over its life (allowed {allowed:.1f})"
+                )
+        if "fds" in d and "growth" in d["fds"] and d["fds"]["growth"] > args.soak_fds:
+            problems.append(
+                f"daemon {k}: open fds grew by {d['fds']['growth']} over its life (allowed {args.soak_fds})"
+            )
+    settled = [d for d in per if "fds" in d]
+    across: dict[str, Any] = {}
+    if len(settled) >= 2:
+        ref = settled[0]
+        for key, allowed in (("fds", args.soak_fds), ("RssAnon", None)):
+            meds = [d[key]["median"] for d in settled if key in d]
+            if not meds or key not in ref:
+                continue
+            across[key] = {"first": meds[0], "min": min(meds), "max": max(meds), "last": meds[-1]}
+            bound = allowed if allowed is not None else max(args.soak_rss_mib, 0.05 * ref[key]["median"])
+            for d in settled[1:]:
+                if key in d and d[key]["median"] - ref[key]["median"] > bound:
+                    problems.append(
+                        f"daemon {d['daemon']} settled at {d[key]['median']} {key} against the first daemon's "
+                        f"{ref[key]['median']} (allowed +{bound:g})"
+                    )
+    client_fds = {r["client"]: r.get("fds_end", 0) - r.get("fds_start", 0) for r in results}
+    for client, growth in client_fds.items():
+        if growth > args.soak_client_fds:
+            problems.append(
+                f"client {client} holds {growth} more fds at the end of the load than at its start "
+                f"(allowed {args.soak_client_fds})"
+            )
+    out: dict[str, Any] = {
+        "mode": "restarts",
+        "note": RESTART_SOAK_NOTE.format(low=low, high=high, settle=settle),
+        "warmup_s": args.soak_warmup_s,
+        "samples": sum(d["samples"] for d in per),
+        "per_daemon": per,
+        "across_daemons": across,
+        "client_fds_growth": client_fds,
+    }
+    out["latency_us"] = latency_flat(windows, args, problems)
     out["problems"] = problems
     out["flat"] = not problems
     return out
@@ -951,7 +1678,7 @@ def plot(report: dict[str, Any], results: list[dict[str, Any]], out_dir: str) ->
 
 
 def build_profiles(args: argparse.Namespace) -> list[Profile]:
-    specs = args.client or list(SOAK_MIX if args.soak else DEFAULT_MIX)
+    specs = args.client or list(SOAK_MIX if args.soak else DEFAULT_MIX) + list(RESTART_EXTRA if args.kill_every else ())
     profiles = [parse_profile(s) for s in specs]
     clients: list[Profile] = []
     for p in profiles:
@@ -1010,7 +1737,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for i, p in enumerate(clients):
         print(f"  client {i}: {p.describe()}", file=sys.stderr)
-    with daemon_for(args) as (path, pid):
+    with daemon_for(args) as (path, pid, restarts):
         monitor = Monitor(path, pid)
         backend = monitor.client.server.backend if monitor.client else args.backend
         # The baseline once the daemon is quiet: the harness's readiness probe (our own daemon) or
@@ -1041,6 +1768,14 @@ def run(args: argparse.Namespace) -> int:
                 "loop": args.loop,
                 "result_path": os.path.join(args.out, f"client{i}.result.json"),
             }
+            if restarts is not None:
+                spec.update(
+                    restarts=True,
+                    reconnect_s=args.reconnect_s,
+                    retry_copies=args.retry_copies,
+                    connect_wait_s=args.reconnect_s,
+                    restart_resubmits=args.restart_resubmits,
+                )
             proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
                 stdin=subprocess.PIPE,
@@ -1073,6 +1808,9 @@ def run(args: argparse.Namespace) -> int:
             )
         start = time.time() + 0.3
         go = json.dumps({"start": start, "end": start + args.duration}) + "\n"
+        if restarts is not None:
+            mono = time.monotonic() - time.time()
+            restarts.schedule(start + mono, start + args.duration + mono)
         for i, proc in enumerate(procs):
             assert proc.stdin is not None
             try:
@@ -1109,6 +1847,16 @@ def run(args: argparse.Namespace) -> int:
                     c = per_cls[clients[i].cls]
                     c["by_client"][i] = msg
                     c["recent"].extend(msg["lat_us"])
+            if restarts is not None and restarts.due(time.monotonic()):
+                event = restarts.restart(time.time() - start)
+                pid = restarts.pid
+                monitor.attach(pid)
+                print(
+                    f"[{event['t']:6.1f}/{args.duration:.0f}s] daemon SIG{event['signal']} (exit {event['exit']}), "
+                    f"a new one listens after {event['down_ms']:.0f} ms (pid {pid})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             now = time.time()
             if now >= next_sample:
                 sample = monitor.sample(now - start)
@@ -1209,8 +1957,42 @@ def run(args: argparse.Namespace) -> int:
         ],
         "failed_clients": fatal,
     }
+    if restarts is not None:
+        rep = restarts.report()
+        report["restarts"] = rep
+        dead = {r["client"]: r.get("alive_why") or "not alive" for r in res if not r.get("alive", True)}
+        dead.update(fatal)
+        totals.update(
+            restarts=rep["count"],
+            copies_lost=sum(c["restart"]["lost"] for c in classes.values()),
+            copies_corrupted=sum(c["restart"]["corrupted"] for c in classes.values()),
+            false_successes=sum(c["restart"]["false_successes"] for c in classes.values()),
+            restart_errors=sum(sum(c["restart"]["restart_errors"].values()) for c in classes.values()),
+            resubmitted_ok=sum(c["restart"]["resubmitted_ok"] for c in classes.values()),
+            clients_alive=len(clients) - len(dead),
+        )
+        if not rep["count"]:
+            problems.append(f"the daemon was never restarted: run longer than --kill-every {args.kill_every}")
+        if totals["copies_lost"]:
+            problems.append(f"{totals['copies_lost']} copies lost (no reply and no error)")
+        if totals["false_successes"]:
+            problems.append(f"{totals['false_successes']} copies reported done that were not")
+        if totals["copies_corrupted"]:
+            problems.append(f"{totals['copies_corrupted']} copies corrupted")
+        gave_up = sum(c["restart"]["gave_up"] for c in classes.values())
+        if gave_up:
+            problems.append(f"{gave_up} copies still failed after {args.restart_resubmits} re-submissions")
+        if dead:
+            problems.append(f"{len(dead)} of {len(clients)} clients not alive at the end: {dead}")
+        problems += rep["unexpected_exits"]
     code = 1 if problems else 0
-    if args.soak:
+    if args.soak and restarts is not None:
+        verdict = soak_verdict_restarts(monitor.samples, windows, res, restarts.events, args)
+        report["soak"] = verdict
+        if not verdict["flat"]:
+            problems += verdict["problems"]
+            code = code or 2
+    elif args.soak:
         verdict = soak_verdict(monitor.samples, windows, args)
         report["soak"] = verdict
         if not verdict["flat"]:
@@ -1256,7 +2038,34 @@ def print_summary(report: dict[str, Any]) -> None:
     print(
         f"daemon: fds {res['fds_before']} -> {res['fds_after']}, clients {res['clients_before']} -> {res['clients_after']}"
     )
-    if "soak" in report:
+    if "restarts" in report:
+        rs = report["restarts"]
+        print(
+            f"\nrestarts: {rs['count']} ({rs['by_signal']['KILL']} SIGKILL, {rs['by_signal']['TERM']} SIGTERM), "
+            f"every {rs['every_s'][0]:g}-{rs['every_s'][1]:g} s; a new daemon listened after "
+            f"p50 {rs['down_ms']['p50']} / max {rs['down_ms']['max']} ms"
+        )
+        print(
+            f"{'class':<8}{'verified':>9}{'restart errors (kind)':>34}{'resubmitted/ok':>16}"
+            f"{'lost':>6}{'corrupt':>8}{'false ok':>9}{'alive':>8}"
+        )
+        for cls, c in sorted(report["classes"].items()):
+            r = c["restart"]
+            kinds = ",".join(f"{k}={v}" for k, v in sorted(r["restart_errors"].items())) or "0"
+            print(
+                f"{cls:<8}{r['verified']:>9}{kinds:>34}{str(r['resubmitted']) + '/' + str(r['resubmitted_ok']):>16}"
+                f"{r['lost']:>6}{r['corrupted']:>8}{r['false_successes']:>9}{str(r['alive']) + '/' + str(r['clients']):>8}"
+            )
+    if "soak" in report and report["soak"].get("mode") == "restarts":
+        s = report["soak"]
+        print("soak with restarts: " + s["note"])
+        for key, v in s["across_daemons"].items():
+            print(f"soak {key} across daemons (settled medians): first {v['first']}, min {v['min']}, max {v['max']}")
+        print(f"soak clients' own fds, end minus start: {sorted(set(s['client_fds_growth'].values()))}")
+        for cls, v in s.get("latency_us", {}).items():
+            print(f"soak {cls} p50: {v['first_p50']} -> {v['last_p50']} us, p99 {v['first_p99']} -> {v['last_p99']} us")
+        print("soak: " + ("flat" if s["flat"] else "NOT flat: " + "; ".join(s["problems"])))
+    elif "soak" in report:
         s = report["soak"]
         for key in ("VmRSS", "RssAnon", "fds"):
             if key in s:
@@ -1342,7 +2151,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=3.0,
         help="last-window p50 may be this many times the first (+0.5 ms)",
     )
+    soak.add_argument(
+        "--soak-daemon-settle-s",
+        type=float,
+        default=3.0,
+        help="with --kill-every: a daemon's samples count from this long after it listens (default 3)",
+    )
+    soak.add_argument(
+        "--soak-client-fds",
+        type=int,
+        default=2,
+        help="with --kill-every: a client's own open fds may grow this much from start to end (default 2)",
+    )
+    kill = ap.add_argument_group("restarts (with --spawn-daemon)")
+    kill.add_argument(
+        "--kill-every",
+        metavar="LOW-HIGH",
+        help="kill the daemon every LOW-HIGH seconds (uniform) during the load and start a new one on the same socket",
+    )
+    kill.add_argument(
+        "--kill-signal",
+        choices=("KILL", "TERM", "mixed"),
+        default="KILL",
+        help="SIGKILL, SIGTERM (a clean stop), or mixed: the two alternately, the first at random (default KILL)",
+    )
+    kill.add_argument(
+        "--reconnect-s",
+        type=float,
+        default=30.0,
+        help="the clients' reconnect_s: how long they reconnect by themselves (default 30)",
+    )
+    kill.add_argument(
+        "--retry-copies",
+        action="store_true",
+        help="the clients' retry_copies: the client library sends interrupted copies again itself",
+    )
+    kill.add_argument(
+        "--restart-resubmits",
+        type=int,
+        default=3,
+        help="a copy failed with a documented restart error is sent again up to this many times (default 3)",
+    )
     args = ap.parse_args(argv)
+    if args.kill_every and not args.spawn_daemon:
+        ap.error("--kill-every needs --spawn-daemon (the load test restarts only a daemon of its own)")
+    if args.kill_every:
+        try:
+            parse_kill_every(args.kill_every)
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.soak and "--duration" not in (argv if argv is not None else sys.argv):
         args.duration = 120.0
     if args.soak and not args.soak_warmup_s:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+import priod
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "loadtest.py"
 MiB = 1 << 20
 
@@ -93,7 +95,7 @@ def test_profiles_parse_and_refuse_nonsense(lt: ModuleType) -> None:
         lt.parse_profile("dir=sideways")
     with pytest.raises(
         ValueError,
-        match=r"^unknown client spec key 'speed'; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn$",
+        match=r"^unknown client spec key 'speed'; known: class, dir, size, rate, window, concurrency, requests, count, deadline_ms, device, churn, api$",
     ):
         lt.parse_profile("speed=9")
     with pytest.raises(
@@ -102,6 +104,43 @@ def test_profiles_parse_and_refuse_nonsense(lt: ModuleType) -> None:
         lt.parse_profile("size=12 parsecs")
     with pytest.raises(ValueError, match=r"^size range '4MiB..1MiB' runs backwards; write it low..high$"):
         lt.SizeDist("4MiB..1MiB")
+
+
+def test_restart_checks_tell_old_new_and_neither_and_the_documented_errors(lt: ModuleType) -> None:
+    """With --kill-every a copy's destination first holds "old bytes": afterwards every word is
+    counted as new, old (a success there is a false one) or neither (corrupted), a partial last
+    word byte by byte; the documented restart errors are told from every other error; the kill
+    interval parses and refuses nonsense."""
+    scratch = np.empty(lt.BLOCK_WORDS, dtype=np.uint64)
+    n = 2 * MiB + 3
+    key = lt.request_key(5, 9)
+    old = key ^ lt.OLD_XOR
+    buf = np.zeros(n, dtype=np.uint8)
+    lt.write_pattern(buf, key)
+    assert lt.classify_words(buf, key, old, scratch) == (0, 0)
+    lt.write_pattern(buf[: MiB + 8], old)  # an interrupted copy: old words up to a word boundary
+    assert lt.classify_words(buf, key, old, scratch) == (MiB + 8, 0)
+    buf[17] ^= 0xFF  # one word neither old nor new
+    buf[-1] ^= 0xFF  # one byte of the partial last word
+    assert lt.classify_words(buf, key, old, scratch) == (MiB, 9)
+    lost = priod.ConnectionClosed(
+        "copy 7 was sent to priod at /s and the connection was lost before its reply: it may have moved some "
+        "or all of its bytes, or none, and did not report success. ... The client has reconnected (in 0.4 s) "
+        "and registered its regions again."
+    )
+    assert lt.restart_kind(lost) == "lost_reply"
+    assert lt.restart_kind(priod.ShuttingDown("the daemon is stopping")) == "shutting_down"
+    reconnecting = priod.ConnectionClosed("... lost (x); the client is reconnecting (for up to ...): retry the request")
+    assert lt.restart_kind(reconnecting) == "reconnecting"
+    gave_up = priod.ConnectionClosed(
+        "copy 7 was sent ... and the connection was lost before its reply: ... The client did not reconnect: x."
+    )
+    assert lt.restart_kind(gave_up) is None
+    assert lt.restart_kind(priod.InvalidRequest("no")) is None
+    assert lt.parse_kill_every("10-20") == (10.0, 20.0) and lt.parse_kill_every("3") == (3.0, 3.0)
+    for bad in ("20-10", "0-1", "soon"):
+        with pytest.raises(ValueError, match="--kill-every"):
+            lt.parse_kill_every(bad)
 
 
 @pytest.mark.slow
