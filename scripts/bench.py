@@ -305,11 +305,18 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
     out: dict[str, Any] = {"rtt_bytes": args.rtt_bytes, "tiny_bytes": args.tiny_bytes, "window": args.window}
     meter = CpuMeter(d.proc.pid)
     sync = SyncClient(d.socket_path, copy_path="daemon", name="bench-rtt-sync")
+    sync_socket = SyncClient(d.socket_path, copy_path="daemon", name="bench-rtt-sync-socket", ring=False)
     aclient = await Client.connect(d.socket_path, copy_path="daemon", name="bench-rtt")
+    # The same client with the copy ring off: every copy a frame on the socket.
+    sclient = await Client.connect(d.socket_path, copy_path="daemon", name="bench-rtt-socket", ring=False)
+    out["ring"] = aclient._ring is not None
     try:
         s_host, s_dev = sync.alloc_host(args.rtt_bytes), sync.alloc_device(args.rtt_bytes)
+        so_host, so_dev = sync_socket.alloc_host(args.rtt_bytes), sync_socket.alloc_device(args.rtt_bytes)
         a_host, a_dev = await aclient.alloc_host(args.rtt_bytes), await aclient.alloc_device(args.rtt_bytes)
         t_host, t_dev = await aclient.alloc_host(args.tiny_bytes), await aclient.alloc_device(args.tiny_bytes)
+        ss_host, ss_dev = await sclient.alloc_host(args.rtt_bytes), await sclient.alloc_device(args.rtt_bytes)
+        st_host, st_dev = await sclient.alloc_host(args.tiny_bytes), await sclient.alloc_device(args.tiny_bytes)
         msg = copy_request(s_dev.id, s_host.id, args.rtt_bytes, "normal")
         out["request_frame_bytes"] = len(msgpack.packb({**msg, "id": 1000}, use_bin_type=True)) + HEADER.size
         out["reply_frame_bytes"] = len(msgpack.packb(copy_reply(1000, args.rtt_bytes), use_bin_type=True)) + HEADER.size
@@ -318,17 +325,21 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         sync_rtt_echo(echo_path, msg, 200)
         sync_rtt_priod(sync, (s_dev, s_host), args.rtt_bytes, "normal", 200)
         sync_rtt_priod(sync, (s_dev, s_host), args.rtt_bytes, "urgent", 200)
+        sync_rtt_priod(sync_socket, (so_dev, so_host), args.rtt_bytes, "normal", 200)
         await async_rtt_echo(efs, msg, 200, 1)
         await async_rtt_priod(aclient, a_dev, a_host, args.rtt_bytes, "normal", 200)
+        await async_rtt_priod(sclient, ss_dev, ss_host, args.rtt_bytes, "normal", 200)
         series: dict[str, list[float]] = {
             k: []
             for k in (
                 "echo_sync",
                 "priod_sync_normal",
                 "priod_sync_urgent",
+                "priod_sync_socket",
                 "echo_async",
                 "priod_async_normal",
                 "priod_async_urgent",
+                "priod_async_socket",
             )
         }
         transfer: dict[str, list[float]] = {"normal": [], "urgent": []}
@@ -340,10 +351,14 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
                 lat, tr = sync_rtt_priod(sync, (s_dev, s_host), args.rtt_bytes, prio, n)
                 series[f"priod_sync_{prio}"] += lat
                 transfer[prio] += tr
+            series["priod_sync_socket"] += sync_rtt_priod(sync_socket, (so_dev, so_host), args.rtt_bytes, "normal", n)[
+                0
+            ]
             series["echo_async"] += await async_rtt_echo(efs, msg, n, next_id)
             next_id += n
             for prio in ("normal", "urgent"):
                 series[f"priod_async_{prio}"] += await async_rtt_priod(aclient, a_dev, a_host, args.rtt_bytes, prio, n)
+            series["priod_async_socket"] += await async_rtt_priod(sclient, ss_dev, ss_host, args.rtt_bytes, "normal", n)
         out["rtt_us"] = {k: summarize(v) for k, v in series.items()}
         out["engine_transfer_us"] = {k: summarize(v) for k, v in transfer.items()}
         # The daemon's own part of a round trip: what is left once the engine's time (first
@@ -358,7 +373,8 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         await pipelined_echo(efs, tiny, 4, args.window, next_id)
         next_id += 4 * args.window
         await pipelined_priod(aclient, t_dev, t_host, args.tiny_bytes, "normal", 4, args.window)
-        echo_rates, priod_rates, loop_us, daemon_us, client_us = [], [], [], [], []
+        await pipelined_priod(sclient, st_dev, st_host, args.tiny_bytes, "normal", 4, args.window)
+        echo_rates, priod_rates, socket_rates, loop_us, daemon_us, client_us = [], [], [], [], [], []
         for _ in range(plan.pipe_rounds):
             echo_rates.append(await pipelined_echo(efs, tiny, plan.pipe_windows, args.window, next_id))
             next_id += plan.pipe_windows * args.window
@@ -371,11 +387,18 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
             loop_us.append(cpu.get("loop_ns", cpu["loop"]) / n * 1e6)
             daemon_us.append(cpu.get("cpu_ns", cpu["cpu"]) / n * 1e6)
             client_us.append((c1 - c0) / n * 1e6)
+            socket_rates.append(
+                await pipelined_priod(
+                    sclient, st_dev, st_host, args.tiny_bytes, "normal", plan.pipe_windows, args.window
+                )
+            )
         out["pipelined_per_s"] = {
             "echo": echo_rates,
             "priod": priod_rates,
+            "priod_socket": socket_rates,
             "echo_median": float(np.median(echo_rates)),
             "priod_median": float(np.median(priod_rates)),
+            "priod_socket_median": float(np.median(socket_rates)),
         }
         out["pipelined_cpu_us_per_copy"] = {
             "daemon_loop": float(np.median(loop_us)),
@@ -385,7 +408,9 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         efs.close()
     finally:
         sync.close()
+        sync_socket.close()
         await aclient.close()
+        await sclient.close()
     return out
 
 
@@ -531,12 +556,17 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str,
         )
     ov = prio["overhead"]
     echo = ov["rtt_us"]["echo_sync"]
-    for prio_name in ("normal", "urgent"):
-        pr = ov["rtt_us"][f"priod_sync_{prio_name}"]
+    via = "ring" if ov.get("ring") else "socket: no ring"
+    for prio_name, key, how in (
+        ("normal", "priod_sync_normal", via),
+        ("urgent", "priod_sync_urgent", via),
+        ("normal", "priod_sync_socket", "socket"),
+    ):
+        pr = ov["rtt_us"][key]
         ratio = _ratio(pr["p50"], echo["p50"])
         rows.append(
             (
-                f"(c) {_size(args.rtt_bytes)} {prio_name} copy RTT p50/p99 (blocking client)",
+                f"(c) {_size(args.rtt_bytes)} {prio_name} copy RTT p50/p99 (blocking client, {how})",
                 f"{pr['p50']:.0f}/{pr['p99']:.0f} us vs echo {echo['p50']:.0f}/{echo['p99']:.0f} us: p50 {ratio:.2f}x",
                 "p50 <= 2x echo",
                 f"{verdict(ratio <= 2.0)} (3x: {verdict(ratio <= 3.0)})",
@@ -552,25 +582,35 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str,
                 "—",
             )
         )
-    ea, pa = ov["rtt_us"]["echo_async"], ov["rtt_us"]["priod_async_normal"]
-    rows.append(
-        (
-            f"(c) {_size(args.rtt_bytes)} normal copy RTT p50/p99 (asyncio Client)",
-            f"{pa['p50']:.0f}/{pa['p99']:.0f} us vs echo {ea['p50']:.0f}/{ea['p99']:.0f} us: p50 {_ratio(pa['p50'], ea['p50']):.2f}x",
-            "report",
-            "—",
+    ea = ov["rtt_us"]["echo_async"]
+    for key, how in (("priod_async_normal", via), ("priod_async_socket", "socket")):
+        pa = ov["rtt_us"][key]
+        rows.append(
+            (
+                f"(c) {_size(args.rtt_bytes)} normal copy RTT p50/p99 (asyncio Client, {how})",
+                f"{pa['p50']:.0f}/{pa['p99']:.0f} us vs echo {ea['p50']:.0f}/{ea['p99']:.0f} us: p50 {_ratio(pa['p50'], ea['p50']):.2f}x",
+                "p50 <= 2x echo",
+                verdict(pa["p50"] <= 2 * ea["p50"]),
+            )
         )
-    )
-    rate = ov["pipelined_per_s"]["priod_median"]
+    pipe = ov["pipelined_per_s"]
+    echo_rate = pipe["echo_median"]
     cpu = ov["pipelined_cpu_us_per_copy"]
-    rows.append(
-        (
-            f"(c) {args.tiny_bytes} B copies/s, windows of {args.window}",
-            f"{rate:,.0f}/s (echo {ov['pipelined_per_s']['echo_median']:,.0f}/s); CPU us/copy: daemon loop {cpu['daemon_loop']:.0f}, client {cpu['client']:.0f}",
-            ">= 20,000/s",
-            f"{verdict(rate >= 20000)} (0.2x: {verdict(rate >= 0.2 * ov['pipelined_per_s']['echo_median'])})",
+    for key, how in (("priod_median", via), ("priod_socket_median", "socket")):
+        rate = pipe[key]
+        rows.append(
+            (
+                f"(c) {args.tiny_bytes} B copies/s, windows of {args.window} ({how})",
+                f"{rate:,.0f}/s = {rate / echo_rate:.2f}x echo ({echo_rate:,.0f}/s)"
+                + (
+                    f"; CPU us/copy: daemon loop {cpu['daemon_loop']:.0f}, client {cpu['client']:.0f}"
+                    if key == "priod_median"
+                    else ""
+                ),
+                ">= 0.3x echo",
+                verdict(rate >= 0.3 * echo_rate),
+            )
         )
-    )
     idle = prio["idle_cpu"]
     idle_v = idle["cpu_per_s_precise"] if np.isfinite(idle["cpu_per_s_precise"]) else idle["cpu_per_s"]
     rows.append(

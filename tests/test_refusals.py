@@ -85,7 +85,8 @@ def test_a_refusal_is_one_info_line_naming_who_what_and_why(refusing: DaemonProc
     op and its id, the code, the limit and the message. A refusal that is not a limit's (a free
     of a region that does not exist) names no limit. ``status --json`` counts both."""
     name = "refusals-one"
-    with priod.SyncClient(refusing.socket_path, name=name, timeout=30) as c:
+    # ring=False: no ring request after the hello, so the ids below are the requests' own.
+    with priod.SyncClient(refusing.socket_path, name=name, timeout=30, ring=False) as c:
         fill_regions(c)  # requests 2 and 3 (hello is 1)
         with pytest.raises(LimitExceeded, match=r"\[limits\] max_regions = 2") as over:
             c.alloc_host(4096)  # request 4

@@ -75,6 +75,9 @@ class ClientRing:
         add_reader(self.wake_fd, on_wake)
 
     def _release(self) -> None:
+        for side in (getattr(self, "_writer", None), getattr(self, "_reader", None)):
+            if side is not None:
+                side.release()
         self._buf.release()
         self._map.close()
         os.close(self.doorbell)

@@ -47,6 +47,7 @@ from priod.client.base import (
     regions_lost,
     reregister_request,
 )
+from priod.client.copy_ring import ClientRing
 from priod.client.direct import HoldPage
 from priod.client.route import CopyPath, DirectRoute, check_copy_path
 from priod.client.torch_face import block_segments, tensor_copy
@@ -65,6 +66,7 @@ from priod.wire.messages import (
     HelloReply,
     Message,
     OpenHoldPage,
+    OpenRing,
     Ping,
     RegionReply,
     RegisterHost,
@@ -76,6 +78,7 @@ from priod.wire.messages import (
     is_progress,
 )
 from priod.wire.replies import ErrorReply
+from priod.wire.ring import RING_VERSION, ring_supported
 from priod.wire.transport import BlockingFramedSocket
 
 __all__ = ["DEFAULT_SPIN_US", "SyncBatchHandle", "SyncClient", "SyncCopyHandle"]
@@ -222,6 +225,7 @@ class SyncClient:
         copy_path: CopyPath = "auto",
         reconnect_s: float = 30.0,
         retry_copies: bool = False,
+        ring: bool = True,
     ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
         sleeping (lower latency for urgent copies, at the cost of a core while waiting); 0
@@ -229,7 +233,9 @@ class SyncClient:
         ``copy_path``: this connection's default for `copy`'s ``path`` (see `Client.copy`).
         ``reconnect_s``, ``retry_copies``: as for `priod.connect`; a lost connection is found
         by the next request, which reconnects, registers the regions again and goes on (a copy
-        sent before the loss fails with `ConnectionClosed`, or is sent again with ``retry_copies``)."""
+        sent before the loss fails with `ConnectionClosed`, or is sent again with ``retry_copies``).
+        ``ring``: plain copies go through the connection's copy ring where the daemon offers one
+        (see `Client.connect`); the wait for one spins on its completion, then sleeps."""
         if reconnect_s < 0:
             raise InvalidRequest(f"reconnect_s = {reconnect_s} is invalid; give seconds >= 0 (0: never reconnect)")
         self.copy_path = check_copy_path(copy_path)
@@ -259,6 +265,8 @@ class SyncClient:
         self._dead: ConnectionClosed | None = None
         """Why this client is closed for good (closed, or a lost connection it did not recover)."""
         self._route: DirectRoute | None = None
+        self.use_ring = ring
+        self._ring: ClientRing | None = None
         try:
             self._connect()
         except BaseException:
@@ -290,6 +298,14 @@ class SyncClient:
         if self._route is not None:
             self._route.close()
         self._route = DirectRoute(self.server.backend, self.hold_page)
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        if self.use_ring and self.server.ring == RING_VERSION and ring_supported():
+            try:
+                self._ring = ClientRing(self._request(OpenRing())[1])
+            except (ValueError, OSError, InvalidRequest):
+                pass  # the socket carries every copy
         self._greeted = True
 
     @property
@@ -483,7 +499,8 @@ class SyncClient:
             self._started[req_id] = None
             self._started_copies[req_id] = (msg, dst, src)
             try:
-                self._sock.send({**msg.encode(req_id), "dst": dst.id, "src": src.id})
+                if not self._ring_submit(req_id, msg, dst, src):
+                    self._sock.send({**msg.encode(req_id), "dst": dst.id, "src": src.id})
                 return req_id
             except BaseException as exc:
                 del self._started[req_id], self._started_copies[req_id]
@@ -493,13 +510,54 @@ class SyncClient:
                     raise self._lost_error(exc, False, req_id) from exc
                 # it never left: send it on the new connection
 
+    def _ring_submit(self, req_id: int, msg: Copy | CopyBatch, dst: Region, src: Region) -> bool:
+        """Publish a started copy on the ring (and ring the doorbell); False if it cannot go there."""
+        ring = self._ring
+        if ring is None or type(msg) is not Copy:
+            return False
+        req = Copy(dst.id, src.id, msg.nbytes, msg.dst_offset, msg.src_offset, msg.priority, msg.deadline_ms)
+        if msg.wait_event is not None or msg.signal_event is not None or not ring.eligible(req):
+            return False
+        if self._sock.peer_closed():
+            # A frame sent to a dead daemon fails at once and is sent again after the reconnect
+            # ("it never left"); a descriptor would not fail: look first, so the two agree.
+            raise ConnectionClosed(f"connection to priod at {self.path} lost: the daemon closed the connection")
+        if not ring.submit(req_id, req):
+            return False
+        ring.ring()
+        return True
+
+    def _collect_ring(self) -> bool:
+        """Take the ring's completions into the started copies' replies; True if any came."""
+        ring = self._ring
+        if ring is None:
+            return False
+        ring.clear_wake()  # first: a completion published after the read below wakes us again
+        came = False
+        for rid, reply in ring.completions():
+            if rid in self._started:
+                self._started[rid] = reply
+                came = True
+        return came
+
     def _take(self, req_id: int, timeout: float) -> Message | None:
         """A started copy's reply, read within ``timeout`` seconds, else None."""
         deadline = time.perf_counter() + timeout
         while self._started.get(req_id) is None:
+            if self._collect_ring():
+                continue
             left = deadline - time.perf_counter()
+            ring = self._ring
             try:
-                got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
+                if ring is not None:
+                    # Spin on the ring's completions (no system call), then sleep on both.
+                    got = self._sock.receive_or_wake(max(left, 0.0), ring.wake_fd, ring.has_completions)
+                    if got is None:
+                        if ring.has_completions() or time.perf_counter() < deadline:
+                            continue
+                        return None
+                else:
+                    got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
             except BaseException as exc:
                 if not self._lost_by(exc):
                     raise
@@ -592,6 +650,8 @@ class SyncClient:
         if timeout is not None:
             timeout_seconds(timeout)  # NaN is refused before anything is sent
             return self.start_copy(dst, src, nbytes, **options).wait(timeout)
+        if self._ring is not None:
+            return self.start_copy(dst, src, nbytes, **options).wait()  # `_take` waits on the ring too
         msg, _ = self._request(copy_request(dst, src, nbytes, options), regions=(dst, src))
         return CopyReply.decode(msg)
 
@@ -702,6 +762,8 @@ class SyncClient:
         self._dead = ConnectionClosed("this client was closed")
         self.route.close()
         self._sock.close()
+        if self._ring is not None:
+            self._ring.close()
         for region in self._regions:
             region.unmap()
         self._regions.clear()

@@ -23,7 +23,10 @@ from priod.wire.ring import (
     write_header,
 )
 
-__all__ = ["CopyRing"]
+__all__ = ["RING_FDS", "CopyRing"]
+
+RING_FDS = 3
+"""Open files the daemon holds for one connection's ring."""
 
 
 class CopyRing:
@@ -59,8 +62,13 @@ class CopyRing:
         loop.add_reader(self.doorbell, self._rung, on_doorbell)
 
     def client_fds(self) -> list[int]:
-        """Duplicates for the client: the memfd, its doorbell, the daemon's wake-up."""
-        return [os.dup(self.fd), os.dup(self.doorbell), os.dup(self.wake_fd)]
+        """For the client, once: the memfd itself (the daemon's mapping keeps the memory), and
+        duplicates of its doorbell and the daemon's wake-up. The daemon then holds three fds
+        for the ring (`RING_FDS`): the two eventfds and the one its mapping keeps."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            raise RuntimeError("a ring's fds go to its client once")
+        return [fd, os.dup(self.doorbell), os.dup(self.wake_fd)]
 
     def _rung(self, on_doorbell: Callable[[], None]) -> None:
         # Read (and so reset) the doorbell before the queue is looked at: a descriptor published
@@ -114,7 +122,10 @@ class CopyRing:
             return
         self.closed = True
         self._loop.remove_reader(self.doorbell)
+        self.submissions.release()
+        self._completions.release()
         self._buf.release()
         self._map.close()
         for fd in (self.fd, self.doorbell, self.wake_fd):
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)

@@ -31,6 +31,7 @@ from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
 from priod.daemon.regions import RegionTable
 from priod.daemon.report import refresh_metrics, refresh_metrics_loop, status
+from priod.daemon.rings import RING_FDS
 from priod.daemon.sched.scheduler import Scheduler
 from priod.daemon.session import Session, Shared
 from priod.errors import PriodError
@@ -233,9 +234,11 @@ class Daemon:
         refresh_metrics(self)
 
     def _fd_reserve(self) -> int:
-        """Open files kept back from regions: each connection's socket and an fd it passes, the
-        refusals under way, and the daemon's own."""
-        return 2 * (self.cfg.server.max_clients + PRIVILEGED_RESERVE) + REFUSING_MAX + FD_SPARE
+        """Open files kept back from regions: each connection's socket, an fd it passes, its hold
+        page (its memfd and the mapping's) and its copy ring, the refusals under way, and the
+        daemon's own."""
+        per_connection = 4 + RING_FDS
+        return per_connection * (self.cfg.server.max_clients + PRIVILEGED_RESERVE) + REFUSING_MAX + FD_SPARE
 
     def _cancel_for_freed_region(self, request_id: int) -> None:
         req = self.scheduler.get(request_id) or self.pump.gates.get(request_id)  # queued, or held for its event

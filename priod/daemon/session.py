@@ -764,9 +764,16 @@ class Session:
         """This connection's copy ring (rings.py); duplicates of its three fds go to the client."""
         if not ring_supported():
             raise InvalidRequest("this daemon's machine has no copy ring (x86-64 only); send copies on the socket")
-        if self.ring is None:
-            self.ring = CopyRing(asyncio.get_running_loop(), self._on_ready)
-        return RingReply(RING_ENTRIES, RING_VERSION), self.ring.client_fds()
+        if self.ring is not None:
+            raise InvalidRequest("this connection has its copy ring already (one per connection); use the one you have")
+        ring = CopyRing(asyncio.get_running_loop(), self._on_ready)
+        try:
+            fds = ring.client_fds()
+        except BaseException:
+            ring.close()
+            raise
+        self.ring = ring
+        return RingReply(RING_ENTRIES, RING_VERSION), fds
 
     # -- copies ----------------------------------------------------------------------------
     def _cancel(self, req: Cancel, fds: list[int]) -> CancelReply:

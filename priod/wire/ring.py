@@ -82,6 +82,7 @@ CQ_TAIL: Final = 192
 CQ_HEAD: Final = 256
 HEADER_BYTES: Final = 4096
 U64: Final = struct.Struct("<Q")
+"""For tests and tools; the ring's own counters go through `_words`, never `U64`."""
 
 DESCRIPTOR: Final = struct.Struct("<QQIIQQQdBB6x")
 """seq, request id, dst region, src region, dst offset, src offset, nbytes, deadline_ms, class
@@ -106,6 +107,13 @@ class RingCorrupt(Exception):
 def ring_supported() -> bool:
     """Whether this machine's memory order lets the ring go without fences (x86-64)."""
     return platform.machine() in ("x86_64", "AMD64")
+
+
+def _words(buf: memoryview) -> memoryview:
+    """The ring as uint64 words: ``words[SQ_TAIL // 8] = n`` is one aligned 8-byte store (and
+    a read one 8-byte load), where `struct.pack_into` writes byte by byte and a reader on the
+    other side could catch a counter half-written."""
+    return buf.cast("Q")
 
 
 def ring_bytes(entries: int = RING_ENTRIES) -> int:
@@ -147,17 +155,25 @@ def ring_eligible(req: Copy) -> bool:
     )
 
 
-class SubmissionWriter:
+class _Side:
+    _words: memoryview
+
+    def release(self) -> None:
+        """Let go of the ring's memory (before it is unmapped)."""
+        self._words.release()
+
+
+class SubmissionWriter(_Side):
     """The client's side of the submission queue."""
 
     def __init__(self, buf: memoryview, entries: int) -> None:
-        self._buf, self._entries = buf, entries
-        self._tail = U64.unpack_from(buf, SQ_TAIL)[0]
+        self._buf, self._entries, self._words = buf, entries, _words(buf)
+        self._tail = self._words[SQ_TAIL // 8]
 
     def try_submit(self, req_id: int, req: Copy) -> bool:
         """Publish one descriptor; False if the queue is full (send it on the socket)."""
         buf, tail = self._buf, self._tail
-        if tail - U64.unpack_from(buf, SQ_HEAD)[0] >= self._entries:
+        if tail - self._words[SQ_HEAD // 8] >= self._entries:
             return False
         deadline = req.deadline_ms
         DESCRIPTOR.pack_into(
@@ -175,19 +191,19 @@ class SubmissionWriter:
             0 if deadline is None else HAS_DEADLINE,
         )
         self._tail = tail + 1
-        U64.pack_into(buf, SQ_TAIL, tail + 1)  # after the slot: the daemon reads it once it sees this
+        self._words[SQ_TAIL // 8] = tail + 1  # after the slot: the daemon reads it once it sees this
         return True
 
 
-class SubmissionReader:
+class SubmissionReader(_Side):
     """The daemon's side of the submission queue: what it reads from the client is checked."""
 
     def __init__(self, buf: memoryview, entries: int) -> None:
-        self._buf, self._entries = buf, entries
+        self._buf, self._entries, self._words = buf, entries, _words(buf)
         self._head = 0
 
     def pending(self) -> bool:
-        return bool(U64.unpack_from(self._buf, SQ_TAIL)[0] != self._head)
+        return bool(self._words[SQ_TAIL // 8] != self._head)
 
     def take(self) -> tuple[int, Copy | InvalidRequest] | None:
         """The next descriptor as (request id, copy), or None if there is none; a descriptor
@@ -198,7 +214,7 @@ class SubmissionReader:
             RingCorrupt: the client's tail or slot breaks the ring's rules.
         """
         buf, head = self._buf, self._head
-        tail = U64.unpack_from(buf, SQ_TAIL)[0]
+        tail = self._words[SQ_TAIL // 8]
         if tail == head:
             return None
         if not 0 < tail - head <= self._entries:
@@ -209,7 +225,7 @@ class SubmissionReader:
         if seq != head:
             raise RingCorrupt(f"submission slot {head % self._entries} holds entry {seq}, not {head}: torn or forged")
         self._head = head + 1
-        U64.pack_into(buf, SQ_HEAD, head + 1)  # the slot is free for the client again
+        self._words[SQ_HEAD // 8] = head + 1  # the slot is free for the client again
         if not 0 < req_id <= MAX_ID:
             raise RingCorrupt(f"a descriptor with request id {req_id} (ids are 1 .. 2**63-1)")
         if cls >= len(RING_CLASSES):
@@ -222,11 +238,11 @@ def _refused(why: str) -> InvalidRequest:
     return InvalidRequest(f"ring descriptor: {why}; the client library wrote it wrong: upgrade or report it")
 
 
-class CompletionWriter:
+class CompletionWriter(_Side):
     """The daemon's side of the completion queue."""
 
     def __init__(self, buf: memoryview, entries: int) -> None:
-        self._buf, self._entries = buf, entries
+        self._buf, self._entries, self._words = buf, entries, _words(buf)
         self._tail = 0
 
     def try_complete(
@@ -242,7 +258,7 @@ class CompletionWriter:
         """Publish one completion; False if the client has not made room (answer on the socket).
         The client's head is read, not trusted: one out of range counts as no room."""
         buf, tail = self._buf, self._tail
-        if not 0 <= tail - U64.unpack_from(buf, CQ_HEAD)[0] < self._entries:
+        if not 0 <= tail - self._words[CQ_HEAD // 8] < self._entries:
             return False
         COMPLETION.pack_into(
             buf,
@@ -257,25 +273,25 @@ class CompletionWriter:
             missed_deadline,
         )
         self._tail = tail + 1
-        U64.pack_into(buf, CQ_TAIL, tail + 1)
+        self._words[CQ_TAIL // 8] = tail + 1
         return True
 
 
-class CompletionReader:
+class CompletionReader(_Side):
     """The client's side of the completion queue: each completion as the reply the socket
     would have brought (`priod.wire.replies.CopyReply`'s fields)."""
 
     def __init__(self, buf: memoryview, entries: int) -> None:
-        self._buf, self._entries = buf, entries
-        self._head = U64.unpack_from(buf, CQ_HEAD)[0]
+        self._buf, self._entries, self._words = buf, entries, _words(buf)
+        self._head = self._words[CQ_HEAD // 8]
         self._base = HEADER_BYTES + entries * DESCRIPTOR.size
 
     def pending(self) -> bool:
-        return bool(U64.unpack_from(self._buf, CQ_TAIL)[0] != self._head)
+        return bool(self._words[CQ_TAIL // 8] != self._head)
 
     def drain(self) -> list[tuple[int, dict[str, object]]]:
         buf, head, entries = self._buf, self._head, self._entries
-        tail = U64.unpack_from(buf, CQ_TAIL)[0]
+        tail = self._words[CQ_TAIL // 8]
         out: list[tuple[int, dict[str, object]]] = []
         while head != tail:
             seq, req_id, nbytes, queued_us, transfer_us, total_us, path, missed = COMPLETION.unpack_from(
@@ -301,5 +317,5 @@ class CompletionReader:
             )
         if head != self._head:
             self._head = head
-            U64.pack_into(buf, CQ_HEAD, head)
+            self._words[CQ_HEAD // 8] = head
         return out

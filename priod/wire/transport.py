@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import math
 import select
 import socket
 import time
@@ -602,6 +603,50 @@ class BlockingFramedSocket:
             if not ready:
                 return None
             self._take_in(*self._recvmsg())
+        return self._messages.popleft()
+
+    def peer_closed(self) -> bool:
+        """Whether the peer has closed the connection (end of stream seen, nothing left to read
+        before it), without blocking or taking any bytes."""
+        if self._messages:
+            return False
+        try:
+            # select first: on a socket with a timeout, Python waits for readiness up to it even
+            # with MSG_DONTWAIT.
+            readable, _, _ = select.select([self.sock.fileno()], [], [], 0)
+            return bool(readable) and self.sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def receive_or_wake(
+        self, timeout: float, wake_fd: int, woken: Callable[[], bool]
+    ) -> tuple[Message, list[int]] | None:
+        """As `receive_within`, but also return None as soon as ``woken()`` is true (checked while
+        spinning: a shared-memory completion costs no system call) or ``wake_fd`` is readable."""
+        if self._messages:
+            return self._messages.popleft()
+        now = time.perf_counter()
+        deadline = now + max(timeout, 0.0)
+        spin_until = min(deadline, now + self.spin_s) if self.sock.gettimeout() is None else 0.0
+        while time.perf_counter() < spin_until:
+            if woken():
+                return None
+        while not self._messages:
+            if woken():
+                return None
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return None
+            fd = self.sock.fileno()
+            ready, _, _ = select.select([fd, wake_fd], [], [], None if left == math.inf else left)
+            if not ready:
+                return None
+            if fd in ready:
+                self._take_in(*self._recvmsg())
+            elif ready:
+                return None
         return self._messages.popleft()
 
     def close(self) -> None:
