@@ -8,13 +8,16 @@ What is checked, each against what the scheduler did before per-client fairness 
 here fails on it): a flood of tiny copies from one client delays another's copy by at most one
 round; a client's urgent work past its budget is served as ``high``, and another client's urgent
 copy goes first; another client's ``high`` throughput survives an urgent flood; deadlines order
-only a connection's own copies (and absurd ones are refused); who may use a class.
+only a connection's own copies (and absurd ones are refused); who may use a class. And holds
+of several uids (holds.py, a page per uid, scanned at the model's times): all of them together
+hold a lane for the lane's total share at most, and start no short bound past it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import os
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -23,8 +26,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from priod.client.direct import HoldPage
 from priod.common.types import Direction, LaneInfo, LaneKey, Path
 from priod.daemon.config import load_config
+from priod.daemon.holds import Holds
 from priod.daemon.sched.policy import ClassSpec, Policy
 from priod.daemon.sched.scheduler import Chunk, Finished, Request, RequestState, Scheduler
 from priod.errors import ConfigError, EngineError, InvalidRequest, PermissionDenied
@@ -598,3 +603,42 @@ def test_random_traffic_from_many_tenants_keeps_the_promise(ops: list[tuple[obje
         assert end == f.request.submitted_bytes
         if f.outcome == "done":
             assert end == f.request.nbytes == f.bytes_done
+
+
+# -- holds of several uids: the lane's total (issue 40, attack 1) -------------------------------
+HOLD_LANES = [{"device": 0, "device_uuid": None, "direction": "h2d"}]
+
+
+def test_uids_taking_turns_past_the_lane_total_leave_bulk_its_long_chunks() -> None:
+    """Eight uids take turns on one lane (7.5 ms each of every 60 ms, 1-ms copies back to back,
+    each uid within its own hold budget), so the lane is wanted throughout. Holds take at most
+    the lane's total share (0.5) of its time, and a copy announced while the total is spent runs
+    un-held and starts no short bound either: bulk keeps its long chunks then. Before, each such
+    copy started the short bound (``urgent_window_ms``), so bulk ran short chunks all the time
+    the holds left it, and root's bulk fell to 0.34x of alone beside eight uids (sim, 2 cores)."""
+    holds = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=0.5)
+    pages = [HoldPage(os.dup(holds.open(k + 1, 1000 + k, [LANE], 0.0).fd), HOLD_LANES) for k in range(8)]
+    step_s, period, turn = 0.00025, 240, 30  # scans every 250 us; 60 ms; 7.5 ms
+    open_ = [False] * len(pages)
+    held = begun_while_spent = begun = 0
+    whole = holds._lanes[LANE]
+    steps = round(2.0 / step_s)
+    for step in range(steps):
+        if step % 4 == 0:  # every ms: the uid whose turn it is ends its copy and begins the next
+            whose = (step % period) // turn
+            for k, page in enumerate(pages):
+                if open_[k]:
+                    page.end(0)
+                    open_[k] = False
+                if k == whose:
+                    page.begin(0)
+                    open_[k] = True
+        scan = holds.scan(step * step_s)
+        held += LANE in scan.held
+        if LANE in scan.begun:  # the lane's total as the scan judged it before reading the pages
+            begun += 1
+            begun_while_spent += whole.refused
+    assert held / steps <= 0.5 + 0.05 / 2 + 0.005  # the total, its burst over 2 s
+    assert held / steps >= 0.45
+    assert begun > 0 and begun_while_spent == 0
+    assert holds.figures()["refused"] == {}  # every uid within its own budget

@@ -356,11 +356,13 @@ class Holds:
                     # A copy costs its uid at least BEGIN_CHARGE_S of holding however short it is
                     # (it puts the lane on its short bound), and with nothing left in the bucket
                     # it neither holds nor starts the short bound: a flood of announcements is
-                    # held to the budget too, not only long holds.
+                    # held to the budget too, not only long holds. Nor does it while the lane's
+                    # total is spent: it runs un-held, and bulk keeps its long chunks (else uids
+                    # taking turns past the total would keep bulk on short ones throughout).
                     bucket.tokens = max(
                         -self.burst_s, bucket.tokens - n * BEGIN_CHARGE_S
                     )  # a debt of one burst at most
-                    if bucket.tokens > 0:
+                    if bucket.tokens > 0 and not slot.whole.refused:
                         begun.add(lane)
                 elif step:
                     self.stepped_back[lane] = self.stepped_back.get(lane, 0) + 1
