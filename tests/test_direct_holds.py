@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Iterator
@@ -32,11 +33,14 @@ import priod
 from priod.cli import format_status
 from priod.client.direct import DirectCopies, DirectPair, HoldPage, direct_pointers, direct_rows, direct_table
 from priod.common.types import Direction, LaneInfo, LaneKey, Path
+from priod.daemon.config import load_config
+from priod.daemon.engines.sim import SimEngine
 from priod.daemon.holds import Holds
 from priod.daemon.metrics import _LATENCY_BUCKETS
 from priod.daemon.pump import Pump
 from priod.daemon.sched.policy import Policy
 from priod.daemon.sched.scheduler import Request, Scheduler
+from priod.daemon.server import Daemon
 from priod.errors import InvalidRequest
 from priod.testing import FakeCuda, ManualEngine, daemon_process, wait_until
 from priod.wire.hold_page import CLIENT_BYTES as HOLD_CLIENT_BYTES
@@ -1076,3 +1080,45 @@ def test_a_uid_past_its_hold_budget_reads_refused_through_the_daemon_and_granted
         wait_until(lambda: c.status() and not page.refused(h2d), 10, "the budget to refill")
         assert c.status()["direct"]["refused"] == {} and not page.refused(d2h)
         page.close()
+
+
+async def test_a_hold_doorbell_wakes_a_sleeping_daemon_to_read_the_page() -> None:
+    """With ``urgent_poll = "timer"`` the daemon does not scan hold pages every loop turn; the
+    client's `HoldPage.begin` writes the page's doorbell, and the daemon closes the lane's gate
+    at once (here: within 10 ms, on a lane whose next poll is a 50-ms bulk chunk's end)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    # A slow link (0.02 GB/s) and 50-ms bulk chunks: the daemon has no poll due for tens of ms.
+    cfg = load_config(None, environ={}).replace(
+        server={"socket": path, "urgent_poll": "timer"},
+        scheduler={"max_block_us": 50_000},
+        sim={"h2d_gbps": 0.02},
+        log={"level": "warning"},
+    )
+    engine = SimEngine(cfg.sim)
+    engine.wakes_on_completion = False
+    daemon = Daemon(cfg, engine)
+    await daemon.start()
+    try:
+        async with priod.connect(path, copy_path="daemon") as c:
+            nbytes = 8 << 20
+            h, d = await c.alloc_host(nbytes), await c.alloc_device(nbytes)
+            page = await c.hold_page()
+            assert page._doorbell is not None  # the client asked for one, and this daemon has it
+            bulk = c.start_copy(d, h, priority="bulk")
+            await asyncio.sleep(0.05)
+            lane = next(i.key for i in engine.lanes() if i.key.direction is Direction.H2D)
+            slot = next(
+                i for i, ln in enumerate(page.lanes) if ln["direction"] == "h2d" and ln["device"] == lane.device
+            )
+            assert lane not in daemon.pump._gates_closed
+            page.begin(slot)
+            t0 = time.perf_counter()
+            while lane not in daemon.pump._gates_closed and time.perf_counter() - t0 < 1.0:
+                await asyncio.sleep(0.0005)
+            seen_after = time.perf_counter() - t0
+            page.end(slot)
+            page.close()
+            assert (await bulk).nbytes == nbytes
+        assert seen_after < 0.01, seen_after
+    finally:
+        await daemon.stop()

@@ -200,3 +200,46 @@ def test_next_poll_at_looks_at_ends_of_copies_and_express_chunks_on_time() -> No
     express = _inflight(10, now, now + 1, offset=10, of=100, path=Path.EXPRESS)
     assert next_poll_at([first, second, express], {LANE: 1.0}, now) == now + 1
     assert next_poll_at([first], {LANE: 1.0}, now) == now + 4  # nothing queued behind: its due time
+
+
+async def _urgent_beside_bulk(urgent_poll: str) -> dict[str, int]:
+    """Urgent copies every 2 ms beside bulk on a polled engine: what the loop did meanwhile."""
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+    cfg = load_config(None, environ={}).replace(
+        server={"socket": path, "urgent_poll": urgent_poll}, log={"level": "warning"}
+    )
+    engine = SimEngine(cfg.sim)
+    engine.wakes_on_completion = False  # found by polling only, as on a GPU
+    daemon = Daemon(cfg, engine)
+    await daemon.start()
+    try:
+        async with priod.connect(path, copy_path="daemon") as c:
+            h, d = await c.alloc_host(NBYTES), await c.alloc_device(NBYTES)
+            uh, ud = await c.alloc_host(65536), await c.alloc_device(65536)
+            assert h.array is not None and d.array is not None and uh.array is not None and ud.array is not None
+            h.array[:] = np.arange(NBYTES, dtype=np.uint32).astype(np.uint8)
+            uh.array[:] = 9
+            bulk = c.start_copy(d, h, priority="bulk")
+            polls0, turns0 = daemon.pump.polls, daemon.pump.awake_turns
+            while not bulk.done():
+                assert (await c.copy(ud, uh, priority="urgent")).nbytes == 65536
+                await asyncio.sleep(0.002)
+            assert (await bulk).nbytes == NBYTES and np.array_equal(d.array, h.array)
+            assert (ud.array == 9).all()
+            return {
+                "polls": daemon.pump.polls - polls0,
+                "awake_turns": daemon.pump.awake_turns - turns0,
+                "urgent_spins": daemon.pump.urgent_spins,
+            }
+    finally:
+        await daemon.stop()
+
+
+async def test_urgent_poll_timer_keeps_no_core_spinning_beside_bulk() -> None:
+    """``[server] urgent_poll = "timer"``: while urgent copies come beside bulk, the loop sleeps
+    until the next chunk is due instead of polling every turn: fewer than half the polls (its
+    short bulk chunks still end every ~150 us), no awake turns, and every byte right (the GPU figures: docs/benchmarks.md, "Daemon CPU")."""
+    spin = await _urgent_beside_bulk("spin")
+    timer = await _urgent_beside_bulk("timer")
+    assert timer["awake_turns"] == 0
+    assert timer["polls"] * 2 < spin["polls"], (timer, spin)

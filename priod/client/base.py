@@ -466,14 +466,15 @@ Reply = tuple[Message, list[int]]
 
 
 def hold_page(reply: Reply) -> HoldPage:
-    """The `HoldPage` a ``hold_page`` reply brings (its memfd beside it)."""
+    """The `HoldPage` a ``hold_page`` reply brings (its memfd beside it, and the hold doorbell
+    where the daemon has one)."""
     msg, fds = reply
-    if len(fds) != 1:
+    if len(fds) not in (1, 2):
         close_fds(fds)
         raise ConnectionClosed(
-            f"the daemon's hold_page reply came with {len(fds)} fds instead of 1; is it a priod of this version?"
+            f"the daemon's hold_page reply came with {len(fds)} fds instead of 1 or 2; is it a priod of this version?"
         )
-    return HoldPage(fds[0], HoldPageReply.decode(msg).lanes)
+    return HoldPage(fds[0], HoldPageReply.decode(msg).lanes, doorbell=fds[1] if len(fds) == 2 else None)
 
 
 def close_fds(fds: list[int]) -> None:

@@ -631,7 +631,7 @@ class Client:
     async def hold_page(self) -> HoldPage:
         """This connection's hold page, for direct urgent copies (`priod.client.direct.DirectCopies`):
         your own DMA, with the daemon holding bulk back on the lane while each is under way."""
-        return hold_page(await self._request(OpenHoldPage()))
+        return hold_page(await self._request(OpenHoldPage(doorbell=True)))
 
     async def alloc_host(self, nbytes: int) -> Region:
         """A host region: a memfd the daemon maps and pins once; ``.array`` is your view of it."""

@@ -70,8 +70,11 @@ class HoldPage:
     that moves bytes on its own may announce them. The daemon reads the client's counters;
     closing the connection ends every hold."""
 
-    def __init__(self, fd: int, lanes: list[dict[str, Any]]) -> None:
-        """``fd`` (the page's memfd, from the reply) is closed here once mapped."""
+    def __init__(self, fd: int, lanes: list[dict[str, Any]], doorbell: int | None = None) -> None:
+        """``fd`` (the page's memfd, from the reply) is closed here once mapped; ``doorbell``
+        (an eventfd, from the reply where the daemon has one) is written after each `begin`
+        and closed with the page."""
+        self._doorbell = doorbell
         try:
             if sys.byteorder != "little":  # the page's counters are little-endian words (protocol.md)
                 raise InvalidRequest("direct copies need a little-endian host")
@@ -116,6 +119,13 @@ class HoldPage:
         with self._lock:  # one writer per counter: threads of this process take turns
             n = self._begun[slot] = self._begun[slot] + 1
             self._words[slot * WORDS_PER_SLOT] = n
+        if self._doorbell is not None:
+            # After the store: a daemon asleep reads the page at once (~1 us here) rather than
+            # finding the copy on its next scan.
+            try:
+                os.eventfd_write(self._doorbell, 1)
+            except OSError:
+                pass  # full (a wake-up is pending anyway), or the connection is gone
 
     def end(self, slot: int) -> None:
         with self._lock:
@@ -135,6 +145,9 @@ class HoldPage:
     def close(self) -> None:
         self._words.release()
         self._map.close()
+        if self._doorbell is not None:
+            os.close(self._doorbell)
+            self._doorbell = None
 
 
 def _span(obj: object) -> tuple[int, int]:

@@ -589,7 +589,7 @@ class SyncClient:
 
     def hold_page(self) -> HoldPage:
         """See `Client.hold_page`."""
-        return hold_page(self._request(OpenHoldPage()))
+        return hold_page(self._request(OpenHoldPage(doorbell=True)))
 
     def alloc_host(self, nbytes: int) -> Region:
         return self._region(self._request(AllocHost(nbytes)))

@@ -36,6 +36,9 @@ log = structlog.get_logger("priod.daemon.pump")
 
 TIMER_MIN_S = 100e-6
 """Shortest timer sleep: an overdue chunk is not re-polled more often than this."""
+URGENT_SPIN_WITHIN_S = 50e-6
+"""``[server] urgent_poll = "timer"``: a chunk due sooner than this is polled every loop turn,
+not slept for (a timerfd wake-up and its loop turn cost about this much)."""
 PUMP_ROUNDS = 16
 """Submit-and-collect rounds in one `kick`; the poll loop carries on with any that remain."""
 
@@ -130,6 +133,7 @@ class Pump:
         on_finished: Callable[[Finished], None],
         *,
         bulk_poll: Literal["spin", "timer"] = "timer",
+        urgent_poll: Literal["spin", "timer"] = "spin",
         on_signalled: Callable[[Request, Exception | None], None] | None = None,
     ) -> None:
         """``on_signalled``: told when a copy's ``signal_event`` was recorded (None) or could
@@ -148,6 +152,8 @@ class Pump:
         """Clients' hold pages for their direct urgent copies (holds.py), read before each submission."""
         self.configure_holds()
         self._bulk_poll = bulk_poll
+        self.urgent_poll = urgent_poll
+        """``[server] urgent_poll``: "timer" keeps no core spinning while urgent work is recent."""
         self._inflight: list[InFlight] = []
         self._dma_tail: dict[LaneKey, float] = {}
         """Per lane, when its last DMA chunk in flight should be done: the next one starts then."""
@@ -165,6 +171,8 @@ class Pump:
         self._kick_later = False
         self._wake: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.urgent_spins = 0
+        """Loop turns ``urgent_poll = "timer"`` spent polling a chunk due within `URGENT_SPIN_WITHIN_S`."""
         self.awake_turns = 0
         """Loop turns `run` spent awake, neither polling nor sleeping, because urgent copies were
         recent: what keeping the loop awake for the next one costs."""
@@ -256,6 +264,15 @@ class Pump:
             # "Direct urgent copies"). The same limits as the hold's: a cut hold opens it.
             self._gates_closed = scan.held
             self.engine.set_gates(scan.held)
+
+    def hold_rung(self) -> None:
+        """A client rang its hold doorbell (it announced a direct copy): read the pages now, so
+        the lane's gate closes before the next bulk chunk begins, without polling to find out.
+        With no bulk about there is nothing to hold (and no budget to charge): bulk that comes
+        reads the pages before anything is handed out (`_kick`)."""
+        if self._inflight or self.scheduler.has_queued:
+            self.scan_holds()
+            self._wakeup()
 
     def close_holds(self, owner: int) -> None:
         """A connection's hold page goes with it; a lane it held is free again at once."""
@@ -520,7 +537,8 @@ class Pump:
                 self.kick()
                 continue
             timeout: float | None = None  # None: no CPU at all until something wakes us
-            if not self._inflight and self.scheduler.urgent_requests_recent(time.perf_counter()):
+            spin_urgent = self.urgent_poll == "spin"
+            if spin_urgent and not self._inflight and self.scheduler.urgent_requests_recent(time.perf_counter()):
                 # Urgent copies are about: keep the loop awake (one core) so the next one is read
                 # at once instead of after a wake-up from epoll, for urgent_window_ms. On both
                 # engines: on the 2-vCPU VM (sim) that wake-up was 20 of a 64-byte copy's 81 us
@@ -540,7 +558,21 @@ class Pump:
                 # Poll every turn while an urgent chunk is in flight, and while a lane runs its
                 # short bound: its small bulk chunks end every ~100 us, too often for a timer.
                 # (Checked first: that loop turns thousands of times a second.)
-                if self.scheduler.strict_in_flight or self.scheduler.urgent_recent(now):
+                urgent = self.scheduler.strict_in_flight or self.scheduler.urgent_recent(now)
+                if urgent and not spin_urgent and self._timer is not None:
+                    # urgent_poll "timer": sleep until the next chunk is due; turn the loop only
+                    # when that is within URGENT_SPIN_WITHIN_S (a timerfd wake-up costs about as
+                    # much). A direct copy's hold rings its doorbell (`hold_rung`) instead of
+                    # being found by a scan every turn.
+                    wait = next_poll_at(self._inflight, self._bandwidth, now) - now
+                    # An overdue bulk chunk (the estimate ran short) is looked at again on the
+                    # timer, as outside the window; an urgent one every turn.
+                    if wait <= URGENT_SPIN_WITHIN_S and (wait > 0 or self.scheduler.strict_in_flight):
+                        self.urgent_spins += 1
+                        await asyncio.sleep(0)
+                        continue
+                    # else: the timer below, as for bulk
+                elif urgent:
                     if self.holds.pages:
                         # A direct copy announced now should close its lane's gate before the
                         # bulk chunk queued behind the running one begins (a chunk, ~75 us).

@@ -191,7 +191,12 @@ class Daemon:
         self.scheduler = Scheduler(cfg.policy(), engine.lanes(), host_bandwidth=engine.host_bandwidth())
         self.metrics = Metrics(engine.device_uuids())
         self.pump = Pump(
-            self.scheduler, engine, copy_finished, bulk_poll=cfg.server.bulk_poll, on_signalled=signal_recorded
+            self.scheduler,
+            engine,
+            copy_finished,
+            bulk_poll=cfg.server.bulk_poll,
+            urgent_poll=cfg.server.urgent_poll,
+            on_signalled=signal_recorded,
         )
         self.pump.gates.configure(cfg.limits.max_event_wait_s)
         self.own_uid = os.geteuid()

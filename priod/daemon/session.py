@@ -311,6 +311,8 @@ class Session:
         """Tokens this turn's requests cost beyond one each (`STATUS_TOKENS`, batches)."""
         self.events = EventTable(shared.engine)
         """The IPC events this connection's copies named, opened once each (gates.py)."""
+        self._hold_doorbell = -1
+        """The eventfd a client writes after announcing a direct copy (-1: none)."""
         self.ring: CopyRing | None = None
         """Its copy ring, once the client asked for one (rings.py)."""
         self.greeted = False
@@ -545,6 +547,10 @@ class Session:
         self.events.close()  # after drop_owner: no held copy polls them any more
         if self.ring is not None:
             self.ring.close()
+        if self._hold_doorbell >= 0:
+            asyncio.get_running_loop().remove_reader(self._hold_doorbell)
+            os.close(self._hold_doorbell)
+            self._hold_doorbell = -1
         self.shared.regions.release_all(self.holdings)
 
     def cancel_all(self, code: str) -> None:
@@ -754,11 +760,25 @@ class Session:
         engine = self.shared.engine
         lanes = [i.key for i in engine.lanes() if i.key.direction in (Direction.H2D, Direction.D2H)]
         page = self.shared.pump.holds.open(self.id, self.peer.uid, lanes, time.perf_counter())
+        fds = [os.dup(page.fd)]
+        if req.doorbell:
+            # The client writes it after announcing a copy: a daemon asleep (urgent_poll "timer")
+            # reads the page at once instead of polling for it.
+            self._hold_doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            asyncio.get_running_loop().add_reader(self._hold_doorbell, self._hold_rung)
+            fds.append(os.dup(self._hold_doorbell))
         uuids = engine.device_uuids()
         described = [
             {"device": k.device, "device_uuid": uuids.get(k.device), "direction": k.direction.value} for k in lanes
         ]
-        return HoldPageReply(described), [os.dup(page.fd)]
+        return HoldPageReply(described), fds
+
+    def _hold_rung(self) -> None:
+        try:
+            os.eventfd_read(self._hold_doorbell)
+        except BlockingIOError:
+            pass
+        self.shared.pump.hold_rung()
 
     def _open_ring(self, req: OpenRing, fds: list[int]) -> tuple[RingReply, list[int]]:
         """This connection's copy ring (rings.py); duplicates of its three fds go to the client."""

@@ -481,9 +481,11 @@ class CopyBatch(_Request):
 @dataclass(frozen=True, slots=True)
 class OpenHoldPage(_Request):
     """Ask for this connection's hold page (daemon/holds.py), for direct urgent copies; comes back
-    with one fd beside the reply."""
+    with one fd beside the reply, two with ``doorbell``: the page and an eventfd the client writes
+    after it announces a copy, so that a daemon asleep reads the page at once."""
 
     op: ClassVar[str] = "hold_page"
+    doorbell: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,9 @@ class SimSettings:
     waits at most this long for the daemon's context to run out of queued chunks (H200: ~1 ms)."""
     context_switch_us: float = 80.0
     """What switching the engine to another context costs (H200: ~80 us)."""
+    polled: bool = False
+    """Tell the daemon of no completion: it finds each by polling, as it must on a GPU (what
+    ``[server] bulk_poll`` and ``urgent_poll`` cost, measured without one)."""
     uuids: tuple[str, ...] = ()
     """Each device's UUID, as nvidia-smi would print it (``GPU-xxxxxxxx-...``), one per device.
     Empty: made-up ones that are the same every run (`priod.common.gpus.sim_uuid`). Tests set them to
@@ -126,6 +129,7 @@ class SimEngine(Engine):
         """``seed`` seeds this engine's own random draws (the co-tenant waits), for tests that
         want the same waits every run; None: seeded from the OS."""
         self.cfg = cfg or SimSettings()
+        self.wakes_on_completion = not self.cfg.polled
         if self.cfg.uuids and len(self.cfg.uuids) != self.cfg.devices:
             raise ValueError(
                 f"[sim] uuids lists {len(self.cfg.uuids)} UUIDs for {self.cfg.devices} devices; give one per device, or none"
