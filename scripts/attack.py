@@ -566,7 +566,8 @@ def _reply_frames(buf: bytearray) -> int:
 
 
 def _greeted(path: str, uid: int | None) -> tuple[socket.socket, BlockingFramedSocket]:
-    sock = _raw_connect(path, uid)
+    # A uid still in request debt from the variant before waits for its bucket: a long timeout.
+    sock = _raw_connect(path, uid, timeout=60.0)
     fs = BlockingFramedSocket(sock)
     fs.send({"id": 1, "op": "hello", "v": 1, "client": "attacker"})
     msg, _ = fs.receive()
@@ -821,7 +822,7 @@ def start_attacker(kind: str, **params: Any) -> LoadProcess:
     proc = LoadProcess([sys.executable, os.path.abspath(__file__), "_attacker", kind, json.dumps(params)])
     proc.what = f"attacker {kind}"
     try:
-        proc.wait_ready(60)
+        proc.wait_ready(120)
     except BaseException:
         proc.kill()
         raise
