@@ -32,9 +32,11 @@ from priod.wire.ring import (
     CQ_TAIL,
     DESCRIPTOR,
     HEADER_BYTES,
+    IS_BATCH,
     RING_ENTRIES,
     SQ_HEAD,
     SQ_TAIL,
+    TABLE_BYTES,
     check_header,
     ring_supported,
 )
@@ -305,3 +307,67 @@ def test_no_ring_when_the_client_says_so(ringd: DaemonProcess) -> None:
             return c._ring is None, mine[0]["ring_completions"] is None
 
     assert asyncio.run(main()) == (True, True)
+
+
+# -- batches -------------------------------------------------------------------------------------
+async def test_batches_go_through_the_ring_with_their_tables_and_land_exactly(ringd: DaemonProcess) -> None:
+    """Batches travel as descriptors with their segment tables in the ring's table area; one
+    past the area's free space (here 4,000-segment tables, 96 KB each, many outstanding) goes on
+    the socket; every block lands where its table says."""
+    rng = np.random.default_rng(2)
+    block = 256
+    async with await Client.connect(ringd.socket_path) as c:
+        n_blocks = 4000
+        host, dev = await c.alloc_host(n_blocks * block), await c.alloc_device(n_blocks * block)
+        arr(host)[:] = rng.integers(0, 256, n_blocks * block, dtype=np.uint8)
+        before = await _clients_ring_completions(c)
+        small, big = [], []
+        for _ in range(20):  # small tables: a KV step's 32 blocks, scattered
+            perm = rng.permutation(n_blocks)[:32]  # each block to its own place: any order lands the same
+            segs = [(int(i) * block, int(i) * block, block) for i in perm]
+            small.append(c.start_copy_batch(dev, host, segs, priority="urgent"))
+        perm = rng.permutation(n_blocks)
+        segs_big = [(int(i) * block, int(i) * block, block) for i in perm]
+        for _ in range(6):
+            big.append(c.start_copy_batch(dev, host, segs_big, priority="bulk"))
+        for h in small:
+            r = await h
+            assert r.segments == 32 and r.nbytes == 32 * block
+        for h in big:
+            r = await h
+            assert r.segments == n_blocks
+        back = await c.alloc_host(n_blocks * block)
+        await c.copy(back, dev)
+        assert np.array_equal(arr(back), arr(host))
+        on_ring = await _clients_ring_completions(c) - before
+        assert 20 + 1 <= on_ring < 20 + 6 + 1  # the small ones and some big ones; at least one big one not
+
+
+async def test_a_refused_batch_says_the_same_on_ring_and_socket(ringd: DaemonProcess) -> None:
+    messages = []
+    for ring in (True, False):
+        async with await Client.connect(ringd.socket_path, ring=ring) as c:
+            dev, host = await c.alloc_device(4096), await c.alloc_host(4096)
+            with pytest.raises(InvalidRequest) as info:
+                await c.copy_batch(dev, host, [(0, 0, 64), (32, 64, 64)])  # destinations overlap
+            messages.append(re.sub(r"region \d+", "region R", str(info.value)))
+    assert messages[0] == messages[1]
+
+
+def test_a_table_outside_the_area_is_refused_by_id(ringd: DaemonProcess) -> None:
+    with raw_ring(ringd.socket_path) as (fs, buf, doorbell, ids):
+        DESCRIPTOR.pack_into(buf, HEADER_BYTES, 0, 21, ids[0], ids[1], TABLE_BYTES - 8, 48, 2, 0.0, 2, IS_BATCH)
+        publish(buf, doorbell, 1)
+        msg, _ = fs.receive()
+        assert msg["id"] == 21 and msg["error"]["code"] == "bad_request" and "table area" in msg["error"]["message"]
+
+
+def test_the_blocking_client_sends_batches_on_the_ring(ringd: DaemonProcess) -> None:
+    with SyncClient(ringd.socket_path) as s:
+        dev, host = s.alloc_device(8192), s.alloc_host(8192)
+        arr(host)[:] = np.arange(8192, dtype=np.uint32).astype(np.uint8)
+        r = s.copy_batch(dev, host, [(4096, 0, 4096), (0, 4096, 4096)])
+        assert r.segments == 2 and r.nbytes == 8192
+        assert np.array_equal(arr(dev)[4096:], arr(host)[:4096]) and np.array_equal(arr(dev)[:4096], arr(host)[4096:])
+        mine = [x for x in s.status()["clients"] if x["pid"] == os.getpid() and x["ring_completions"]]
+        assert mine and mine[0]["ring_completions"] >= 1

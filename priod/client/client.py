@@ -378,8 +378,8 @@ class Client:
         if self._ring is not None:
             self._ring.ring()
 
-    def _send_copy(self, req: Copy) -> tuple[int, asyncio.Future[Reply]]:
-        """Send a copy: a descriptor on the ring when it can go there, a frame otherwise."""
+    def _send_copy(self, req: Copy | CopyBatch) -> tuple[int, asyncio.Future[Reply]]:
+        """Send a copy or batch: a descriptor on the ring when it can go there, a frame otherwise."""
         ring = self._ring
         if ring is not None and self._closed_exc is None and ring.eligible(req):
             req_id = next(self._ids)
@@ -711,7 +711,7 @@ class Client:
         """
         self._check_region(dst, src)
         req = batch_request(dst, src, segments, options, self.server.max_frame_bytes)
-        req_id, fut = self._send(req)
+        req_id, fut = self._send_copy(req)
         self._copies[req_id] = (req, dst, src)
         return BatchHandle(self, req_id, fut, self._expect_record(req_id, req.signal_event))
 

@@ -12,7 +12,7 @@ import mmap
 import os
 from collections.abc import Callable
 
-from priod.wire.messages import Copy
+from priod.wire.messages import Copy, CopyBatch
 from priod.wire.ring import CompletionReader, SubmissionWriter, check_header, ring_eligible
 
 __all__ = ["ClientRing"]
@@ -42,11 +42,12 @@ class ClientRing:
         self.closed = False
 
     @staticmethod
-    def eligible(req: Copy) -> bool:
+    def eligible(req: Copy | CopyBatch) -> bool:
         return ring_eligible(req)
 
-    def submit(self, req_id: int, req: Copy) -> bool:
-        """Publish a copy (ring the doorbell after, `ring`); False if the ring is full or closed."""
+    def submit(self, req_id: int, req: Copy | CopyBatch) -> bool:
+        """Publish a copy or batch (ring the doorbell after, `ring`); False if the ring (or its
+        table area) is full, or closed."""
         return not self.closed and self._writer.try_submit(req_id, req)
 
     def ring(self) -> None:

@@ -513,10 +513,14 @@ class SyncClient:
     def _ring_submit(self, req_id: int, msg: Copy | CopyBatch, dst: Region, src: Region) -> bool:
         """Publish a started copy on the ring (and ring the doorbell); False if it cannot go there."""
         ring = self._ring
-        if ring is None or type(msg) is not Copy:
+        if ring is None or msg.wait_event is not None or msg.signal_event is not None:
             return False
-        req = Copy(dst.id, src.id, msg.nbytes, msg.dst_offset, msg.src_offset, msg.priority, msg.deadline_ms)
-        if msg.wait_event is not None or msg.signal_event is not None or not ring.eligible(req):
+        req: Copy | CopyBatch
+        if isinstance(msg, CopyBatch):
+            req = CopyBatch(dst.id, src.id, msg.segments, msg.priority, msg.deadline_ms)
+        else:
+            req = Copy(dst.id, src.id, msg.nbytes, msg.dst_offset, msg.src_offset, msg.priority, msg.deadline_ms)
+        if not ring.eligible(req):
             return False
         if self._sock.peer_closed():
             # A frame sent to a dead daemon fails at once and is sent again after the reconnect

@@ -161,8 +161,9 @@ def take_copy(session: CopySession, req_id: int, req: Copy, by_ring: bool = Fals
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
 
 
-def take_batch(session: CopySession, req_id: int, req: CopyBatch) -> None:
-    """A batch: checked as a unit (every segment, or none, is queued), then one request."""
+def take_batch(session: CopySession, req_id: int, req: CopyBatch, by_ring: bool = False) -> None:
+    """A batch: checked as a unit (every segment, or none, is queued), then one request.
+    ``by_ring``: as `take_copy`'s."""
     now = time.perf_counter()
     dst, src = _copy_regions(session, req_id, req.dst, req.src)
     segments = Segments.decode(req.segments)
@@ -171,6 +172,7 @@ def take_batch(session: CopySession, req_id: int, req: CopyBatch) -> None:
     check_limits(session.shared.cfg.limits, session, session.holdings.tally, segments.total, len(segments))
     segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
     payload = PendingCopy(session, req_id, dst, 0, src, 0, segments=segments)
+    payload.by_ring = by_ring
     if req.wait_event is not None or req.signal_event is not None:
         _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
@@ -379,6 +381,7 @@ def complete_on_ring(
         round(total_s * 1e9) / 1e3,
         "express" if req.path is _EXPRESS else "dma",
         f.missed_deadline,
+        len(p.segments) if p.segments is not None else 0,
     )
 
 

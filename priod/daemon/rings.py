@@ -87,10 +87,12 @@ class CopyRing:
         total_us: float,
         path: str,
         missed_deadline: bool,
+        segments: int = 0,
     ) -> bool:
-        """Write a copy's completion and wake the client; False if the queue has no room."""
+        """Write a copy's (or a batch's: ``segments``) completion and wake the client; False if
+        the queue has no room."""
         if self.closed or not self._completions.try_complete(
-            req_id, nbytes, queued_us, transfer_us, total_us, path, missed_deadline
+            req_id, nbytes, queued_us, transfer_us, total_us, path, missed_deadline, segments
         ):
             return False
         self.completed += 1

@@ -52,6 +52,7 @@ from priod.daemon.gates import EventTable
 from priod.daemon.log import LineBudget, error_fields
 from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
+from priod.daemon.rate import LoopAccount, LoopShare
 from priod.daemon.region_requests import RegionRequests
 from priod.daemon.regions import Holdings, RegionTable
 from priod.daemon.rings import CopyRing
@@ -290,6 +291,21 @@ class Shared:
     stopping: bool = False
     request_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     refusals: Refusals = field(default_factory=Refusals)
+    loop: LoopShare = field(default_factory=LoopShare)
+    """The loop's time among uids (``[limits] request_loop_share``; rate.py)."""
+
+
+def _resume_uid(a: LoopAccount) -> None:
+    """A uid's credit is back: its waiting connections are read again, one after another in the
+    order they waited, until one's turn spends the credit (it waits again, at the back, and sets
+    the next timer): deficit round robin among a uid's connections too."""
+    a.timer = None
+    waiting = a.waiting
+    while waiting and a.timer is None:
+        session = waiting.popleft()
+        session._loop_wait = False
+        if not session.closed:
+            session._on_ready()
 
 
 class Session:
@@ -327,6 +343,8 @@ class Session:
         self._again = False
         self._rate_timer: asyncio.TimerHandle | None = None
         """Set while the uid is out of request tokens (``[limits] max_requests_per_s_per_uid``)."""
+        self._loop_wait = False
+        """Set while it waits in its uid's `LoopAccount.waiting` for the uid's loop credit."""
         self._ended: asyncio.Future[ProtocolError | None]
         self._context: contextvars.Context
         # The per-copy log line runs thousands of times a second: resolve the logger once
@@ -403,14 +421,26 @@ class Session:
 
     def _drain(self) -> None:
         """Handle the requests the transport has, up to a bound per loop turn (other clients
-        are served between), unless a region set-up is under way."""
-        if self._rate_timer is not None:
-            return  # out of tokens: the timer resumes it
+        are served between), unless a region set-up is under way.
+
+        The turn is timed and its uid charged the loop time it took (`LoopShare`): a uid past
+        its part of ``[limits] request_loop_share`` waits for its credit (`_loop_park`), with all
+        its connections, while other uids' are read."""
+        if self._rate_timer is not None or self._loop_wait:
+            return  # out of tokens, or of loop time: a timer resumes it
         lim = self.shared.cfg.limits
         rate = self.holdings.tally.requests
         granted = rate.grant(
             REQUESTS_PER_TURN, lim.max_requests_per_s_per_uid, lim.request_burst_per_uid, time.monotonic()
         )
+        share, total = self.shared.loop, lim.request_loop_share
+        t0 = time.perf_counter()
+        acct = share.account(self.peer.uid, t0, total)
+        if share.held(acct, total):
+            rate.refund(granted)
+            self._loop_park(acct, total)
+            return
+        until = t0 + share.budget(acct, total)
         used = 0
         self._draining = True
         self._turn_segments = self._turn_extra = 0
@@ -420,6 +450,8 @@ class Session:
                     return
                 if self._turn_segments >= SEGMENTS_PER_TURN:
                     break  # checked a large batch this turn: the others go first
+                if used and time.perf_counter() >= until:
+                    break  # the uid's loop credit is spent: it waits, the others go first
                 if self.ring is not None and self.ring.submissions.pending():
                     # The ring first: a client publishes a copy there before it sends the frames
                     # that may name it (a cancel, a status), so each finds it taken. Under the same
@@ -455,15 +487,28 @@ class Session:
             # Settle now (the finally then settles nothing): what the turn cost decides the wait.
             rate.refund(granted - used - self._turn_extra)
             granted = used + self._turn_extra
+            share.charge(acct, time.perf_counter() - t0, total)
+            t0 = -1.0
             if lim.max_requests_per_s_per_uid > 0 and rate.tokens < 1:
                 # The uid is out of tokens, or in debt after an expensive request: come back when
                 # its bucket holds a whole token again, not on the next turn.
                 self._rate_timer = loop.call_later(rate.wait_s(lim.max_requests_per_s_per_uid), self._rate_resume)
+            elif share.held(acct, total):
+                self._loop_park(acct, total)
             else:
                 loop.call_soon(self._on_ready)
         finally:
             rate.refund(granted - used - self._turn_extra)
+            if t0 >= 0:
+                share.charge(acct, time.perf_counter() - t0, total)
             self._draining = False
+
+    def _loop_park(self, acct: LoopAccount, total: float) -> None:
+        """Wait, with the uid's other connections, until the uid has loop credit again."""
+        self._loop_wait = True
+        acct.waiting.append(self)
+        if acct.timer is None:
+            acct.timer = asyncio.get_running_loop().call_later(self.shared.loop.wait_s(acct, total), _resume_uid, acct)
 
     def _take_from_ring(self, ring: CopyRing) -> bool:
         """Queue the ring's next copy, or refuse it on the socket; False if the ring is broken
@@ -477,18 +522,22 @@ class Session:
             return True
         req_id, req = taken
         self.last_active = time.monotonic()
+        op = "copy_batch" if isinstance(req, CopyBatch) else "copy"
         try:
             if isinstance(req, PriodError):
                 raise req
-            req.check()  # as decode_request checks a frame's copy: the same refusals
-            take_copy(self, req_id, req, by_ring=True)
+            if isinstance(req, CopyBatch):
+                self._charge_batch(req)
+                req.check()  # as decode_request checks a frame's batch: the same refusals
+                take_batch(self, req_id, req, by_ring=True)
+            else:
+                req.check()  # as decode_request checks a frame's copy: the same refusals
+                take_copy(self, req_id, req, by_ring=True)
         except RequestError as exc:
-            self._refuse(req_id, exc, "copy")
+            self._refuse(req_id, exc, op)
         except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
-            log.exception("request_failed", op="copy")
-            self._refuse(
-                req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), "copy"
-            )
+            log.exception("request_failed", op=op)
+            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), op)
         return True
 
     def _rate_resume(self) -> None:
@@ -496,12 +545,20 @@ class Session:
         self._on_ready()
 
     def limits_changed(self) -> None:
-        """A reload changed the limits: a connection waiting for a request token asks again at
-        once, under the new rate, instead of waiting out a timer the old rate set."""
+        """A reload changed the limits: a connection waiting for a request token, or for its
+        uid's loop credit, asks again at once, under the new settings, instead of waiting out a
+        timer the old ones set."""
         if self._rate_timer is not None:
             self._rate_timer.cancel()
             self._rate_timer = None
             asyncio.get_running_loop().call_soon(self._on_ready)
+        if self._loop_wait:
+            acct = self.shared.loop.account(
+                self.peer.uid, time.perf_counter(), self.shared.cfg.limits.request_loop_share
+            )
+            if isinstance(acct.timer, asyncio.TimerHandle):  # once per uid: then a plain Handle
+                acct.timer.cancel()
+                acct.timer = asyncio.get_running_loop().call_soon(_resume_uid, acct)
 
     def _setup_done(self, task: asyncio.Task[None]) -> None:
         self._setup = None
@@ -588,12 +645,7 @@ class Session:
                 take_copy(self, req_id, req)  # answered when it ends (copy_finished)
                 return None
             if type(req) is CopyBatch:
-                # Counted before the checks: a turn ends after the largest table, taken or
-                # refused (SEGMENTS_PER_TURN), and the uid is charged for it (BATCH_SEGMENTS_PER_TOKEN).
-                # Charged by size before the checks too: a refused table cost its check.
-                n = len(req.segments) // SEGMENT_BYTES
-                self._turn_segments += n
-                self._turn_extra += (n + BATCH_SEGMENTS_PER_TOKEN - 1) // BATCH_SEGMENTS_PER_TOKEN
+                self._charge_batch(req)
                 take_batch(self, req_id, req)
                 return None
             reply = self._handlers[type(req)](req, fds)

@@ -1,8 +1,8 @@
 """The copy ring: a shared-memory submission and completion queue per connection.
 
-A plain copy (no events, one of the `RING_CLASSES`) costs the daemon's loop less as a fixed
-64-byte descriptor in shared memory than as a msgpack frame on the socket: no frame to decode,
-no reply to encode, and one doorbell for every copy a loop turn brings. The socket stays for
+A plain copy or batch (no events, one of the `RING_CLASSES`) costs the daemon's loop less as a
+fixed 64-byte descriptor in shared memory than as a msgpack frame on the socket: no frame to
+decode, no reply to encode, and one doorbell for every copy a loop turn brings. The socket stays for
 everything else (the handshake, fds, other requests, errors with text) and as the fallback when
 a ring is full.
 
@@ -18,6 +18,8 @@ little-endian; each index is one aligned 8-byte store by its one writer:
 - ``[HEADER_BYTES, ...)``: ``entries`` submission slots of `DESCRIPTOR`, then ``entries``
   completion slots of `COMPLETION`. Slot ``i % entries`` holds entry ``i``, and its first word
   is ``i`` itself: a slot that does not carry the sequence number expected is torn or forged.
+- then `TABLE_BYTES` of batches' segment tables, written by the client, each in one piece; the
+  daemon copies a table out as it takes its descriptor, and checks it as a frame's.
 
 Ordering: a writer fills a slot, then stores the counter; a reader loads the counter, then the
 slot. On x86-64 (total store order) separate stores and loads keep that order, so no fence is
@@ -37,13 +39,15 @@ A completion queue the client does not read fills up: the daemon then answers on
 
 from __future__ import annotations
 
+import collections
 import math
 import platform
 import struct
 from typing import Final
 
 from priod.errors import InvalidRequest
-from priod.wire.messages import MAX_ID, Copy
+from priod.wire.batch import SEGMENT_BYTES
+from priod.wire.messages import MAX_ID, Copy, CopyBatch
 
 __all__ = [
     "COMPLETION",
@@ -74,8 +78,8 @@ MAGIC: Final = 0x474E4952  # b"RING"
 RING_ENTRIES: Final = 1024
 """Slots in each queue: more copies than a connection may have pending by default
 (``[limits] max_queued_requests``), so a ring is full only for a client past its limits."""
-HEADER: Final = struct.Struct("<IIIII")
-"""magic, version, entries, descriptor bytes, completion bytes."""
+HEADER: Final = struct.Struct("<IIIIII")
+"""magic, version, entries, descriptor bytes, completion bytes, table bytes."""
 SQ_TAIL: Final = 64
 SQ_HEAD: Final = 128
 CQ_TAIL: Final = 192
@@ -86,11 +90,19 @@ U64: Final = struct.Struct("<Q")
 
 DESCRIPTOR: Final = struct.Struct("<QQIIQQQdBB6x")
 """seq, request id, dst region, src region, dst offset, src offset, nbytes, deadline_ms, class
-(index into `RING_CLASSES`), flags (`HAS_DEADLINE`)."""
-COMPLETION: Final = struct.Struct("<QQQdddBB6x")
+(index into `RING_CLASSES`), flags (`HAS_DEADLINE`, `IS_BATCH`). A batch's descriptor gives its
+segment table's offset in the table area and its length in bytes in place of the two offsets,
+and its segment count as ``nbytes``."""
+COMPLETION: Final = struct.Struct("<QQQdddBBxxI")
 """seq, request id, nbytes, queued_us, transfer_us, total_us, path (index into `PATHS`),
-missed_deadline (0 or 1)."""
+missed_deadline (0 or 1), segments (a batch's; 0 for a copy)."""
 HAS_DEADLINE: Final = 1
+IS_BATCH: Final = 2
+TABLE_BYTES: Final = 256 << 10
+"""The table area, after the completions: batches' segment tables, written by the client in
+turn; the daemon copies a table out when it takes its descriptor, so the space is the client's
+again once the submission head has passed it. 10,922 segments at once; a larger table goes on
+the socket."""
 RING_CLASSES: Final = ("urgent", "high", "normal", "bulk")
 """The classes a descriptor can name (the shipped ones); a copy of any other goes by the socket."""
 CLASS_INDEX: Final = {name: i for i, name in enumerate(RING_CLASSES)}
@@ -116,12 +128,16 @@ def _words(buf: memoryview) -> memoryview:
     return buf.cast("Q")
 
 
-def ring_bytes(entries: int = RING_ENTRIES) -> int:
+def table_base(entries: int) -> int:
     return HEADER_BYTES + entries * (DESCRIPTOR.size + COMPLETION.size)
 
 
+def ring_bytes(entries: int = RING_ENTRIES) -> int:
+    return table_base(entries) + TABLE_BYTES
+
+
 def write_header(buf: memoryview, entries: int = RING_ENTRIES) -> None:
-    HEADER.pack_into(buf, 0, MAGIC, RING_VERSION, entries, DESCRIPTOR.size, COMPLETION.size)
+    HEADER.pack_into(buf, 0, MAGIC, RING_VERSION, entries, DESCRIPTOR.size, COMPLETION.size, TABLE_BYTES)
 
 
 def check_header(buf: memoryview) -> int:
@@ -130,8 +146,14 @@ def check_header(buf: memoryview) -> int:
         raise InvalidRequest(
             f"the daemon's ring is {len(buf)} bytes, too small for a header; is it a priod of this version?"
         )
-    magic, version, entries, dsize, csize = HEADER.unpack_from(buf, 0)
-    if magic != MAGIC or version != RING_VERSION or dsize != DESCRIPTOR.size or csize != COMPLETION.size:
+    magic, version, entries, dsize, csize, tsize = HEADER.unpack_from(buf, 0)
+    if (
+        magic != MAGIC
+        or version != RING_VERSION
+        or dsize != DESCRIPTOR.size
+        or csize != COMPLETION.size
+        or tsize != TABLE_BYTES
+    ):
         raise InvalidRequest(
             f"the daemon's ring has layout version {version} (magic {magic:#x}); this client knows version "
             f"{RING_VERSION}: it uses the socket instead"
@@ -141,18 +163,21 @@ def check_header(buf: memoryview) -> int:
     return int(entries)
 
 
-def ring_eligible(req: Copy) -> bool:
-    """Whether a copy can be a descriptor: no events, a class the ring names, ids that fit."""
-    return (
+def ring_eligible(req: Copy | CopyBatch) -> bool:
+    """Whether a copy or batch can be a descriptor: no events, a class the ring names, ids and
+    sizes that fit (a batch's table within the table area)."""
+    if not (
         req.wait_event is None
         and req.signal_event is None
         and req.priority in CLASS_INDEX
         and 0 <= req.dst <= MAX_REGION_ID
         and 0 <= req.src <= MAX_REGION_ID
-        and 0 <= req.nbytes <= MAX_U64
-        and 0 <= req.dst_offset <= MAX_U64
-        and 0 <= req.src_offset <= MAX_U64
-    )
+    ):
+        return False
+    if type(req) is CopyBatch:
+        return 0 < len(req.segments) <= TABLE_BYTES
+    assert type(req) is Copy
+    return 0 <= req.nbytes <= MAX_U64 and 0 <= req.dst_offset <= MAX_U64 and 0 <= req.src_offset <= MAX_U64
 
 
 class _Side:
@@ -169,13 +194,45 @@ class SubmissionWriter(_Side):
     def __init__(self, buf: memoryview, entries: int) -> None:
         self._buf, self._entries, self._words = buf, entries, _words(buf)
         self._tail = self._words[SQ_TAIL // 8]
+        self._table = table_base(entries)
+        self._table_tail = 0
+        """Where the next table goes, counted up without wrapping (mod `TABLE_BYTES`)."""
+        self._tables: collections.deque[tuple[int, int]] = collections.deque()
+        """(descriptor seq, table start) of the tables the daemon may not have copied out yet."""
 
-    def try_submit(self, req_id: int, req: Copy) -> bool:
-        """Publish one descriptor; False if the queue is full (send it on the socket)."""
+    def _place_table(self, nbytes: int) -> int | None:
+        """Where in the table area a table of ``nbytes`` goes now (a counter, not yet mod the
+        area), or None if the space the daemon has not read yet leaves no room."""
+        head = self._words[SQ_HEAD // 8]
+        while self._tables and self._tables[0][0] < head:
+            self._tables.popleft()
+        start = self._table_tail
+        if start % TABLE_BYTES + nbytes > TABLE_BYTES:
+            start += TABLE_BYTES - start % TABLE_BYTES  # tables do not wrap: the next lap
+        oldest = self._tables[0][1] if self._tables else start
+        return start if start + nbytes - oldest <= TABLE_BYTES else None
+
+    def try_submit(self, req_id: int, req: Copy | CopyBatch) -> bool:
+        """Publish one descriptor (and a batch's table); False if the queue or the table area
+        is full (send it on the socket)."""
         buf, tail = self._buf, self._tail
         if tail - self._words[SQ_HEAD // 8] >= self._entries:
             return False
         deadline = req.deadline_ms
+        flags = 0 if deadline is None else HAS_DEADLINE
+        if type(req) is CopyBatch:
+            table = req.segments
+            start = self._place_table(len(table))
+            if start is None:
+                return False
+            at = start % TABLE_BYTES
+            buf[self._table + at : self._table + at + len(table)] = table
+            self._tables.append((tail, start))
+            self._table_tail = start + len(table)
+            dst_offset, src_offset, nbytes, flags = at, len(table), len(table) // SEGMENT_BYTES, flags | IS_BATCH
+        else:
+            assert type(req) is Copy
+            dst_offset, src_offset, nbytes = req.dst_offset, req.src_offset, req.nbytes
         DESCRIPTOR.pack_into(
             buf,
             HEADER_BYTES + (tail % self._entries) * DESCRIPTOR.size,
@@ -183,12 +240,12 @@ class SubmissionWriter(_Side):
             req_id,
             req.dst,
             req.src,
-            req.dst_offset,
-            req.src_offset,
-            req.nbytes,
+            dst_offset,
+            src_offset,
+            nbytes,
             math.nan if deadline is None else deadline,
             CLASS_INDEX[req.priority],
-            0 if deadline is None else HAS_DEADLINE,
+            flags,
         )
         self._tail = tail + 1
         self._words[SQ_TAIL // 8] = tail + 1  # after the slot: the daemon reads it once it sees this
@@ -201,11 +258,12 @@ class SubmissionReader(_Side):
     def __init__(self, buf: memoryview, entries: int) -> None:
         self._buf, self._entries, self._words = buf, entries, _words(buf)
         self._head = 0
+        self._table = table_base(entries)
 
     def pending(self) -> bool:
         return bool(self._words[SQ_TAIL // 8] != self._head)
 
-    def take(self) -> tuple[int, Copy | InvalidRequest] | None:
+    def take(self) -> tuple[int, Copy | CopyBatch | InvalidRequest] | None:
         """The next descriptor as (request id, copy), or None if there is none; a descriptor
         that names no class of the ring's comes as (request id, the refusal to answer it with).
         The copy's own fields are the caller's to check (`Copy.check`), as for a frame's.
@@ -231,6 +289,14 @@ class SubmissionReader(_Side):
         if cls >= len(RING_CLASSES):
             return req_id, _refused(f"class index {cls} is not one of the ring's {len(RING_CLASSES)} classes")
         deadline_ms = deadline if flags & HAS_DEADLINE else None
+        if flags & IS_BATCH:
+            # dst_off, src_off: the table's place and length. Copied out now, before any check:
+            # the client may write the area again once the head has passed this descriptor.
+            if not (0 < src_off <= TABLE_BYTES and dst_off <= TABLE_BYTES - src_off):
+                return req_id, _refused(f"a segment table of {src_off} bytes at {dst_off} is outside the table area")
+            base = self._table + dst_off
+            table = bytes(self._buf[base : base + src_off])
+            return req_id, CopyBatch(dst, src, table, RING_CLASSES[cls], deadline_ms)
         return req_id, Copy(dst, src, nbytes, dst_off, src_off, RING_CLASSES[cls], deadline_ms)
 
 
@@ -254,8 +320,10 @@ class CompletionWriter(_Side):
         total_us: float,
         path: str,
         missed_deadline: bool,
+        segments: int = 0,
     ) -> bool:
-        """Publish one completion; False if the client has not made room (answer on the socket).
+        """Publish one completion (``segments``: a batch's); False if the client has not made
+        room (answer on the socket).
         The client's head is read, not trusted: one out of range counts as no room."""
         buf, tail = self._buf, self._tail
         if not 0 <= tail - self._words[CQ_HEAD // 8] < self._entries:
@@ -271,6 +339,7 @@ class CompletionWriter(_Side):
             total_us,
             PATH_INDEX[path],
             missed_deadline,
+            segments,
         )
         self._tail = tail + 1
         self._words[CQ_TAIL // 8] = tail + 1
@@ -294,27 +363,25 @@ class CompletionReader(_Side):
         tail = self._words[CQ_TAIL // 8]
         out: list[tuple[int, dict[str, object]]] = []
         while head != tail:
-            seq, req_id, nbytes, queued_us, transfer_us, total_us, path, missed = COMPLETION.unpack_from(
+            seq, req_id, nbytes, queued_us, transfer_us, total_us, path, missed, segments = COMPLETION.unpack_from(
                 buf, self._base + (head % entries) * COMPLETION.size
             )
             head += 1
             if seq != head - 1:
                 continue  # the daemon writes the slot before the tail: never seen; skip rather than guess
-            out.append(
-                (
-                    req_id,
-                    {
-                        "id": req_id,
-                        "ok": True,
-                        "nbytes": nbytes,
-                        "queued_us": queued_us,
-                        "transfer_us": transfer_us,
-                        "total_us": total_us,
-                        "path": PATHS[path] if path < len(PATHS) else "dma",
-                        "missed_deadline": bool(missed),
-                    },
-                )
-            )
+            reply: dict[str, object] = {
+                "id": req_id,
+                "ok": True,
+                "nbytes": nbytes,
+                "queued_us": queued_us,
+                "transfer_us": transfer_us,
+                "total_us": total_us,
+                "path": PATHS[path] if path < len(PATHS) else "dma",
+                "missed_deadline": bool(missed),
+            }
+            if segments:
+                reply["segments"] = segments
+            out.append((req_id, reply))
         if head != self._head:
             self._head = head
             self._words[CQ_HEAD // 8] = head
