@@ -510,6 +510,14 @@ class Session:
         if acct.timer is None:
             acct.timer = asyncio.get_running_loop().call_later(self.shared.loop.wait_s(acct, total), _resume_uid, acct)
 
+    def _charge_batch(self, req: CopyBatch) -> None:
+        """Count a batch into this turn before its checks: a turn ends after the largest table,
+        taken or refused (SEGMENTS_PER_TURN), and the uid is charged for it by size
+        (BATCH_SEGMENTS_PER_TOKEN): a refused table cost its check too."""
+        n = len(req.segments) // SEGMENT_BYTES
+        self._turn_segments += n
+        self._turn_extra += (n + BATCH_SEGMENTS_PER_TOKEN - 1) // BATCH_SEGMENTS_PER_TOKEN
+
     def _take_from_ring(self, ring: CopyRing) -> bool:
         """Queue the ring's next copy, or refuse it on the socket; False if the ring is broken
         (the connection then ends, as for a bad frame)."""
