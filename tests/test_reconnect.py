@@ -428,3 +428,39 @@ async def test_clients_refuse_a_daemon_of_another_protocol_version() -> None:
             await priod.connect(path)
         with pytest.raises(priod.ProtocolError, match=message):
             priod.SyncClient(path)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["SyncClient", "Client"])
+def test_the_copy_ring_is_opened_again_after_a_restart(blocking: bool) -> None:
+    """A reconnected client asks the new daemon for a copy ring as the first did, and its plain
+    copies and batches go there again (the new daemon counts them as ring completions)."""
+
+    def ring_completions(st: dict[str, Any]) -> int:
+        return sum(x["ring_completions"] or 0 for x in st["clients"])
+
+    with restartable() as (path, stack, first):
+        if blocking:
+            with priod.SyncClient(path) as c:
+                h, d = c.alloc_host(MiB), c.alloc_device(MiB)
+                c.copy(d, h)
+                assert ring_completions(c.status()) == 1
+                first.stop(signal.SIGKILL)
+                stack.enter_context(daemon_process(ENV, socket_path=path))
+                c.copy(d, h)
+                c.copy_batch(d, h, [(0, 0, 4096)])
+                assert c.reconnects == 1 and ring_completions(c.status()) == 2
+            return
+
+        async def main() -> None:
+            async with priod.connect(path) as c:
+                h, d = await c.alloc_host(MiB), await c.alloc_device(MiB)
+                await c.copy(d, h)
+                assert ring_completions(await c.status()) == 1
+                await stop(first, "SIGKILL")
+                stack.enter_context(daemon_process(ENV, socket_path=path))
+                await c.wait_connected()
+                await c.copy(d, h)
+                await c.copy_batch(d, h, [(0, 0, 4096)])
+                assert c.reconnects == 1 and ring_completions(await c.status()) == 2
+
+        asyncio.run(main())
