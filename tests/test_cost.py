@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import priod
+from priod.daemon.rate import LoopShare
 from priod.daemon.session import BATCH_SEGMENTS_PER_TOKEN, STATUS_TOKENS
 from priod.testing import daemon_process
 from priod.wire.frames import encode
@@ -159,3 +161,121 @@ async def test_the_owner_frees_its_region_at_once_whatever_others_hold_on_it() -
                     await c.close()
     print(f"free: {took['quiet'] * 1e3:.1f} ms alone, {took['held'] * 1e3:.1f} ms with 32 copies held on it")
     assert took["held"] <= 0.1
+
+
+# -- the loop's time among uids (rate.py `LoopShare`, [limits] request_loop_share) -------------
+def _serve(
+    share: LoopShare, conns: list[int], cost: dict[int, float], total: float, seconds: float
+) -> dict[int, float]:
+    """A model of the loop: connections (by uid) that always have requests, each turn costing its
+    uid's ``cost``, served in turn as session.py's `_drain` does (a held uid's turn is skipped;
+    nobody runnable: time goes on 0.1 ms). The loop seconds each uid got."""
+    now, got = 0.0, dict.fromkeys(conns, 0.0)
+    while now < seconds:
+        ran = False
+        for uid in conns:
+            a = share.account(uid, now, total)
+            if share.held(a, total):
+                continue
+            share.charge(a, cost[uid], total)
+            got[uid] += cost[uid]
+            now += cost[uid]
+            ran = True
+        if not ran:
+            now += 1e-4
+    return got
+
+
+def test_each_uid_gets_an_equal_part_of_the_loop_whatever_its_connections() -> None:
+    """Three uids flood the loop: one with 1 connection and cheap turns, one with 32 connections,
+    one with turns ten times dearer (large statuses, batch tables). Each gets about total / 3 of
+    the loop's time; root beside them is charged, never held, and counted among the uids
+    sharing; a uid alone is never held (nobody to be fair to) and keeps no debt for it."""
+    total, seconds = 0.2, 10.0
+    share = LoopShare(own_uid=999)
+    conns = [1001] + [1002] * 32 + [1003]
+    got = _serve(share, conns, {1001: 50e-6, 1002: 50e-6, 1003: 500e-6}, total, seconds)
+    per_uid = total * seconds / 3
+    print({u: round(t, 3) for u, t in got.items()}, f"each ~{per_uid:.3f} s")
+    for uid in (1001, 1002, 1003):
+        assert 0.8 * per_uid <= got[uid] <= 1.2 * per_uid, (uid, got[uid], per_uid)
+
+    share = LoopShare(own_uid=999)
+    got = _serve(share, [0, 1001, 1002], {0: 1e-3, 1001: 50e-6, 1002: 50e-6}, total, seconds)
+    assert got[0] >= 0.8 * seconds  # root takes what it asks for, and is charged for it
+    assert share.account(0, seconds, total).charged == pytest.approx(got[0])
+    for uid in (1001, 1002):  # the others keep their part: a third each, root counted
+        assert got[uid] <= 1.2 * total * seconds / 3, (uid, got[uid])
+
+    share = LoopShare(own_uid=999)
+    got = _serve(share, [1001], {1001: 50e-6}, total, 1.0)
+    assert got[1001] >= 0.99 and share.account(1001, 1.0, total).credit >= 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other uids (setuid); CI runs as root")
+def test_uids_flooding_status_together_take_no_more_loop_than_one() -> None:
+    """One uid pipelining `status` alone goes at its request rate (nobody to share with); three
+    uids doing the same at once, each within its rate, get the loop's ``request_loop_share``
+    between them, so together they are answered at about the rate of one and no faster. Before
+    (a rate per uid and no bound on the sum) three went three times as fast as one: N uids took
+    N times the loop. A uid with 8 connections goes no faster than one with 1."""
+    from test_hostile_limits import NOBODY, OTHER, STRANGER, connect_as, socket_path
+
+    rate, per_uid = 3000, 240
+    env = {
+        **QUIET,
+        "PRIOD_SERVER__SOCKET_MODE": "0o666",
+        "PRIOD_LIMITS__MAX_REQUESTS_PER_S_PER_UID": str(rate),
+        "PRIOD_LIMITS__REQUEST_BURST_PER_UID": "50",
+        "PRIOD_LIMITS__REQUEST_LOOP_SHARE": "0.03",
+    }
+
+    def flood(groups: list[list[socket.socket]]) -> list[float]:
+        """``per_uid`` statuses from each uid, spread over its connections; when each uid's last
+        reply came, in seconds from the start."""
+        framed = [[BlockingFramedSocket(s) for s in g] for g in groups]
+        for g in framed:
+            for c in g:
+                c.sock.settimeout(60)
+                c.send({"id": 1, "op": "hello", "v": 1})
+                assert c.receive()[0]["ok"]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        for g in framed:
+            for c in g:
+                c.sock.sendall(b"".join(encode({"id": 10 + i, "op": "status"}) for i in range(per_uid // len(g))))
+        ends = [0.0] * len(framed)
+
+        def read(k: int, c: BlockingFramedSocket, n: int) -> None:
+            for _ in range(n):
+                msg, _fds = c.receive()
+                assert msg["ok"], msg
+            ends[k] = max(ends[k], time.monotonic() - t0)
+
+        readers = [
+            threading.Thread(target=read, args=(k, c, per_uid // len(g))) for k, g in enumerate(framed) for c in g
+        ]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(60)
+        assert not any(r.is_alive() for r in readers), "replies did not all come within 60 s"
+        for g in framed:
+            for c in g:
+                c.close()
+        return ends
+
+    with daemon_process(env, socket_path=socket_path()) as d:
+        (alone,) = flood([connect_as(NOBODY, d.socket_path)])
+        time.sleep(1.0)  # the uid's debt, if any, and its part forgotten
+        together = flood([connect_as(u, d.socket_path) for u in (NOBODY, OTHER, STRANGER)])
+        time.sleep(1.0)
+        one, eight = flood([connect_as(NOBODY, d.socket_path), connect_as(OTHER, d.socket_path, n=8)])
+    one_rate, three_rate = per_uid / alone, 3 * per_uid / max(together)
+    print(
+        f"statuses/s: one uid alone {one_rate:.0f}, three uids together {three_rate:.0f}; 1 conn {one:.2f} s, 8 conns {eight:.2f} s"
+    )
+    assert three_rate <= 1.5 * one_rate, (
+        f"three uids were answered {three_rate:.0f} statuses/s together, one alone {one_rate:.0f}/s: the sum is unbounded"
+    )
+    assert eight >= 0.6 * one, f"a uid with 8 connections finished in {eight:.2f} s, one with 1 in {one:.2f} s"

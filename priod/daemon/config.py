@@ -85,6 +85,11 @@ class LimitsConfig:
     """Requests (of any kind) a uid's connections may send per second together; past it priod
     reads them more slowly (nothing is refused). 0: no cap."""
     request_burst_per_uid: int = 2_000
+    request_loop_share: float = 0.15
+    """Share of the daemon's event-loop time that the requests of all uids together may take
+    while two or more uids send them; each uid gets an equal part, and a uid past its part waits
+    (its connections are read later; rate.py `LoopShare`). uid 0 and the daemon's own uid are
+    charged but never wait. 0: no bound."""
     max_queued_segments_per_uid: int = 4 << 20
     # The whole daemon. 0: derived (see config/priod.toml).
     max_pinned_total_bytes: int = 0
@@ -363,6 +368,10 @@ def _validate(cfg: Config) -> None:
     need(
         lim.request_burst_per_uid >= 1,
         f"[limits] request_burst_per_uid = {lim.request_burst_per_uid} is invalid; set request_burst_per_uid >= 1",
+    )
+    need(
+        0 <= lim.request_loop_share <= 1,
+        f"[limits] request_loop_share = {lim.request_loop_share} is invalid; set 0 <= request_loop_share <= 1 (of the daemon's loop time; 0: no bound)",
     )
     need(
         0 <= lim.max_event_wait_s < float("inf"),

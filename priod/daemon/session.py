@@ -113,6 +113,11 @@ BATCH_SEGMENTS_PER_TOKEN = 40
 (a refused batch too): taken and run, 48 us at 16 segments, 192 at 256, 2.5 ms at 4,096,
 19.5 ms at 32,768, ~0.6 us a segment, 40 of them a copy's 25 us (2-vCPU VM, sim, 2026-12-06).
 A table refused after its whole check costs ~0.06 us a segment: charged the same, by size."""
+BATCH_RUN_S_PER_SEGMENT = 0.5e-6
+"""Loop seconds a uid is charged, beyond its turn's measured time (`LoopShare`), for each batch
+segment its turn queued: running a batch costs the loop later, in the pump, where no turn times
+it: taken and run ~0.6 us a segment, of which the turn that checks and queues the table takes
+~0.05 (1.7 ms of 19.5 at 32,768; 2-vCPU VM, sim, 2026-12-05)."""
 SEGMENTS_PER_TURN = MAX_SEGMENTS
 """Batch segments one connection's requests may bring in one loop turn: checking a table costs
 O(N log N) of the loop (a few milliseconds for the largest), so a client sending batch after
@@ -441,6 +446,7 @@ class Session:
             self._loop_park(acct, total)
             return
         until = t0 + share.budget(acct, total)
+        segments = self.queued_segments
         used = 0
         self._draining = True
         self._turn_segments = self._turn_extra = 0
@@ -487,7 +493,7 @@ class Session:
             # Settle now (the finally then settles nothing): what the turn cost decides the wait.
             rate.refund(granted - used - self._turn_extra)
             granted = used + self._turn_extra
-            share.charge(acct, time.perf_counter() - t0, total)
+            share.charge(acct, self._turn_cost(t0, segments), total)
             t0 = -1.0
             if lim.max_requests_per_s_per_uid > 0 and rate.tokens < 1:
                 # The uid is out of tokens, or in debt after an expensive request: come back when
@@ -500,8 +506,14 @@ class Session:
         finally:
             rate.refund(granted - used - self._turn_extra)
             if t0 >= 0:
-                share.charge(acct, time.perf_counter() - t0, total)
+                share.charge(acct, self._turn_cost(t0, segments), total)
             self._draining = False
+
+    def _turn_cost(self, t0: float, segments: int) -> float:
+        """What a turn begun at ``t0`` costs the loop: its time, and the run of the batch
+        segments it queued (``segments``: this connection's queued before it)."""
+        queued = self.queued_segments - segments
+        return time.perf_counter() - t0 + (queued * BATCH_RUN_S_PER_SEGMENT if queued > 0 else 0.0)
 
     def _loop_park(self, acct: LoopAccount, total: float) -> None:
         """Wait, with the uid's other connections, until the uid has loop credit again."""
