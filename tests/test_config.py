@@ -104,6 +104,15 @@ def test_classes_from_file(tmp_path: Path) -> None:
             r"^\[tuning\] min_chunk_bytes = 1024 is invalid; set min_chunk_bytes >= 4096$",
         ),
         ("[scheduler]\naging_ms = 0\n", r"^\[scheduler\] aging_ms = 0.0 is invalid; set it > 0$"),
+        (
+            "[limits]\nrequest_loop_share = 1.5\n",
+            r"^\[limits\] request_loop_share = 1.5 is invalid; set 0 <= request_loop_share <= 1 \(of the daemon's loop time; 0: no bound\)$",
+        ),
+        (
+            "[limits]\nrequest_loop_share = -0.1\n",
+            r"^\[limits\] request_loop_share = -0.1 is invalid; set 0 <= request_loop_share <= 1",
+        ),
+        ('[limits]\nrequest_loop_share = "half"\n', r"^\[limits\] request_loop_share = 'half' must be a number$"),
     ],
 )
 def test_bad_settings_name_the_setting_and_fix(tmp_path: Path, text: str, message: str) -> None:

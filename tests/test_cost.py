@@ -266,6 +266,7 @@ def test_uids_flooding_status_together_take_no_more_loop_than_one() -> None:
         return ends
 
     with daemon_process(env, socket_path=socket_path()) as d:
+        time.sleep(0.6)  # root's readiness check is forgotten: the uid is alone
         (alone,) = flood([connect_as(NOBODY, d.socket_path)])
         time.sleep(1.0)  # the uid's debt, if any, and its part forgotten
         together = flood([connect_as(u, d.socket_path) for u in (NOBODY, OTHER, STRANGER)])

@@ -85,7 +85,7 @@ class LimitsConfig:
     """Requests (of any kind) a uid's connections may send per second together; past it priod
     reads them more slowly (nothing is refused). 0: no cap."""
     request_burst_per_uid: int = 2_000
-    request_loop_share: float = 0.15
+    request_loop_share: float = 0.1
     """Share of the daemon's event-loop time that the requests of all uids together may take
     while two or more uids send them; each uid gets an equal part, and a uid past its part waits
     (its connections are read later; rate.py `LoopShare`). uid 0 and the daemon's own uid are
