@@ -280,3 +280,18 @@ def test_uids_flooding_status_together_take_no_more_loop_than_one() -> None:
         f"three uids were answered {three_rate:.0f} statuses/s together, one alone {one_rate:.0f}/s: the sum is unbounded"
     )
     assert eight >= 0.6 * one, f"a uid with 8 connections finished in {eight:.2f} s, one with 1 in {one:.2f} s"
+
+
+def test_status_shows_the_loop_share_books_and_only_the_viewers_own_uid_to_others() -> None:
+    """``priod status`` shows each uid's loop seconds charged, its credit and its connections
+    waiting (`LoopShare.figures`); a viewer who is not privileged sees only its own uid there."""
+    from priod.daemon.report import loop_share_figures
+
+    share = LoopShare(own_uid=999)
+    share.charge(share.account(1000, 1.0, 0.1), 0.002, 0.1)
+    share.charge(share.account(1001, 1.0, 0.1), 0.001, 0.1)
+    figures = share.figures()
+    assert set(figures["uids"]) == {"1000", "1001"}
+    assert figures["uids"]["1000"]["charged_s"] == pytest.approx(0.002)
+    assert set(loop_share_figures(figures, 1001)["uids"]) == {"1001"}
+    assert loop_share_figures(figures, None) == figures

@@ -24,6 +24,7 @@ from priod.daemon.config import Config
 from priod.daemon.engines.base import Engine
 from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
+from priod.daemon.rate import LoopShare
 from priod.daemon.regions import RegionTable
 from priod.daemon.sched.scheduler import Scheduler
 from priod.daemon.session import Session
@@ -51,6 +52,8 @@ class Reported(Protocol):
     def admission(self) -> Admission: ...
     @property
     def sessions(self) -> Mapping[int, Session]: ...
+    @property
+    def loop_share(self) -> LoopShare: ...
     @property
     def totals(self) -> Mapping[str, int]: ...
     @property
@@ -123,9 +126,18 @@ def status(d: Reported, viewer: Peer | None = None) -> dict[str, Any]:
         "clients": [s.figures() for s in d.sessions.values() if mine is None or s.peer.uid == mine],
         "clients_total": len(d.sessions),
         "uids": [t.figures() for t in d.regions.all_uid_holdings() if mine is None or t.uid == mine],
+        "loop_share": loop_share_figures(d.loop_share.figures(), mine),
         "holdings": d.regions.figures(),
         "engine": d.engine.statistics(),
     }
+
+
+def loop_share_figures(figures: dict[str, Any], mine: int | None) -> dict[str, Any]:
+    """``[limits] request_loop_share``'s books (uids sending now; per uid the loop seconds charged,
+    its credit, its connections waiting): a viewer who is not privileged sees its own uid's only."""
+    if mine is None:
+        return figures
+    return {**figures, "uids": {u: f for u, f in figures["uids"].items() if u == str(mine)}}
 
 
 async def refresh_metrics_loop(d: Reported) -> None:

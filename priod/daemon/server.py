@@ -29,6 +29,7 @@ from priod.daemon.copies import cancel_copy, copy_finished, signal_recorded
 from priod.daemon.engines.base import Engine
 from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
+from priod.daemon.rate import LoopShare
 from priod.daemon.regions import RegionTable
 from priod.daemon.report import refresh_metrics, refresh_metrics_loop, status
 from priod.daemon.rings import RING_FDS
@@ -226,6 +227,10 @@ class Daemon:
     @property
     def sessions(self) -> dict[int, Session]:
         return self.shared.sessions
+
+    @property
+    def loop_share(self) -> LoopShare:
+        return self.shared.loop
 
     @property
     def totals(self) -> dict[str, int]:
