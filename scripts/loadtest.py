@@ -491,6 +491,20 @@ class Checker:
         return count_bad(self.stage_out.array[off : off + n], key, self.scratch)
 
 
+def progress_message(idx: int, stats: WorkerStats, lat: list[float]) -> dict[str, Any]:
+    """A worker's progress line: its counts so far and the latencies since the last line."""
+    return {
+        "type": "progress",
+        "client": idx,
+        "ok": stats.ok,
+        "bytes": stats.bytes,
+        "errors": sum(stats.errors.values()),
+        "restart_errors": sum(stats.restart_errors.values()),
+        "bad": stats.bytes_corrupted + stats.bytes_false_success,
+        "lat_us": lat,
+    }
+
+
 def _emit(msg: dict[str, Any]) -> None:
     # A result carries every latency (hundreds of KB). On the GPU machine one arrived cut short
     # at 72 KiB (that client's result was lost; the cause is not pinned down): write with the fd
@@ -833,18 +847,7 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                 await asyncio.sleep(spec.get("progress_s", 1.0))
                 lat = stats.lat_us[sent:]
                 sent += len(lat)
-                _emit(
-                    {
-                        "type": "progress",
-                        "client": idx,
-                        "ok": stats.ok,
-                        "bytes": stats.bytes,
-                        "errors": sum(stats.errors.values()),
-                        "restart_errors": sum(stats.restart_errors.values()),
-                        "bad": stats.bytes_corrupted + stats.bytes_false_success,
-                        "lat_us": lat,
-                    }
-                )
+                _emit(progress_message(idx, stats, lat))
 
         reporter = asyncio.ensure_future(progress())
         try:
@@ -963,18 +966,7 @@ def run_sync_worker(spec: dict[str, Any]) -> WorkerStats:
             nonlocal sent
             lat = stats.lat_us[sent:]
             sent += len(lat)
-            _emit(
-                {
-                    "type": "progress",
-                    "client": idx,
-                    "ok": stats.ok,
-                    "bytes": stats.bytes,
-                    "errors": sum(stats.errors.values()),
-                    "restart_errors": sum(stats.restart_errors.values()),
-                    "bad": stats.bytes_corrupted + stats.bytes_false_success,
-                    "lat_us": lat,
-                }
-            )
+            _emit(progress_message(idx, stats, lat))
 
         def next_daemon(generation: int) -> None:
             # A stopping daemon refuses copies until it closes the connection; the blocking client
