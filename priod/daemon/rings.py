@@ -1,10 +1,11 @@
 """A connection's copy ring in the daemon (the layout and its rules: `priod.wire.ring`).
 
 The daemon makes the ring's memfd (sealed: the client can neither shrink nor grow it) and both
-eventfds, and keeps its own descriptors of all three; the client gets duplicates. So a hostile
-client can write anything into the ring's bytes and its doorbell, and nothing else: what it
-writes is checked (`SubmissionReader`), a completion queue it never reads makes the daemon
-answer on the socket, and unmapping or closing its copies changes nothing here.
+eventfds; it keeps its own mapping of the memfd and both eventfds, and the client gets the memfd
+and duplicates of the eventfds. So a hostile client can write anything into the ring's bytes and
+its doorbell, and nothing else: what it writes is checked (`SubmissionReader`), a completion
+queue it never reads makes the daemon answer on the socket, and unmapping or closing its copies
+changes nothing here.
 """
 
 from __future__ import annotations
