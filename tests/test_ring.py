@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from priod.client import Client, SyncClient
-from priod.errors import ConnectionClosed, InvalidRequest
+from priod.errors import ConnectionClosed, CopyTimeout, InvalidRequest
 from priod.testing import DaemonProcess, daemon_process
 from priod.wire.messages import PROTOCOL_VERSION
 from priod.wire.ring import (
@@ -371,3 +371,24 @@ def test_the_blocking_client_sends_batches_on_the_ring(ringd: DaemonProcess) -> 
         assert np.array_equal(arr(dev)[4096:], arr(host)[:4096]) and np.array_equal(arr(dev)[:4096], arr(host)[4096:])
         mine = [x for x in s.status()["clients"] if x["pid"] == os.getpid() and x["ring_completions"]]
         assert mine and mine[0]["ring_completions"] >= 1
+
+
+async def test_a_ring_copy_can_be_cancelled_and_timed_out_as_a_frame_can(ringd: DaemonProcess) -> None:
+    """A cancel (a frame) finds a copy sent as a descriptor, and its end comes as the usual
+    reply: bytes done, the copy stopped at a chunk boundary; a timeout does the same."""
+    big = 256 << 20  # ~130 ms at the sim's 2 GB/s
+    async with await Client.connect(ringd.socket_path) as c:
+        host, dev = await c.alloc_host(big), await c.alloc_device(big)
+        before = await _clients_ring_completions(c)
+        h = c.start_copy(dev, host, priority="bulk")
+        await asyncio.sleep(0.02)
+        done = await h.cancel()
+        assert 0 <= done < big
+        with pytest.raises(CopyTimeout) as info:
+            await c.copy(dev, host, priority="bulk", timeout=0.02)
+        assert 0 <= info.value.bytes_done < big
+        assert await _clients_ring_completions(c) == before  # neither ended on the ring
+    with SyncClient(ringd.socket_path) as s:
+        host2, dev2 = s.alloc_host(big), s.alloc_device(big)
+        with pytest.raises(CopyTimeout):
+            s.copy(dev2, host2, priority="bulk", timeout=0.02)
