@@ -52,6 +52,7 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 from priod.client import Client, SyncClient
+from priod.client.sync_client import DEFAULT_SPIN_US
 from priod.testing import (
     BulkProcess,
     CpuMeter,
@@ -309,6 +310,8 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
     aclient = await Client.connect(d.socket_path, copy_path="daemon", name="bench-rtt")
     # The same client with the copy ring off: every copy a frame on the socket.
     sclient = await Client.connect(d.socket_path, copy_path="daemon", name="bench-rtt-socket", ring=False)
+    # And polling the ring for each copy's completion (``spin_us``), as the blocking client does.
+    pclient = await Client.connect(d.socket_path, copy_path="daemon", name="bench-rtt-spin", spin_us=DEFAULT_SPIN_US)
     out["ring"] = aclient._ring is not None
     try:
         s_host, s_dev = sync.alloc_host(args.rtt_bytes), sync.alloc_device(args.rtt_bytes)
@@ -316,6 +319,7 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         a_host, a_dev = await aclient.alloc_host(args.rtt_bytes), await aclient.alloc_device(args.rtt_bytes)
         t_host, t_dev = await aclient.alloc_host(args.tiny_bytes), await aclient.alloc_device(args.tiny_bytes)
         ss_host, ss_dev = await sclient.alloc_host(args.rtt_bytes), await sclient.alloc_device(args.rtt_bytes)
+        sp_host, sp_dev = await pclient.alloc_host(args.rtt_bytes), await pclient.alloc_device(args.rtt_bytes)
         st_host, st_dev = await sclient.alloc_host(args.tiny_bytes), await sclient.alloc_device(args.tiny_bytes)
         msg = copy_request(s_dev.id, s_host.id, args.rtt_bytes, "normal")
         out["request_frame_bytes"] = len(msgpack.packb({**msg, "id": 1000}, use_bin_type=True)) + HEADER.size
@@ -329,6 +333,7 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         await async_rtt_echo(efs, msg, 200, 1)
         await async_rtt_priod(aclient, a_dev, a_host, args.rtt_bytes, "normal", 200)
         await async_rtt_priod(sclient, ss_dev, ss_host, args.rtt_bytes, "normal", 200)
+        await async_rtt_priod(pclient, sp_dev, sp_host, args.rtt_bytes, "normal", 200)
         series: dict[str, list[float]] = {
             k: []
             for k in (
@@ -340,6 +345,7 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
                 "priod_async_normal",
                 "priod_async_urgent",
                 "priod_async_socket",
+                "priod_async_spin",
             )
         }
         transfer: dict[str, list[float]] = {"normal": [], "urgent": []}
@@ -359,6 +365,7 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
             for prio in ("normal", "urgent"):
                 series[f"priod_async_{prio}"] += await async_rtt_priod(aclient, a_dev, a_host, args.rtt_bytes, prio, n)
             series["priod_async_socket"] += await async_rtt_priod(sclient, ss_dev, ss_host, args.rtt_bytes, "normal", n)
+            series["priod_async_spin"] += await async_rtt_priod(pclient, sp_dev, sp_host, args.rtt_bytes, "normal", n)
         out["rtt_us"] = {k: summarize(v) for k, v in series.items()}
         out["engine_transfer_us"] = {k: summarize(v) for k, v in transfer.items()}
         # The daemon's own part of a round trip: what is left once the engine's time (first
@@ -411,6 +418,7 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         sync_socket.close()
         await aclient.close()
         await sclient.close()
+        await pclient.close()
     return out
 
 
@@ -583,7 +591,11 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str,
             )
         )
     ea = ov["rtt_us"]["echo_async"]
-    for key, how in (("priod_async_normal", via), ("priod_async_socket", "socket")):
+    for key, how in (
+        ("priod_async_normal", via),
+        ("priod_async_socket", "socket"),
+        ("priod_async_spin", f"{via}, spin_us {DEFAULT_SPIN_US:.0f}"),
+    ):
         pa = ov["rtt_us"][key]
         rows.append(
             (

@@ -392,3 +392,24 @@ async def test_a_ring_copy_can_be_cancelled_and_timed_out_as_a_frame_can(ringd: 
         host2, dev2 = s.alloc_host(big), s.alloc_device(big)
         with pytest.raises(CopyTimeout):
             s.copy(dev2, host2, priority="bulk", timeout=0.02)
+
+
+async def test_an_asyncio_client_may_poll_the_ring_for_its_copy(ringd: DaemonProcess) -> None:
+    """``spin_us``: `copy` and `copy_batch` poll the ring for their completion before they
+    await; results and bytes are the same, and a refused copy still raises (its error comes on
+    the socket once the poll gives up). A negative spin is refused."""
+    with pytest.raises(InvalidRequest, match="spin_us"):
+        await Client.connect(ringd.socket_path, spin_us=-1)
+    async with await Client.connect(ringd.socket_path, spin_us=2000) as c:
+        dev, host = await c.alloc_device(8192), await c.alloc_host(8192)
+        arr(host)[:] = 5
+        before = await _clients_ring_completions(c)
+        for _ in range(20):
+            r = await c.copy(dev, host, 4096)
+            assert r.nbytes == 4096 and r.path in ("dma", "express")
+        b = await c.copy_batch(dev, host, [(4096, 0, 4096)])
+        assert b.segments == 1
+        assert (arr(dev) == 5).all()
+        assert await _clients_ring_completions(c) - before == 21
+        with pytest.raises(InvalidRequest):
+            await c.copy(dev, host, 100, dst_offset=8100)

@@ -56,6 +56,7 @@ class CopyRing:
         self._completions = CompletionWriter(self._buf, RING_ENTRIES)
         self._loop = loop
         self._wake_due = False
+        self._burst = False
         self.completed = 0
         """Completions written to the ring (the rest of this connection's replies went by the socket)."""
         self.closed = False
@@ -97,12 +98,15 @@ class CopyRing:
         ):
             return False
         self.completed += 1
-        if not self._wake_due:
-            # One wake-up for every completion of this loop turn, at its end: the eventfd write
-            # wakes the client's process, the dearest step of a completion (pipelined copies on
-            # the 2-vCPU VM: waking at the first one too cost ~1 us a copy more).
-            self._wake_due = True
+        if not self._burst:
+            # The first completion of a loop turn wakes the client at once (a copy waited for
+            # alone is answered without the rest of the turn before it); any more in the same
+            # turn share one wake-up at its end, as the socket's replies share one send.
+            self._burst = True
+            self._wake()
             self._loop.call_soon(self._end_burst)
+        else:
+            self._wake_due = True
         return True
 
     def _wake(self) -> None:
@@ -112,8 +116,9 @@ class CopyRing:
             pass  # the counter is full: the client has a wake-up pending anyway
 
     def _end_burst(self) -> None:
-        self._wake_due = False
-        if not self.closed:
+        self._burst = False
+        if self._wake_due and not self.closed:
+            self._wake_due = False
             self._wake()
 
     def close(self) -> None:
