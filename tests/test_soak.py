@@ -85,6 +85,8 @@ def test_soak_with_daemon_restarts_loses_nothing(tmp_path: Path) -> None:
             "10",
             "--sample-s",
             "0.25",  # a daemon lives 3-5 s, settles for 3: samples from two of them at least
+            "--soak-fds",
+            "6",  # a client that reconnects after the 3 s adds its socket, ring (3) and hold page (2) mid-life
         ],
         capture_output=True,
         text=True,
