@@ -850,9 +850,13 @@ def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:
                 stop.set()
                 attacker.join()
                 # Their last copies, never ended, may still hold a lane for direct_hold_max_ms
-                # (5) where their budget has refilled a little since: wait those out.
+                # (5) where their budget has refilled a little since, and the lane's total for
+                # all uids together (direct_hold_total_share) may be spent: wait those out.
                 deadline = time.monotonic() + 5.0
-                while root.status()["direct"]["held"] and time.monotonic() < deadline:
+                while time.monotonic() < deadline:
+                    direct = root.status()["direct"]
+                    if not direct["held"] and not direct["refused_lanes"]:
+                        break
                     time.sleep(0.01)
                 assert root.status()["direct"]["held"] == []
                 mine = root.hold_page()
