@@ -6,7 +6,7 @@ without and with each attacker, side by side in one run.
     .venv/bin/python scripts/attack.py --quick               # about 1-1.5 minutes
     .venv/bin/python scripts/attack.py --only bombs,idle     # some attacks only
     .venv/bin/python scripts/attack.py --only holds-uids,status-flood,batch-flood,pin-shared --out /tmp/attack40
-                                                             # issue 40's, by 1, 3, 8 uids: about 3 minutes
+                                                             # tenant attacks by 1, 3, 8 uids: about 3 minutes
 
 Every attack gets a fresh daemon (``python -m priod serve``, `priod.testing.daemon_process`,
 default configuration unless said below; ``--set`` adds settings), measures the honest client's
@@ -40,7 +40,7 @@ figure with no attacker, then starts the attacker in a process of its own and me
    every lane every 2 ms. Honest: a bulk client's throughput. Target: >= 0.7x unloaded (it may
    lose the hold budget's share, ``urgent_budget_share`` = 0.25, and no more, less slack).
 
-10-13. Several uids at once (issue 40): each of these attacks is run by 1, 3 and 8 attacker
+10-13. Several uids at once (tenant attacks): each of these attacks is run by 1, 3 and 8 attacker
    uids at once (``--uids``), every uid within every per-uid limit, all from one attacker
    process (a connection of each uid, its effective uid switched per connect). One daemon per
    attack; root's bulk stream (16 MiB h2d, two outstanding, every copy verified, a process of its
@@ -154,14 +154,14 @@ SIGTERM_MAX_S = 10.0
 REPLY_TIMEOUT_S = 10.0
 """How long the honest client waits for a batch of replies before calling the daemon stalled."""
 TENANT_ATTACKS = ("holds-uids", "status-flood", "batch-flood", "pin-shared")
-"""Issue 40's attacks, each by 1, 3 and 8 uids at once (``--uids``)."""
+"""The tenant attacks, each by 1, 3 and 8 uids at once (``--uids``)."""
 ATTACKS = ("urgent64", "urgent-dma", "tiny", "deadline", "bombs", "idle", "sigterm", "mute", "holds", *TENANT_ATTACKS)
 BATCH_SEGMENTS = 32_768
 """Segments of each batch-flood request: the most one copy_batch may carry."""
 BULK_MIN_RATIO = 0.5
 PING_P99_MAX_US = 20_000.0
 FREE_MAX_US = 100_000.0
-"""Issue 40's targets: root's bulk >= 0.5x alone, ping p99 < 20 ms, a free within 100 ms (and
+"""The tenant attacks' targets: root's bulk >= 0.5x alone, ping p99 < 20 ms, a free within 100 ms (and
 urgent p50 within 2x + 5 ms of alone)."""
 
 
@@ -190,7 +190,7 @@ class Plan:
     drain_wait_s: float = 60.0
     """How long to wait for the daemon to drop the mute clients' connections once they close."""
     tenant_window_s: float = 3.0
-    """Each window of a tenant attack (issue 40): alone, then each variant and uid count."""
+    """Each window of a tenant attack: alone, then each variant and uid count."""
     frees: int = 3
     """Root's shared regions freed in each tenant window."""
     pin_copies: int = 4
@@ -550,7 +550,7 @@ def attack_holds(p: dict[str, Any]) -> dict[str, Any]:
     return {"announced_per_lane": announced, "seconds": seconds, "daemon_direct": status}
 
 
-# -- issue 40: attackers of several uids at once (one process, connections of each uid) --------
+# -- tenant attacks: attackers of several uids at once (one process, connections of each uid) --------
 def _reply_frames(buf: bytearray) -> int:
     """Remove the whole frames at the front of ``buf``; how many there were (replies counted,
     not decoded: the attacker's own CPU stays small beside the daemon's)."""
@@ -588,7 +588,7 @@ def _ask(fs: BlockingFramedSocket, req: dict[str, Any]) -> dict[str, Any]:
 
 
 def attack_turns(p: dict[str, Any]) -> dict[str, Any]:
-    """Issue 40, 1: the ``uids`` take turns holding every lane through hold pages (one connection
+    """Tenant attack 1 (holds-uids): the ``uids`` take turns holding every lane through hold pages (one connection
     each), each within its own hold budget: in every ``period_s`` each has a turn of
     ``min(turn_s, period_s / n)`` (so with more than four uids the lanes are wanted throughout),
     and through its turn it announces ``copy_s`` copies back to back on every lane."""
@@ -704,7 +704,7 @@ def _uid_conns(p: dict[str, Any]) -> tuple[list[tuple[int | None, socket.socket,
 
 
 def attack_status(p: dict[str, Any]) -> dict[str, Any]:
-    """Issue 40, 2: each of ``uids`` pipelines ``status`` on ``conns`` connections, ``window``
+    """Tenant attack 2 (status-flood): each of ``uids`` pipelines ``status`` on ``conns`` connections, ``window``
     outstanding on each (the daemon's request rate per uid is all that slows them)."""
     flag = _stop_flag()
     conns, refused = _uid_conns(p)
@@ -715,7 +715,7 @@ def attack_status(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def attack_batch(p: dict[str, Any]) -> dict[str, Any]:
-    """Issue 40, 2: each of ``uids`` sends copy_batch requests of ``segments`` segments on
+    """Tenant attack 2 (batch-flood): each of ``uids`` sends copy_batch requests of ``segments`` segments on
     ``conns`` connections, ``window`` outstanding on each. ``mode`` "refused": 16-byte segments
     whose last one overlaps the first (refused only after the whole table is checked);
     "accepted": urgent batches of one- and two-byte segments, run."""
@@ -742,7 +742,7 @@ def attack_batch(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def attack_pin(p: dict[str, Any]) -> dict[str, Any]:
-    """Issue 40, 3: each of ``uids`` queues ``copies`` copies into each of root's shared
+    """Tenant attack 3 (pin-shared): each of ``uids`` queues ``copies`` copies into each of root's shared
     ``regions``, every one held on a wait_event of its own that never fires (a byte of its own
     device region, never set), and stays connected. Replies (the cancellations root's frees
     bring) are counted by code."""
@@ -1289,7 +1289,7 @@ class Run:
             finally:
                 await client.close()
 
-    # Issue 40: several uids at once ------------------------------------------------------------
+    # Several uids at once ------------------------------------------------------------
     def tenant_variants(self, name: str) -> list[tuple[str, str, dict[str, Any]]]:
         """(label, attacker kind, its parameters) of each variant of a tenant attack; each runs
         with every uid count of ``--uids``."""
@@ -1400,7 +1400,7 @@ class Run:
         }
 
     async def tenants(self, out: dict[str, Any], name: str) -> None:
-        """A tenant attack (issue 40): one daemon; root's bulk stream (another process, bytes
+        """A tenant attack: one daemon; root's bulk stream (another process, bytes
         checked) runs throughout; a window with no attacker, then one per variant and uid count
         with the attacker (one process, connections of every uid) running, then one more with none."""
         p = self.plan
@@ -1579,7 +1579,7 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
         ]
         rows.append(
             (
-                f"{TENANT_ATTACKS.index(name) + 10}. {name} (issue 40)",
+                f"{TENANT_ATTACKS.index(name) + 10}. {name} (tenant)",
                 "root's bulk, urgent p50, ping p99, free of its shared region",
                 "alone, same daemon",
                 f"{len(verdicts) - len(bad)} of {len(verdicts)} windows meet all four"
@@ -1922,7 +1922,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer samples and shorter windows, about 1-1.5 minutes")
     p.add_argument("--only", help=f"comma-separated attacks to run, of: {', '.join(ATTACKS)}")
     p.add_argument(
-        "--uids", default="1,3,8", help="attacker uid counts of each tenant attack (issue 40; default 1,3,8; at most 8)"
+        "--uids", default="1,3,8", help="attacker uid counts of each tenant attack (default 1,3,8; at most 8)"
     )
     p.add_argument(
         "--conns",
@@ -2024,7 +2024,7 @@ def main(argv: list[str] | None = None) -> int:
     if tenants:
         print()
         print(
-            f"issue 40, root beside several attacker uids (targets: bulk >= {BULK_MIN_RATIO}x alone, urgent p50 <= 2x alone + 5 ms, "
+            f"tenant attacks, root beside several attacker uids (targets: bulk >= {BULK_MIN_RATIO}x alone, urgent p50 <= 2x alone + 5 ms, "
             f"ping p99 < {PING_P99_MAX_US / 1000:g} ms, free <= {FREE_MAX_US / 1000:g} ms)"
         )
         print(format_table(tenants, TENANT_HEADS))

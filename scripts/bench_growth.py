@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Growth benchmark: urgent p99 and the daemon's CPU per copy as client processes multiply.
 
-The urgent-path issue's target: "urgent p99 and daemon CPU per copy with 1, 8 and 64 client
+The target: "urgent p99 and daemon CPU per copy with 1, 8 and 64 client
 processes (half bulk, half urgent); the 64-client p99 within 1.5x of the 1-client figure."
 
 For each N in ``--clients`` (default 1,8,64) a fresh daemon (``python -m priod serve``, child
@@ -100,7 +100,7 @@ SPAWN = mp.get_context("spawn")
 PR_SET_PDEATHSIG = 1
 """prctl(2): the signal a process gets when its parent dies (no orphan daemons or clients)."""
 TARGET_RATIO = 1.5
-"""The issue's target: urgent p99 at N=64 within this factor of the N=1 figure."""
+"""The target: urgent p99 at N=64 within this factor of the N=1 figure."""
 LAT_KEYS = ("n", "p50", "p90", "p99", "p99.9", "max", "mean")
 
 
@@ -628,11 +628,11 @@ def render(points: list[dict[str, Any]], args: argparse.Namespace) -> str:
         verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
         if top["n"] == 64 and base_n == 1:
             lines.append(
-                f"target (issue): urgent p99 with 64 clients within {TARGET_RATIO}x of 1 client: {ratio:.2f}x, {verdict}"
+                f"target: urgent p99 with 64 clients within {TARGET_RATIO}x of 1 client: {ratio:.2f}x, {verdict}"
             )
         else:
             lines.append(
-                f"target (issue) names N=64 against N=1; this run's largest N={top['n']} against N={base_n}: {ratio:.2f}x ({verdict} at this N; not the issue's figure)"
+                f"target names N=64 against N=1; this run's largest N={top['n']} against N={base_n}: {ratio:.2f}x ({verdict} at this N; not the issue's figure)"
             )
     lines.append(
         f"N=1 means 1 urgent + 1 bulk process; N>1: N/2 urgent + N/2 bulk. Urgent: {human(args.size)} h2d every {args.interval_ms:g} ms, "

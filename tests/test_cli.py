@@ -1,4 +1,4 @@
-"""The command line without a command, and how clients find the socket (issue 13, item 5).
+"""The command line without a command, and how clients find the socket.
 
 A client looks in order at ``$PRIOD_SOCKET``, ``$XDG_RUNTIME_DIR/priod.sock`` and
 ``/run/priod/priod.sock`` and takes the first that exists: any login sets ``XDG_RUNTIME_DIR``,

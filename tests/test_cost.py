@@ -5,7 +5,7 @@ work, not in requests. The bucket is per uid: two connections of this process's 
 the attacker, and the test measures the uid's own rate.
 
 What another uid's copies cost the owner of a shared region: its `free` cancels them, at once,
-however many are held on events that never fire (issue 40, attack 3)."""
+however many are held on events that never fire (attack.py pin-shared)."""
 
 from __future__ import annotations
 

@@ -605,7 +605,7 @@ def test_random_traffic_from_many_tenants_keeps_the_promise(ops: list[tuple[obje
             assert end == f.request.nbytes == f.bytes_done
 
 
-# -- holds of several uids: the lane's total (issue 40, attack 1) -------------------------------
+# -- holds of several uids: the lane's total (attack.py holds-uids) -------------------------------
 HOLD_LANES = [{"device": 0, "device_uuid": None, "direction": "h2d"}]
 
 

@@ -1,4 +1,4 @@
-"""Faults the daemon survives (issue 5): a client killed mid-transfer, a client that never reads
+"""Faults the daemon survives: a client killed mid-transfer, a client that never reads
 its replies, an engine error on one chunk, the daemon itself restarted under load, overload.
 
 The daemon always runs in its own process. Every copy that reports success has its bytes checked

@@ -1,4 +1,4 @@
-"""Bad input, fuzzed (issue 5): hypothesis drives the frame decoder and a live daemon with random
+"""Bad input, fuzzed: hypothesis drives the frame decoder and a live daemon with random
 and mutated frames. The daemon must answer every bad request with a well-formed error (never an
 ``internal`` one), close only the offending connection on a broken stream, leak no fd that came
 with a frame where none belonged, and keep serving a well-behaved client correct copies after

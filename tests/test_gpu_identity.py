@@ -1,4 +1,4 @@
-"""GPUs named by UUID end to end (issue 13, item 1), on the sim engine with two devices.
+"""GPUs named by UUID end to end, on the sim engine with two devices.
 
 Each process numbers the GPUs it sees from 0 (``CUDA_VISIBLE_DEVICES``, a container's GPU
 assignment), so a client's ordinal means nothing to the daemon; the UUID is the same everywhere.

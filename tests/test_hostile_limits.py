@@ -871,3 +871,78 @@ def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:
             theirs.close()
             raw.sock.close()
         assert d.proc.poll() is None
+
+
+def test_another_uids_hostile_copy_ring_harms_no_copy_of_root() -> None:
+    """A connection of another uid opens a copy ring and turns on it: its doorbell rung without
+    pause, a thousand descriptors naming a region that is not its own (each refused by id on its
+    socket, which it never reads), then a tail far ahead. Meanwhile root's copies on its own
+    ring land byte-exact and stay quick; the other uid's connection alone is closed, saying why."""
+    from priod.wire.ring import DESCRIPTOR, HEADER_BYTES, RING_ENTRIES, SQ_TAIL, check_header, ring_supported
+
+    if not ring_supported():
+        pytest.skip("the copy ring is x86-64 only")
+    path = socket_path()
+    with daemon_process(OPEN, socket_path=path) as d:
+        raw = Raw(connect_as(NOBODY, path)[0])
+        raw.hello()
+        raw.framed.send({"id": 90, "op": "ring"})
+        msg, fds = raw.framed.receive()
+        assert msg["ok"] and len(fds) == 3, msg
+        memfd, doorbell, wake = fds
+        ring = mmap.mmap(memfd, os.fstat(memfd).st_size)
+        os.close(memfd)
+        buf = memoryview(ring)
+        assert check_header(buf) == RING_ENTRIES
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.is_set():
+                os.eventfd_write(doorbell, 1)
+
+        flooder = threading.Thread(target=flood)
+        try:
+            with priod.SyncClient(path, copy_path="daemon") as root:
+                host, dev = root.alloc_host(MiB), root.alloc_device(MiB)
+                assert host.array is not None and dev.array is not None
+                host.array[:] = np.random.default_rng(3).integers(0, 256, MiB, dtype=np.uint8)
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    root.copy(dev, host, 64 << 10)
+                alone = time.perf_counter() - t0
+                flooder.start()
+                for i in range(1000):  # root's regions by id, from another uid: refused, never queued
+                    DESCRIPTOR.pack_into(
+                        buf, HEADER_BYTES + i * DESCRIPTOR.size, i, 100 + i, dev.id, host.id, 0, 0, 64, 0.0, 0, 0
+                    )
+                buf.cast("Q")[SQ_TAIL // 8] = 1000
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    root.copy(dev, host, 64 << 10)
+                beside = time.perf_counter() - t0
+                buf.cast("Q")[SQ_TAIL // 8] = 10 * RING_ENTRIES  # then a tail far ahead: closed
+                root.copy(dev, host)
+                assert np.array_equal(dev.array, host.array)
+                assert root.status()["clients_total"] >= 1
+            stop.set()
+            flooder.join()
+            replies = []
+            while True:  # its refusals, then the error that closed it
+                try:
+                    replies.append(raw.framed.receive()[0])
+                except priod.ConnectionClosed:
+                    break
+            assert all(r["ok"] is False for r in replies) and replies, replies[:3]
+            assert {r["error"]["code"] for r in replies[:-1]} <= {"not_found", "permission"}, replies[:3]
+            assert replies[-1]["id"] == 0 and "copy ring" in replies[-1]["error"]["message"], replies[-1]
+        finally:
+            stop.set()
+            if flooder.is_alive():
+                flooder.join()
+            buf.release()
+            ring.close()
+            os.close(doorbell)
+            os.close(wake)
+            raw.framed.close()
+        assert d.proc.poll() is None
+    assert beside < 10 * alone + 0.5, (alone, beside)

@@ -1,4 +1,4 @@
-"""Several GPUs under one daemon (issue 14), on the sim engine with 2-4 devices.
+"""Several GPUs under one daemon, on the sim engine with 2 to 8 devices.
 
 The sim gives each GPU its own h2d, d2h and d2d links and each ordered GPU pair a peer link
 (`Direction.PEER`), optionally all host links under one host-memory cap. These tests hold the

@@ -1,4 +1,4 @@
-"""Packaging (issue 13, item 5): the wheel built from a clean checkout carries the units and the
+"""Packaging: the wheel built from a clean checkout carries the units and the
 example config, its extras split the client from the daemon and CUDA 12 from 13, and a client
 installed without the daemon's dependencies works and never imports them.
 

@@ -89,7 +89,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def test_unit_settings_for_notify_watchdog_activation_and_gpus() -> None:
-    """The settings issue 4 asks for are there: Type=notify with a watchdog, the hardening set,
+    """The unit's settings are there: Type=notify with a watchdog, the hardening set,
     a closed device policy that allows the NVIDIA device groups (test_device_allow_covers_...)
     and no PrivateDevices=; a 0660 socket of group priod."""
     svc = unit_entries(UNITS / "priod.service")
@@ -230,7 +230,7 @@ EXPOSURE_MAX = 2.0
 
 def test_unit_exposure_score_stays_low(tmp_path: Path) -> None:
     """``systemd-analyze security --offline=yes`` scores the shipped unit below 2.0 ("OK"), with
-    the hardening issue 13 asks for, and without the settings a GPU daemon cannot have:
+    the hardening the unit promises, and without the settings a GPU daemon cannot have:
     PrivateUsers= (the daemon reads clients' real uids with SO_PEERCRED), PrivateDevices= (no
     /dev/nvidia* in it), MemoryDenyWriteExecute= (the driver's PTX JIT)."""
     analyze = shutil.which("systemd-analyze")

@@ -1,4 +1,4 @@
-"""The soak (issue 5): scripts/loadtest.py --soak for 30 seconds against a daemon of its own.
+"""The soak: scripts/loadtest.py --soak for 30 seconds against a daemon of its own.
 Slow, but part of the default run: a leak per copy or per connection shows within seconds at
 these rates, long before it would show in production."""
 
@@ -58,7 +58,7 @@ def test_soak_30s_rss_fds_and_latency_stay_flat(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_soak_with_daemon_restarts_loses_nothing(tmp_path: Path) -> None:
     """Twenty seconds of the soak mix while the daemon is killed every 3 to 5 s, SIGKILL and
-    SIGTERM alternately, and a new one started on the same socket path (issue 38's target at CI
+    SIGTERM alternately, and a new one started on the same socket path (the restart soak at CI
     scale; `scripts/loadtest.py --kill-every`). The clients reconnect by themselves: no copy is
     lost (no reply and no error), none corrupted (a word neither old nor new, or a source
     changed), none reported done that was not; every copy that failed did so with a documented
