@@ -154,8 +154,7 @@ def take_copy(session: CopySession, req_id: int, req: Copy, by_ring: bool = Fals
     lane = regions.lane_between(dst, src)
     check_copy_bounds(regions, dst, req.dst_offset, src, req.src_offset, nbytes)
     check_limits(session.shared.cfg.limits, session, session.holdings.tally, nbytes, 0)
-    payload = PendingCopy(session, req_id, dst, req.dst_offset, src, req.src_offset)
-    payload.by_ring = by_ring
+    payload = PendingCopy(session, req_id, dst, req.dst_offset, src, req.src_offset, by_ring=by_ring)
     if req.wait_event is not None or req.signal_event is not None:
         _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
@@ -171,8 +170,7 @@ def take_batch(session: CopySession, req_id: int, req: CopyBatch, by_ring: bool 
     lane = regions.lane_between(dst, src)
     check_limits(session.shared.cfg.limits, session, session.holdings.tally, segments.total, len(segments))
     segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
-    payload = PendingCopy(session, req_id, dst, 0, src, 0, segments=segments)
-    payload.by_ring = by_ring
+    payload = PendingCopy(session, req_id, dst, 0, src, 0, segments=segments, by_ring=by_ring)
     if req.wait_event is not None or req.signal_event is not None:
         _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)
@@ -373,7 +371,7 @@ def complete_on_ring(
     """Write a copy that is done (as `outcome_reply`'s first case) to its connection's ring;
     False if the ring has no room (then the reply goes on the socket)."""
     req = f.request
-    return ring.complete(
+    if ring.closed or not ring.completions.try_complete(
         p.client_id,
         req.nbytes,
         round(queued_s * 1e9) / 1e3,
@@ -382,7 +380,10 @@ def complete_on_ring(
         "express" if req.path is _EXPRESS else "dma",
         f.missed_deadline,
         len(p.segments) if p.segments is not None else 0,
-    )
+    ):
+        return False
+    ring.completed_one()
+    return True
 
 
 def check_copy_bounds(

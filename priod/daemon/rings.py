@@ -53,7 +53,8 @@ class CopyRing:
         self._buf = memoryview(self._map)
         write_header(self._buf, RING_ENTRIES)
         self.submissions = SubmissionReader(self._buf, RING_ENTRIES)
-        self._completions = CompletionWriter(self._buf, RING_ENTRIES)
+        self.completions = CompletionWriter(self._buf, RING_ENTRIES)
+        """Where a done copy's completion is written (`complete_on_ring`); then `completed_one`."""
         self._loop = loop
         self._wake_due = False
         self._burst = False
@@ -80,23 +81,8 @@ class CopyRing:
             pass
         on_doorbell()
 
-    def complete(
-        self,
-        req_id: int,
-        nbytes: int,
-        queued_us: float,
-        transfer_us: float,
-        total_us: float,
-        path: str,
-        missed_deadline: bool,
-        segments: int = 0,
-    ) -> bool:
-        """Write a copy's (or a batch's: ``segments``) completion and wake the client; False if
-        the queue has no room."""
-        if self.closed or not self._completions.try_complete(
-            req_id, nbytes, queued_us, transfer_us, total_us, path, missed_deadline, segments
-        ):
-            return False
+    def completed_one(self) -> None:
+        """Count a completion just written to `completions` and wake the client for it."""
         self.completed += 1
         if not self._burst:
             # The first completion of a loop turn wakes the client at once (a copy waited for
@@ -107,7 +93,6 @@ class CopyRing:
             self._loop.call_soon(self._end_burst)
         else:
             self._wake_due = True
-        return True
 
     def _wake(self) -> None:
         try:
@@ -127,7 +112,7 @@ class CopyRing:
         self.closed = True
         self._loop.remove_reader(self.doorbell)
         self.submissions.release()
-        self._completions.release()
+        self.completions.release()
         self._buf.release()
         self._map.close()
         for fd in (self.fd, self.doorbell, self.wake_fd):
