@@ -55,7 +55,7 @@ class Raw:
         """Every fd that came back, closed with the connection."""
         self.fds_back: list[int] = []
         """The fds that came back with the last reply."""
-        assert self.request({"op": "hello", "v": 1})["ok"]
+        assert self.request({"op": "hello", "v": 2})["ok"]
 
     def request(self, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> dict[str, Any]:
         self.next_id += 1

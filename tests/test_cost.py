@@ -36,7 +36,7 @@ class Conn:
         self.sock.connect(path)
         self.sock.settimeout(30)
         self.framed = BlockingFramedSocket(self.sock)
-        assert self.ask({"id": 1, "op": "hello", "v": 1})["ok"]
+        assert self.ask({"id": 1, "op": "hello", "v": 2})["ok"]
 
     def ask(self, req: dict[str, Any]) -> dict[str, Any]:
         self.framed.send(req)
@@ -237,7 +237,7 @@ def test_uids_flooding_status_together_take_no_more_loop_than_one() -> None:
         for g in framed:
             for c in g:
                 c.sock.settimeout(60)
-                c.send({"id": 1, "op": "hello", "v": 1})
+                c.send({"id": 1, "op": "hello", "v": 2})
                 assert c.receive()[0]["ok"]
         time.sleep(0.2)
         t0 = time.monotonic()

@@ -15,12 +15,13 @@ import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
-from priod.client.cuda_ipc import export_cuda_array, open_device_export
+from priod.client.cuda_ipc import export_cuda_array, open_device_fd
 from priod.common.cuda.driver import gpu_available, use_bindings
 from priod.common.cuda.express import EXPRESS_MAX, EXPRESS_MIN_H2D
 from priod.common.types import LOCAL_DIRECTIONS, Direction, LaneKey, Path
@@ -202,9 +203,10 @@ def _ipc_child(conn: Connection) -> None:
         cp.cuda.runtime.deviceSynchronize()
         conn.send([bool((first.get() == expected_first).all()), bool((second.get() == expected_second).all())])
 
-        handle, offset, nbytes, device = conn.recv()
+        size, offset, nbytes, device = conn.recv()
+        fd = recv_handle(conn)  # the daemon allocation's POSIX fd, as the client gets it
         expected = conn.recv()
-        with open_device_export(handle, offset, nbytes, device) as buf:
+        with open_device_fd(fd, size, offset, nbytes, device) as buf:
             view = cp.asarray(buf)
             seen = bool((view.get() == expected).all()) and view.shape == (nbytes,)
             view[:] = cp.arange(nbytes, dtype=cp.uint32).astype(cp.uint8)[::-1]
@@ -485,7 +487,7 @@ class TestOnGpu:
 
     def test_ipc_round_trip_across_processes(self, engine: CudaEngine, regions: dict[str, Any]) -> None:
         """A client's CuPy arrays reach the engine through export_cuda_array/import_device, and
-        the engine's allocation reaches the client through open_device_export; bytes match both
+        the engine's allocation reaches the client through its fd (open_device_fd); bytes match both
         ways."""
         client: HostRegion = regions["client"]
         host = regions["host"]
@@ -518,11 +520,12 @@ class TestOnGpu:
                 engine.release_device(mem)
 
             mine = engine.alloc_device(1 << 20, 0)
-            assert mine.export is not None and mine.export.ipc_handle is not None
+            assert mine.export is not None and mine.export.kind == "vmm_fd" and mine.export.size >= 1 << 20
             client.view[: 1 << 20] = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
             wait(engine.submit(ChunkJob(lane, Path.DMA, mine, host, dst_offset=0, src_offset=0, nbytes=1 << 20)))
             offset = 4099
-            conn.send((mine.export.ipc_handle, offset, (1 << 20) - offset, 0))
+            conn.send((mine.export.size, offset, (1 << 20) - offset, 0))
+            send_handle(conn, mine.export.fd, child.pid)
             conn.send(client.view[offset : 1 << 20].copy())
             assert conn.poll(60)
             assert conn.recv() is True

@@ -438,7 +438,7 @@ def test_daemon_maps_an_imported_allocation_whole_and_unmaps_it(daemon_driver: A
         os.fstat(fd)  # still open: the session closes it
     finally:
         os.close(fd)
-    assert used == [1] and (mem.pointer, mem.nbytes, mem.device, mem.owned) == (BASE + 3 * MiB, 4 * MiB, 1, False)
+    assert used == [1] and (mem.pointer, mem.nbytes, mem.device, mem.export) == (BASE + 3 * MiB, 4 * MiB, 1, None)
     assert drv.calls == [
         ("import", fd, "posix_fd"),
         ("props", 77),
@@ -567,7 +567,7 @@ def test_daemon_imports_each_allocation_once_and_each_pool_import_goes_with_its_
         ADDRESS_A,
         ADDRESS_B + 100,
     )
-    assert (first.nbytes, first.device, first.owned) == (8192, 1, False)
+    assert (first.nbytes, first.device, first.export) == (8192, 1, None)
     assert [c[1] for c in drv.calls if c[0] == "import_pool"] == [5, 6, 7]
     assert [c for c in drv.calls if c[0] != "import_pool"] == [
         ("pool_access", 900, 1),

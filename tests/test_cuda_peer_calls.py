@@ -201,7 +201,7 @@ def _peer_engine(cuda: FakeCuda, devices: dict[int, Device]) -> CudaEngine:
 
 
 def _dev(pointer: int, gpu: int) -> CudaDeviceMemory:
-    return CudaDeviceMemory(pointer, 1 << 20, gpu, owned=True)
+    return CudaDeviceMemory(pointer, 1 << 20, gpu)
 
 
 def test_a_peer_chunk_is_one_peer_copy_on_the_source_gpu_naming_both(gpus: Gpus) -> None:

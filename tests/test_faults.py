@@ -350,7 +350,7 @@ async def test_client_that_never_reads_is_bounded_and_others_keep_their_promise(
 
         fl = Flooder(faulty.socket_path)
         try:
-            assert fl.request({"id": 1, "op": "hello", "v": 1})[0]["ok"]
+            assert fl.request({"id": 1, "op": "hello", "v": 2})[0]["ok"]
             reply, fds = fl.request({"id": 2, "op": "alloc_host", "nbytes": attacker_pinned})
             for fd in fds:
                 os.close(fd)

@@ -379,7 +379,7 @@ def attack(
 
     try:
         if greet:
-            sock.sendall(encode({"id": 1, "op": "hello", "v": 1}))
+            sock.sendall(encode({"id": 1, "op": "hello", "v": 2}))
             assert read_one()["ok"]
             if setup:
                 sock.sendall(encode({"id": 2, "op": "alloc_host", "nbytes": 8192}))
@@ -533,7 +533,7 @@ def test_fds_where_none_belong_are_refused_and_closed(target: DaemonProcess, op:
     sock.connect(target.socket_path)
     try:
         framed = priod.wire.transport.BlockingFramedSocket(sock)
-        framed.send({"id": 1, "op": "hello", "v": 1})
+        framed.send({"id": 1, "op": "hello", "v": 2})
         assert framed.receive()[0]["ok"]
         # The baseline once this is the only connection (the last example's may still be closing).
         deadline = time.monotonic() + 20

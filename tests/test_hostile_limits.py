@@ -119,7 +119,7 @@ class Raw:
         return reply
 
     def hello(self) -> dict[str, Any]:
-        return self.ok("hello", v=1)
+        return self.ok("hello", v=2)
 
     def error(self, op: str, **fields: Any) -> tuple[str, str]:
         reply = self.request(op, **fields)
@@ -639,7 +639,7 @@ def test_clients_that_never_read_cost_about_max_output_bytes_each() -> None:
             for _ in range(clients):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(d.socket_path)
-                s.sendall(encode({"id": 1, "op": "hello", "v": 1}))
+                s.sendall(encode({"id": 1, "op": "hello", "v": 2}))
                 s.setblocking(False)
                 sent, last = 0, time.monotonic()
                 while sent < len(flood) and time.monotonic() - last < 0.3:  # until the daemon stops reading

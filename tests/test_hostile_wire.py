@@ -64,7 +64,7 @@ def greeted(path: str) -> BlockingFramedSocket:
     sock.settimeout(30)
     sock.connect(path)
     fs = BlockingFramedSocket(sock)
-    fs.send({"id": 1, "op": "hello", "v": 1, "client": "hostile"})
+    fs.send({"id": 1, "op": "hello", "v": 2, "client": "hostile"})
     msg, _ = fs.receive()
     assert msg.get("ok") is True, msg
     return fs
@@ -382,7 +382,7 @@ def _with_field(s: RawSession, op: str, field: str, value: Any) -> dict[str, Any
         "free": {"region": s.host},
         "share": {"region": s.host, "uid": os.getuid()},
         "cancel": {"target": 1},
-        "hello": {"v": 1},
+        "hello": {"v": 2},
     }
     return {"op": op, **whole[op], field: value}
 
@@ -830,7 +830,7 @@ def test_sigterm_with_60_clients_that_never_read_exits_within_10_s() -> None:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(d.socket_path)
                 s.sendall(
-                    encode({"id": 1, "op": "hello", "v": 1})
+                    encode({"id": 1, "op": "hello", "v": 2})
                     + b"".join(encode({"id": n, "op": "status"}) for n in range(2, 202))
                 )
                 readers_never.append(s)

@@ -154,15 +154,21 @@ class Region:
         """A ``register_device``'d buffer, held so its allocator cannot reuse the memory meanwhile."""
         self._held_pointer: int | None = None
         self._fd: int | None = None
-        """A dup of the region's memfd (host regions, sim device regions), kept to register the
-        same memory again with a restarted daemon: the bytes stay in it whatever the daemon does."""
+        """A dup of the region's fd (a host region's memfd, a sim device region's memfd, a CUDA
+        device region's ``cuMemCreate`` export), kept to register the same memory again with a
+        restarted daemon: the bytes stay in it whatever the daemon does."""
         self.shared_with: set[int] = set()
         """The uids this region was shared with (`share`), shared again after a reconnect."""
         self.lost: str | None = None
         """Why this region did not come back after a daemon restart (its client reconnected
         but could not register it again); None while it is held. A lost region raises that
         reason when used."""
-        if fds:
+        if fds and self.export.get("kind") == "vmm_fd":
+            # CUDA memory the daemon allocated: the fd keeps it alive, mapped on the GPU by `cuda`.
+            self._fd, fds = fds[0], fds[1:]
+            for fd in fds:
+                os.close(fd)
+        elif fds:
             try:
                 self._mapping = mmap.mmap(fds[0], self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 self.array = np.frombuffer(self._mapping, dtype=np.uint8)
@@ -177,14 +183,16 @@ class Region:
         Returns an object with ``__cuda_array_interface__`` (uint8, ``nbytes``): pass it to
         ``cupy.asarray`` or ``torch.as_tensor(..., device="cuda")``. Call its ``close()`` when done.
         """
-        if self.export.get("kind") != "cuda_ipc":
-            raise InvalidRequest("this region has no CUDA IPC export (host region, or the sim engine: use .array)")
-        from priod.client.cuda_ipc import local_ordinal, open_device_export
+        if self.export.get("kind") != "vmm_fd":
+            raise InvalidRequest("this region has no CUDA export (host region, or the sim engine: use .array)")
+        if self._fd is None:
+            raise InvalidRequest(f"{self!r} is not held by this process any more (freed, or its connection closed)")
+        from priod.client.cuda_ipc import local_ordinal, open_device_fd
 
         # Opened on this process's ordinal of the GPU, found by UUID: the daemon's ordinal names
         # another GPU here, or none, when CUDA_VISIBLE_DEVICES differs between the two processes.
         device = local_ordinal(self.device_uuid) if self.device_uuid else self.device or 0
-        return open_device_export(self.export["handle"], self.export.get("offset", 0), self.nbytes, device)
+        return open_device_fd(self._fd, int(self.export["size"]), int(self.export["offset"]), self.nbytes, device)
 
     def holding(self, obj: Any) -> Region:
         """Remember ``obj``, the client's own device buffer this region was registered from:
@@ -331,16 +339,18 @@ def reregister_request(region: Region) -> tuple[Request, tuple[int, ...]] | str:
         size = os.fstat(region._fd).st_size
         req = RegisterDevice(b"", region.nbytes, 0, region.device or 0, region.device_uuid, kind="memfd", size=size)
         return req, (os.dup(region._fd),)
+    if region._fd is not None and region.export.get("kind") == "vmm_fd":
+        size = int(region.export["size"])
+        offset = int(region.export.get("offset", 0))
+        req = RegisterDevice(
+            b"", region.nbytes, offset, region.device or 0, region.device_uuid, kind="vmm_fd", size=size
+        )
+        return req, (os.dup(region._fd),)
     if region._held is not None:
         try:
             return cuda_register_request(region._held)
         except Exception as exc:  # the buffer is gone, or CUDA refuses it: reported, not raised
             return f"registering its buffer again failed: {exc!r}"
-    if region.kind == "device":
-        return (
-            "its memory was the daemon's own CUDA allocation, which went with the daemon; allocate it again "
-            "(register your own buffer with register_device for memory that survives a restart)"
-        )
     return "this client holds no fd of its memory"
 
 

@@ -2,8 +2,9 @@
 
 `export_device_buffer` describes a client's CUDA array (CuPy, PyTorch) for ``register_device``:
 by the IPC handle of its allocation, or where IPC handles cannot share it by a POSIX fd
-(``cuMemCreate`` memory, stream-ordered pools created shareable); `open_device_export` opens a
-device region the daemon allocated, as a `CudaBuffer` that CuPy and PyTorch view without a copy.
+(``cuMemCreate`` memory, stream-ordered pools created shareable); `open_device_fd` maps a
+device region the daemon allocated from the fd the client keeps (`open_device_export` opens one
+shared by IPC handle), as a `CudaBuffer` that CuPy and PyTorch view without a copy.
 
 This is what the client library uses, and it never imports the engine: its only CUDA access is
 `priod.common.cuda.driver`, which loads cuda-bindings on first use (importing this module
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple, Self
 
 import numpy as np
@@ -33,6 +35,7 @@ from priod.common.cuda.driver import (
     handle_to_bytes,
     local_ordinal,
 )
+from priod.common.cuda.vmm import vmm_import, vmm_map, vmm_unmap
 from priod.errors import CudaError, EngineError
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "ipc_event",
     "local_ordinal",
     "open_device_export",
+    "open_device_fd",
 ]
 
 _client_ipc = IpcTable()
@@ -341,18 +345,20 @@ def export_cuda_array(obj: object) -> tuple[bytes, int, int, int]:
 
 
 class CudaBuffer:
-    """Device memory opened from another process's IPC handle, as a flat uint8 CUDA array.
+    """Device memory another process shares, opened here as a flat uint8 CUDA array: by a
+    CUDA IPC handle (`open_device_export`) or a ``cuMemCreate`` allocation's POSIX fd
+    (`open_device_fd`, a device region the daemon allocated).
 
     ``cupy.asarray(buf)`` and ``torch.as_tensor(buf, device="cuda")`` view it without a copy.
     `close` (or leaving a ``with`` block) closes the handle once no other buffer uses it; views
     made from the buffer must not be used after that.
     """
 
-    def __init__(self, handle: bytes, base: int, offset: int, nbytes: int, device: int) -> None:
-        self._handle = handle
-        self.pointer = base + offset
+    def __init__(self, pointer: int, nbytes: int, device: int, release: Callable[[], None]) -> None:
+        self.pointer = pointer
         self.nbytes = nbytes
         self.device = device
+        self._release = release
         self._closed = False
 
     @property
@@ -362,11 +368,11 @@ class CudaBuffer:
         return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.pointer, False), "strides": None, "version": 3}
 
     def close(self) -> None:
-        """Close the IPC handle (when this is its last buffer in the process). Idempotent."""
+        """Close the handle (when this is its last buffer in the process). Idempotent."""
         if not self._closed:
             self._closed = True
             with DeviceScope(self.device):
-                _client_ipc.release(self._handle, self.device)
+                self._release()
 
     def __enter__(self) -> Self:
         return self
@@ -404,9 +410,28 @@ def open_device_export(ipc_handle: bytes, offset: int, nbytes: int, device: int)
     if nbytes <= 0 or offset < 0:
         raise ValueError(f"bad device region: offset {offset}, {nbytes} bytes")
     bindings()
+    handle = bytes(ipc_handle)
     with DeviceScope(device):
-        base = _client_ipc.acquire(bytes(ipc_handle), device)
-    return CudaBuffer(bytes(ipc_handle), base, offset, nbytes, device)
+        base = _client_ipc.acquire(handle, device)
+    return CudaBuffer(base + offset, nbytes, device, lambda: _client_ipc.release(handle, device))
+
+
+def open_device_fd(fd: int, size: int, offset: int, nbytes: int, device: int) -> CudaBuffer:
+    """Map a ``cuMemCreate`` allocation of ``size`` bytes from its POSIX fd (a device region the
+    daemon allocated; ``fd`` stays the caller's) with read/write access for ``device``, this
+    process's ordinal of its GPU, and view ``nbytes`` at ``offset``. The mapping holds the
+    allocation until `CudaBuffer.close`.
+
+    Raises:
+        CudaError: CUDA refused the fd or the mapping.
+    """
+    if nbytes <= 0 or offset < 0 or offset + nbytes > size:
+        raise ValueError(f"bad device region: offset {offset}, {nbytes} bytes, in an allocation of {size}")
+    rt, drv = bindings()
+    with DeviceScope(device):
+        check(rt.cudaFree(0))  # the device's primary context current on this thread, for the driver calls
+        mapping = vmm_map(drv, vmm_import(drv, fd), size, [device])
+    return CudaBuffer(mapping.base + offset, nbytes, device, lambda: vmm_unmap(mapping))
 
 
 def _stream(stream: Any) -> int:

@@ -442,14 +442,16 @@ class RegionTable:
             assert export is not None
             # The sim engine's device memory is a memfd the client gets: it may register it
             # as a host region too, and copies between the two are then within one memory.
-            file = memfd_identity(export.fd) if export.fd is not None else None
+            file = memfd_identity(export.fd) if export.kind == "memfd" else None
             region = self._add(holder, "device", nbytes, mem, device, file, export.offset)
         except BaseException:
             self._unclaim(holder.tally, "device", nbytes)
             raise
-        if export.fd is not None:
-            return region, {"kind": "memfd", "offset": export.offset}, [os.dup(export.fd)]
-        return region, {"kind": "cuda_ipc", "handle": export.ipc_handle, "offset": export.offset}, []
+        # The client keeps a dup of the fd: the memory lives as long as it does, daemon or not.
+        reply: dict[str, Any] = {"kind": export.kind, "offset": export.offset}
+        if export.kind == "vmm_fd":
+            reply["size"] = export.size
+        return region, reply, [os.dup(export.fd)]
 
     async def register_device(self, holder: Holdings, handle: bytes, offset: int, nbytes: int, device: int) -> Region:
         """The client's own device memory, opened from its IPC handle."""

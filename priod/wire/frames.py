@@ -34,7 +34,7 @@ __all__ = [
     "require",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 1 << 20
 """Requests are small (copies name memory, they never carry it): 1 MiB is generous."""

@@ -82,7 +82,7 @@ __all__ = [
     "request_id",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_ID = (1 << 63) - 1
 MAX_DEADLINE_MS = 3_600_000
 """A copy's ``deadline_ms`` is within [0, this]: one hour (Copy.check)."""

@@ -74,15 +74,18 @@ class HostMemory(Memory):
 
 @dataclass(frozen=True)
 class DeviceExport:
-    """How a client reaches a device region the daemon allocated.
+    """How a client reaches a device region the daemon allocated: by ``fd``, a file the client
+    keeps, so that the memory outlives the daemon (docs/reliability.md).
 
-    Exactly one of ``fd`` (sim: a memfd the client maps) and ``ipc_handle`` (cuda: a
-    ``cudaIpcMemHandle_t`` the client opens) is set.
+    ``kind`` says what ``fd`` is: ``memfd`` (sim: a memfd the client maps) or ``vmm_fd`` (cuda:
+    the POSIX fd of a ``cuMemCreate`` allocation of ``size`` bytes, which the client imports
+    and maps, and registers again with a restarted daemon).
     """
 
-    fd: int | None = None
-    ipc_handle: bytes | None = None
+    fd: int
+    kind: str = "memfd"
     offset: int = 0
+    size: int = 0
 
 
 class DeviceMemory(Memory):

@@ -185,7 +185,7 @@ class CudaEngine(Engine):
         if nbytes <= 0:
             raise InvalidRequest(f"a device region needs at least one byte, not {nbytes}")
         self._device(device)
-        return self._regions.alloc_device(nbytes, device)
+        return self._regions.alloc_device(nbytes, device, self._peers_of(device))
 
     def import_device(self, ipc_handle: bytes, offset: int, nbytes: int, device: int) -> DeviceMemory:
         self._check_open()

@@ -5,8 +5,9 @@
   0.4-0.6 ms per MiB for a fresh memfd (the pages are allocated then), measured on an H200.
   Never per copy. Mapped, so that the express kernel reaches it through its device alias;
   portable, so that every device's context can use it.
-- Device memory is either allocated here with ``cudaMalloc`` (a client reaches it through the
-  IPC handle in its `DeviceExport`) or imported from a client's IPC handle. Imports go through
+- Device memory is either allocated here with ``cuMemCreate`` (a client reaches it through the
+  POSIX fd in its `DeviceExport` and keeps that fd, so the memory outlives the daemon) or
+  imported from a client's IPC handle. IPC handle imports go through
   the daemon-side `IpcTable`, which opens each client allocation once however many regions
   point into it.
 - A client's ``cuMemCreate`` memory (PyTorch's expandable segments, vLLM's CuMemAllocator)
@@ -31,9 +32,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from priod.common.cuda.driver import IpcTable, bindings, check, handle_to_bytes, pool_export_from_bytes
+from priod.common.cuda.driver import IpcTable, bindings, check, pool_export_from_bytes
+from priod.common.cuda.vmm import VmmMapping, access_descs, vmm_import, vmm_map, vmm_prop, vmm_unmap
 from priod.daemon.engines.base import DeviceExport, DeviceMemory, HostMemory
 from priod.errors import CudaError, InvalidRequest
 
@@ -42,10 +44,6 @@ __all__ = [
     "CudaHostMemory",
     "PoolTable",
     "Regions",
-    "VmmMapping",
-    "vmm_import",
-    "vmm_map",
-    "vmm_unmap",
 ]
 
 
@@ -63,7 +61,8 @@ class CudaHostMemory(HostMemory):
 
 
 class CudaDeviceMemory(DeviceMemory):
-    """Device memory: allocated here (``owned``) or opened from a client's IPC handle."""
+    """Device memory: allocated here (``export`` set, ``vmm`` its mapping), or a client's
+    memory imported from its IPC handle, its POSIX fd (``vmm``) or its pool (``pool``)."""
 
     def __init__(
         self,
@@ -71,14 +70,12 @@ class CudaDeviceMemory(DeviceMemory):
         nbytes: int,
         device: int,
         *,
-        owned: bool,
         export: DeviceExport | None = None,
         ipc_handle: bytes | None = None,
     ) -> None:
         self.pointer = pointer
         self.nbytes = nbytes
         self.device = device
-        self.owned = owned
         self.export = export
         self.ipc_handle = ipc_handle
         """For imported memory, the handle it was opened from (to close it)."""
@@ -87,15 +84,6 @@ class CudaDeviceMemory(DeviceMemory):
         self.pool: PoolKey | None = None
         """For memory imported from a pool, its allocation's key in the `PoolTable`."""
         self.released = False
-
-
-class VmmMapping(NamedTuple):
-    """An imported ``cuMemCreate`` allocation mapped here: ``size`` bytes at ``base``."""
-
-    handle: Any
-    """The imported ``CUmemGenericAllocationHandle``, released after the unmap."""
-    base: int
-    size: int
 
 
 PoolKey = tuple[int, bytes]
@@ -311,17 +299,40 @@ class Regions:
         finally:
             mem.unmap()
 
-    def alloc_device(self, nbytes: int, device: int) -> CudaDeviceMemory:
-        """``cudaMalloc`` on ``device``, exported by its IPC handle."""
-        rt, _ = bindings()
+    def alloc_device(self, nbytes: int, device: int, peers: Sequence[int] = ()) -> CudaDeviceMemory:
+        """``cuMemCreate`` on ``device``, exported by a POSIX fd and mapped here with read/write
+        access for ``device`` and ``peers``.
+
+        Not ``cudaMalloc``: memory that ``cudaMalloc`` makes dies with this process, and the
+        client's KV cache must outlive a daemon restart. The client keeps the fd (the export
+        holds a reference to the allocation) and registers it again with the next daemon.
+        The size is rounded up to the allocation granularity (2 MiB on an H200).
+        """
+        _, drv = bindings()
         self._use(device)
-        pointer = int(check(rt.cudaMalloc(nbytes)))
+        prop = vmm_prop(drv, device)
+        granularity = int(
+            check(
+                drv.cuMemGetAllocationGranularity(
+                    prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                )
+            )
+        )
+        size = -(-nbytes // granularity) * granularity
+        handle = check(drv.cuMemCreate(size, prop, 0))
         try:
-            handle = handle_to_bytes(check(rt.cudaIpcGetMemHandle(pointer)))
+            posix_fd = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            fd = int(check(drv.cuMemExportToShareableHandle(handle, posix_fd, 0)))
         except BaseException:
-            rt.cudaFree(pointer)
+            drv.cuMemRelease(handle)
             raise
-        mem = CudaDeviceMemory(pointer, nbytes, device, owned=True, export=DeviceExport(ipc_handle=handle, offset=0))
+        try:
+            mapping = vmm_map(drv, handle, size, [device, *peers])  # releases handle on failure
+        except BaseException:
+            os.close(fd)
+            raise
+        mem = CudaDeviceMemory(mapping.base, nbytes, device, export=DeviceExport(fd=fd, kind="vmm_fd", size=size))
+        mem.vmm = mapping
         self.device_mems[id(mem)] = mem
         return mem
 
@@ -329,7 +340,7 @@ class Regions:
         """Open a client's allocation (once per allocation) and take ``nbytes`` at ``offset``."""
         self._use(device)
         base = self.ipc.acquire(bytes(ipc_handle), device)
-        mem = CudaDeviceMemory(base + offset, nbytes, device, owned=False, ipc_handle=bytes(ipc_handle))
+        mem = CudaDeviceMemory(base + offset, nbytes, device, ipc_handle=bytes(ipc_handle))
         self.device_mems[id(mem)] = mem
         return mem
 
@@ -349,7 +360,7 @@ class Regions:
         self._use(device)
         handle = vmm_import(drv, fd)
         mapping = vmm_map(drv, handle, size, [device, *peers])
-        mem = CudaDeviceMemory(mapping.base + offset, nbytes, device, owned=False)
+        mem = CudaDeviceMemory(mapping.base + offset, nbytes, device)
         mem.vmm = mapping
         self.device_mems[id(mem)] = mem
         return mem
@@ -372,7 +383,7 @@ class Regions:
             raise InvalidRequest(
                 f"offset {offset} + nbytes {nbytes} is past the end of the pool allocation, {size} bytes: {POOL_FD_HINT}"
             )
-        mem = CudaDeviceMemory(pointer + offset, nbytes, device, owned=False)
+        mem = CudaDeviceMemory(pointer + offset, nbytes, device)
         mem.pool = key
         self.device_mems[id(mem)] = mem
         return mem
@@ -382,12 +393,11 @@ class Regions:
         if self.device_mems.pop(id(mem), None) is None:
             return
         assert isinstance(mem, CudaDeviceMemory) and mem.device is not None
-        rt, _ = bindings()
         mem.released = True
         self._use(mem.device)
-        if mem.owned:
-            check(rt.cudaFree(mem.pointer))
-        elif mem.vmm is not None:
+        if mem.vmm is not None:
+            if mem.export is not None:
+                os.close(mem.export.fd)  # the client's dup, if it still has one, keeps the memory
             vmm_unmap(mem.vmm)
         elif mem.pool is not None:
             self.pools.release(mem.pool)
@@ -435,83 +445,3 @@ POOL_FD_HINT = (
     "and as handle the 64 bytes that cuMemPoolExportPointer gave for its allocation, allocated (its stream synchronised) and not "
     "freed (priod.client.cuda_ipc.export_device_buffer does), with offset + nbytes within the allocation"
 )
-VMM_FD_HINT = (
-    "pass the fd that cuMemExportToShareableHandle(handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) gave for the "
-    "allocation (priod.client.cuda_ipc.export_device_buffer does), with size the whole allocation's"
-)
-
-
-def vmm_import(drv: Any, fd: int) -> Any:
-    """``cuMemImportFromShareableHandle`` of a POSIX fd; a fd that is not a CUDA allocation's
-    export is the client's mistake (InvalidRequest), whatever the driver calls it."""
-    kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    try:
-        return check(drv.cuMemImportFromShareableHandle(fd, kind))
-    except CudaError as exc:
-        raise InvalidRequest(
-            f"the fd passed with register_device (kind 'vmm_fd') does not import as a CUDA allocation ({exc}): {VMM_FD_HINT}"
-        ) from exc
-
-
-def vmm_map(drv: Any, handle: Any, size: int, devices: Sequence[int]) -> VmmMapping:
-    """Map all ``size`` bytes of the imported ``handle`` at a new address range and give
-    ``devices`` read/write access; on any failure undo what was done and release ``handle``."""
-    base = 0
-    mapped = False
-    try:
-        prop = check(drv.cuMemGetAllocationPropertiesFromHandle(handle))
-        granularity = int(
-            check(
-                drv.cuMemGetAllocationGranularity(
-                    prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-                )
-            )
-        )
-        if granularity <= 0 or size % granularity:
-            raise InvalidRequest(
-                f"size = {size} is not a multiple of the allocation's granularity ({granularity} bytes): {VMM_FD_HINT}"
-            )
-        base = int(check(drv.cuMemAddressReserve(size, granularity, 0, 0)))
-        try:
-            check(drv.cuMemMap(base, size, 0, handle, 0))
-        except CudaError as exc:
-            # The driver's one complaint about a size larger than the allocation.
-            raise InvalidRequest(f"the allocation does not map with size = {size} ({exc}): {VMM_FD_HINT}") from exc
-        mapped = True
-        descs = access_descs(drv, devices)
-        check(drv.cuMemSetAccess(base, size, descs, len(descs)))
-    except BaseException:
-        # Best effort, in the reverse order; the error that got us here is the one to report.
-        if mapped:
-            drv.cuMemUnmap(base, size)
-        if base:
-            drv.cuMemAddressFree(base, size)
-        drv.cuMemRelease(handle)
-        raise
-    return VmmMapping(handle, base, size)
-
-
-def access_descs(drv: Any, devices: Sequence[int]) -> list[Any]:
-    """``CUmemAccessDesc`` read/write for each of ``devices`` (cuMemSetAccess, cuMemPoolSetAccess)."""
-    descs = []
-    for device in devices:
-        access = drv.CUmemAccessDesc()
-        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = device
-        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        descs.append(access)
-    return descs
-
-
-def vmm_unmap(mapping: VmmMapping) -> None:
-    """Unmap, free the address range, release the imported handle (each tried, the first error
-    raised): the client's allocation is freed once it, too, lets go. Nothing may be in flight
-    on it (cuMemUnmap does not wait for the device)."""
-    _, drv = bindings()
-    results = (
-        drv.cuMemUnmap(mapping.base, mapping.size),
-        drv.cuMemAddressFree(mapping.base, mapping.size),
-        drv.cuMemRelease(mapping.handle),
-    )
-    for result in results:
-        check(result)
