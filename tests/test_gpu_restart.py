@@ -1,17 +1,23 @@
-"""A daemon restart on a real GPU (marker ``gpu``): device regions the daemon allocated outlive it.
+"""A daemon restart on a real GPU (marker ``gpu``): the KV data of every kind of device region
+comes through it bitwise, and the same `Region` objects go on working.
 
 The cuda engine allocates with ``cuMemCreate`` and hands the client the allocation's POSIX fd;
 the client keeps it and registers it with the next daemon. A region opened in the client
 (`Region.cuda`, the client's own mapping) and one never opened here (only the fd holds it)
-both keep their bytes through a SIGKILL of the daemon.
+both keep their bytes through a SIGKILL and a SIGTERM of the daemon. A PyTorch tensor
+registered with `register_device`, from the caching allocator and from expandable segments
+(``cuMemCreate`` pages, passed by fd), is registered again from the tensor the region holds.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,3 +69,61 @@ def test_daemon_allocated_device_regions_outlive_the_daemon(how: str) -> None:
             view.close()
             c.free(opened)
             c.free(unopened)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+_TENSOR_CLIENT = """
+import sys
+import numpy as np
+import torch
+import priod
+
+n = 1 << 20  # within one 2 MiB page of expandable segments
+t = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+want = t.cpu().numpy()
+with priod.SyncClient(sys.argv[1], copy_path="daemon", reconnect_s=60.0) as c:
+    region, back = c.register_device(t), c.alloc_host(n)
+    c.copy(back, region)
+    assert np.array_equal(back.array, want), "before the restart"
+    print("ready", flush=True)
+    sys.stdin.readline()  # the daemon is restarted meanwhile
+    back.array[:] = 0
+    c.copy(back, region)  # reconnects and registers the tensor again
+    same = np.array_equal(back.array, want)
+    back.array[:] = 7
+    c.copy(region, back)
+    torch.cuda.synchronize()
+    written = bool((t == 7).all())
+    print("ok" if same and written and not c.lost_regions else f"bad: same {same} written {written} lost {c.lost_regions}")
+"""
+
+
+@pytest.mark.parametrize("allocator", ["native", "expandable_segments"])
+def test_registered_torch_tensor_comes_back_after_a_restart(allocator: str) -> None:
+    """A tensor registered from another process keeps its bytes through a SIGKILL of the daemon
+    (the memory is the client's), and the same Region takes copies both ways from the new one."""
+    pytest.importorskip("torch")
+    path = os.path.join(tempfile.mkdtemp(prefix="priod-gpu-restart-"), "priod.sock")
+    conf = "expandable_segments:True" if allocator == "expandable_segments" else "backend:native"
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "PYTHONPATH": str(ROOT)}
+    with ExitStack() as stack:
+        first = stack.enter_context(daemon_process(ENV, backend="cuda", socket_path=path, start_timeout=120))
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TENSOR_CLIENT, path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            line = child.stdout.readline()
+            assert line.strip() == "ready", line + child.communicate(timeout=60)[1]
+            first.stop(signal.SIGKILL)
+            stack.enter_context(daemon_process(ENV, backend="cuda", socket_path=path, start_timeout=120))
+            out, err = child.communicate("go\n", timeout=120)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert child.returncode == 0 and out.splitlines()[-1:] == ["ok"], out + err
