@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from priod.daemon.copies import _reply_us
 from priod.errors import Cancelled, EngineError, InvalidRequest, LimitExceeded
 from priod.wire.messages import (
+    PROTOCOL_VERSION,
     REQUEST_TYPES,
     AllocDevice,
     AllocHost,
@@ -42,7 +43,7 @@ from priod.wire.messages import (
 )
 
 REQUESTS: list[Request] = [
-    Hello(1, "me"),
+    Hello(PROTOCOL_VERSION, "me"),
     Ping(),
     StatusRequest(),
     AllocHost(4096),
@@ -175,10 +176,10 @@ def test_an_error_reply_keeps_a_batch_s_progress_whatever_its_code() -> None:
         ({"id": 1, "op": "explode"}, 0, True, r"^unknown op 'explode'; known ops: "),
         ({"id": 1, "op": "ping"}, 0, False, r"^send 'hello' with your protocol version before any other request$"),
         (
-            {"id": 1, "op": "hello", "v": 2},
+            {"id": 1, "op": "hello", "v": 3},
             0,
             False,
-            r"^protocol version 2 is not supported; this daemon speaks version 1",
+            r"^protocol version 3 is not supported; this daemon speaks version 2",
         ),
         ({"id": 1, "op": "ping"}, 1, True, r"^'ping' takes no file descriptors, but 1 came with it; they were closed$"),
         (
