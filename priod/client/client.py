@@ -182,6 +182,10 @@ class BatchHandle(_Handle[CopyBatchReply]):
     _decode = staticmethod(CopyBatchReply.decode)
 
 
+RING_RUNG = 1
+"""This loop turn's first copy on the ring rang the doorbell, and no other copy followed it."""
+RING_DUE = 2
+"""More copies followed this turn's first: the doorbell rings again when the turn ends."""
 INLINE_DIRECT_BYTES = 4 << 20
 """A direct copy (or batch) of up to this many bytes runs on the event loop itself; a larger one
 on a worker thread, so that the loop goes on serving meanwhile. The hand-over to a thread and
@@ -214,7 +218,8 @@ class Client:
         """Send plain copies through a shared-memory copy ring when the daemon offers one
         (`priod.wire.ring`); False: every request goes on the socket."""
         self._ring: ClientRing | None = None
-        self._ring_due = False
+        self._ring_due = 0
+        """0, `RING_RUNG` or `RING_DUE`: this loop turn's doorbell (`_send_copy`)."""
         self.reconnect_s = reconnect_s
         """On a lost connection, reconnect (and register the regions again) for up to this
         many seconds; 0: never (the connection stays closed, as `reconnect` leaves it to you)."""
@@ -385,9 +390,9 @@ class Client:
             ring.close()
 
     def _ring_doorbell(self) -> None:
-        if self._ring_due and self._ring is not None:
+        if self._ring_due == RING_DUE and self._ring is not None:
             self._ring.ring()
-        self._ring_due = False
+        self._ring_due = 0
 
     def _spin_for(self, fut: asyncio.Future[Reply]) -> None:
         """Ring the doorbell now and poll the ring for ``fut``'s completion for `spin_us` (an
@@ -410,9 +415,15 @@ class Client:
                 loop = asyncio.get_running_loop()
                 fut: asyncio.Future[Reply] = loop.create_future()
                 self._pending[req_id] = fut
-                if not self._ring_due:  # one doorbell for every copy this loop turn publishes
-                    self._ring_due = True
+                if not self._ring_due:
+                    # The loop turn's first copy rings at once, so that the daemon takes it
+                    # while the rest of the turn's copies are written; those ring once more,
+                    # together, when the turn ends.
+                    self._ring_due = RING_RUNG
+                    ring.ring()
                     loop.call_soon(self._ring_doorbell)
+                else:
+                    self._ring_due = RING_DUE
                 return req_id, fut
         return self._send(req)
 

@@ -1,9 +1,9 @@
 """The client's side of a connection's copy ring (the layout and its rules: `priod.wire.ring`).
 
 `ClientRing` maps the daemon's memfd, publishes plain copies as descriptors and reads their
-completions back as the replies the socket would have brought. The doorbell is rung once per
-loop turn (the async client) or once per copy (the blocking one), after the descriptors are
-published.
+completions back as the replies the socket would have brought. The doorbell is rung after the
+descriptors are published: by the async client for a loop turn's first copy and once more at the
+turn's end if more followed, by the blocking one once per copy.
 """
 
 from __future__ import annotations

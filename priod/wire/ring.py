@@ -2,7 +2,7 @@
 
 A plain copy or batch (no events, one of the `RING_CLASSES`) costs the daemon's loop less as a
 fixed 64-byte descriptor in shared memory than as a msgpack frame on the socket: no frame to
-decode, no reply to encode, and one doorbell for every copy a loop turn brings. The socket stays for
+decode, no reply to encode, and a doorbell or two for every copy a loop turn brings. The socket stays for
 everything else (the handshake, fds, other requests, errors with text) and as the fallback when
 a ring is full.
 
