@@ -36,7 +36,7 @@ def test_urgent_copies_take_the_direct_path_once_this_process_can_make_them(gpu_
         _direct_once_pinned(c, dev, host)
         _direct_once_pinned(c, back, dev)
 
-        for size, d_off, s_off in ((n, 0, 0), (3 * MiB + 5, 7, MiB - 3), (1, n - 1, 0)):
+        for size, d_off, s_off in ((n, 0, 0), (3 * MiB + 5, 7, MiB - 13), (1, n - 1, 0)):
             back.array[:] = 0
             up = c.copy(dev, host, size, dst_offset=d_off, src_offset=s_off, priority="urgent")
             down = c.copy(back, dev, size, dst_offset=s_off, src_offset=d_off, priority="urgent")
