@@ -609,6 +609,21 @@ def test_random_traffic_from_many_tenants_keeps_the_promise(ops: list[tuple[obje
 HOLD_LANES = [{"device": 0, "device_uuid": None, "direction": "h2d"}]
 
 
+def take_turn(pages: list[HoldPage], open_: list[bool], step: int, period: int, turn: int) -> None:
+    """Every 4th step (a ms at 250 us a step): the uid whose turn it is ends its copy and begins
+    the next, the others end theirs; turns of ``turn`` steps in a ``period``."""
+    if step % 4:
+        return
+    whose = (step % period) // turn
+    for k, page in enumerate(pages):
+        if open_[k]:
+            page.end(0)
+            open_[k] = False
+        if k == whose:
+            page.begin(0)
+            open_[k] = True
+
+
 def test_uids_taking_turns_past_the_lane_total_leave_bulk_its_long_chunks() -> None:
     """Eight uids take turns on one lane (7.5 ms each of every 60 ms, 1-ms copies back to back,
     each uid within its own hold budget), so the lane is wanted throughout. Holds take at most
@@ -624,15 +639,7 @@ def test_uids_taking_turns_past_the_lane_total_leave_bulk_its_long_chunks() -> N
     whole = holds._lanes[LANE]
     steps = round(2.0 / step_s)
     for step in range(steps):
-        if step % 4 == 0:  # every ms: the uid whose turn it is ends its copy and begins the next
-            whose = (step % period) // turn
-            for k, page in enumerate(pages):
-                if open_[k]:
-                    page.end(0)
-                    open_[k] = False
-                if k == whose:
-                    page.begin(0)
-                    open_[k] = True
+        take_turn(pages, open_, step, period, turn)
         scan = holds.scan(step * step_s)
         held += LANE in scan.held
         if LANE in scan.begun:  # the lane's total as the scan judged it before reading the pages
@@ -658,15 +665,7 @@ def test_the_default_lane_total_leaves_bulk_more_than_half_beside_eight_uids() -
     held = 0
     steps = round(4.0 / step_s)
     for step in range(steps):
-        if step % 4 == 0:
-            whose = (step % period) // turn
-            for k, page in enumerate(pages):
-                if open_[k]:
-                    page.end(0)
-                    open_[k] = False
-                if k == whose:
-                    page.begin(0)
-                    open_[k] = True
+        take_turn(pages, open_, step, period, turn)
         held += LANE in holds.scan(step * step_s).held
     print(f"direct_hold_total_share {total}: held {held / steps:.3f} of the lane's time")
     assert held / steps <= 0.35
