@@ -442,7 +442,7 @@ def direct_table(segments: object, dst_bytes: int, src_bytes: int) -> tuple[Cell
 
     Few numpy calls, whole-table ones: each costs microseconds, 5-10 when the process has just
     woken, and with three times as many the checks take ~110 us of a 256-block batch on the
-    H200's host (docs/gpu/batch_probe/direct_batch_out.txt).
+    H200's host.
     """
     table = np.asarray(segments)
     if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0 or table.dtype.kind not in "iu":
@@ -566,8 +566,8 @@ class DirectPair:
         come: announced ahead, the daemon has closed the lane's gate and the bulk chunk running
         then has ended by the time the copy is issued, so the copy meets an idle link instead of
         waiting for that chunk (measured on the H200 in-process: a 64 KiB copy issued 300 us
-        after its hold began, p50 39-45 us against 73-100 announced with the copy;
-        docs/gpu/stream_probe/gate_probe_early_out.txt). Copies inside announce themselves too
+        after its hold began, p50 39-45 us against 73-100 announced with the copy).
+        Copies inside announce themselves too
         (the counters nest). The hold is charged as any: each announcement restarts its
         ``direct_hold_max_ms`` (5 ms by default), and the uid's share of the lane's time bounds
         it all, so announce no earlier than the copies need."""

@@ -41,7 +41,7 @@ BATCH_MIN_DRIVER = 12080
 CALL_SEGMENTS = 64
 """Most segments one batched call takes; a longer chunk is several calls. No byte of a call
 moves before the call returns, and the driver takes 0.6-1.1 us a segment plus ~15 us a call
-(H200, docs/gpu/batch_probe/split_probe_out.txt): one call of 256 scattered 64 KiB blocks took
+(H200 probe): one call of 256 scattered 64 KiB blocks took
 553 us p50 where one contiguous copy of the same 16 MiB took 320, eight calls of 32 took 399, 32
 calls of 8 took 748, and calls of 16, 32, 64, 128 458 (each waited for the next to be enqueued).
 At 64 a call takes about as long to enqueue as its 64 KiB blocks take to copy, so the engine
@@ -51,7 +51,7 @@ BULK_CALL_SEGMENTS = 256
 """Most segments one batched call of a *bulk* chunk takes (the pusher's thread makes them). A
 bulk chunk's latency does not matter, its rate does, and each call ends with a wait for the GIL
 (the event loop may hold it), so bulk calls are longer. A/B on the H200, bulk batches of 64 KiB
-blocks, GB/s, two rounds (docs/gpu/batch_probe/ab_bound_out.txt): calls of 64 / 256 ran at
+blocks, GB/s, two rounds: calls of 64 / 256 ran at
 35.7, 31.0 / 42.3, 36.5 with a 1 ms in-flight bound; 44.1, 48.9 / 46.8, 54.6 with 4 ms."""
 
 GATED_CALL_SEGMENTS = 128

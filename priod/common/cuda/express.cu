@@ -79,7 +79,7 @@ priod_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ ds
 // most: 6,160 bytes, past the 4 KiB of old drivers, within the 32 KiB of CUDA 12.1 and later
 // (every driver that loads this PTX). 256 rows is a KV-cache step's batch in one launch; two
 // launches of 128 cost the host a launch and a join more, ~40 us when it has just woken
-// (docs/gpu/batch_probe/direct_batch_out.txt). Segment i is copied by the blocks of row
+// (H200 probe). Segment i is copied by the blocks of row
 // blockIdx.y == i, grid-stride over blockIdx.x, each with the widest word its own addresses
 // allow. Offsets are relative to the two bases.
 #define TABLE_MAX 256

@@ -193,7 +193,7 @@ class ExpressKernel:
         on one stream otherwise, and a table of a wave's rows keeps the GPU's blocks busy
         only until its rows end: with 128-row tables, 256 scattered 64 KiB blocks took 501 / 612
         us (p50 / p99, h2d, with 2 GiB copies running in another process) one table after the
-        other, 446 / 465 two at once (docs/gpu/batch_probe/urgent_batch_out.txt)."""
+        other, 446 / 465 two at once (H200 probe)."""
         count = len(cells)
         if dev.table_function is None:
             for d, s_, n in cells.tolist():
@@ -205,7 +205,7 @@ class ExpressKernel:
         wave = dev.sm_count * self.blocks_per_sm
         # Few numpy calls: code that has not run for a few milliseconds ran several times slower
         # on the H200's host, and building this table with ``np.stack`` took ~40 us of a direct
-        # batch there (docs/gpu/batch_probe/direct_batch_out.txt). One assignment of rows per
+        # batch there. One assignment of rows per
         # launch. Not ctypes.memmove from ``cells.ctypes.data``: that attribute is Python code
         # in numpy, 40-52 us cold there.
         if largest is None:

@@ -107,7 +107,7 @@ class Gates:
     chunk is preceded on its lane's DMA stream by ``cuStreamWaitValue32(word == 0)``: while the
     daemon writes 1 there, a chunk queued but not begun waits on the GPU, and it goes the moment
     the word is 0 again, with no call on the host. Measured on the H200 (two contexts of one
-    process, docs/gpu/stream_probe/): a stream waiting so leaves the copy engine to the other
+    process): a stream waiting so leaves the copy engine to the other
     context at once, and the wait costs the link ~1.5 us a chunk."""
 
     def __init__(self) -> None:
