@@ -18,8 +18,9 @@ import pytest
 
 import priod
 from priod.client.client import INLINE_DIRECT_BYTES
-from priod.errors import InvalidRequest
+from priod.errors import InvalidRequest, NotFound
 from priod.testing import DaemonProcess, daemon_process, wait_until
+from priod.wire.hold_page import WORDS_PER_SLOT
 
 MiB = 1 << 20
 PATHS = ("direct", "daemon")
@@ -203,3 +204,33 @@ def test_sync_timeouts_of_any_value_end_cleanly_and_leave_no_copy_running(timeou
             assert timeout != timeout and "timeout = nan" in str(exc)
         assert c.status()["totals"]["copies"] in (0, 1)
         assert not any(c["pending"] for c in c.status()["clients"]), "a copy runs on after the call returned"
+
+
+def test_a_region_freed_after_its_direct_copies_is_refused_not_copied(daemon: DaemonProcess) -> None:
+    """The route remembers a pair that took the direct path; freeing either region forgets it,
+    so the next copy naming the region is refused, on both paths, and moves nothing."""
+    with priod.SyncClient(daemon.socket_path) as c:
+        host, dev, other = c.alloc_host(MiB), c.alloc_device(MiB), c.alloc_host(MiB)
+        assert c.copy(dev, host, priority="urgent").path == "direct"
+        assert c.copy(other, dev, priority="urgent").path == "direct"
+        c.free(host)
+        with pytest.raises(NotFound, match="no region"):
+            c.copy(dev, host, priority="urgent")  # auto: to the daemon, which no longer has it
+        with pytest.raises(InvalidRequest, match="not mapped in this process"):
+            c.copy(dev, host, priority="urgent", path="direct")
+        assert c.copy(other, dev, priority="urgent").path == "direct"  # the other pair is unaffected
+
+
+def test_a_refused_direct_batch_leaves_no_hold_behind(daemon: DaemonProcess) -> None:
+    """A direct batch's hold begins before its table is checked; a table that fails the checks
+    ends it at once: every begun counter of the page has its end."""
+    with priod.SyncClient(daemon.socket_path) as c:
+        host, dev = c.alloc_host(MiB), c.alloc_device(MiB)
+        assert c.copy(dev, host, priority="urgent").path == "direct"
+        with pytest.raises(InvalidRequest, match="overlap"):
+            c.copy_batch(dev, host, [(0, 0, 8192), (4096, 65536, 8192)], priority="urgent")
+        page = c.route.page()
+        words = page._words.tolist()  # the page as the daemon reads it
+        counters = [tuple(words[i * WORDS_PER_SLOT : i * WORDS_PER_SLOT + 2]) for i in range(len(page.lanes))]
+        assert all(begun == ended for begun, ended in counters), counters
+        assert any(begun >= 2 for begun, _ in counters), counters  # the copy's hold, and the batch's

@@ -826,16 +826,14 @@ class Client:
         if choice == "daemon" or route is None:
             return None
         self._check_region(dst, src)
-        why = route.eligible(dst, src, options)
-        if why is None:
-            if not route.has_page:
-                route.set_page(await self.hold_page())
-            why = route.refused(dst, src)
-        if why is None:
-            return route
-        if choice == "direct":
-            raise InvalidRequest(f"this copy cannot take the direct path: {why}")
-        return None
+        if not route.has_page:
+            why = route.eligible(dst, src, options)
+            if why is not None:
+                if choice == "direct":
+                    raise InvalidRequest(f"this copy cannot take the direct path: {why}")
+                return None
+            route.set_page(await self.hold_page())
+        return route if route.takes(dst, src, options, choice) else None
 
     # -- tensors (priod.client.torch_face) ----------------------------------------------------------
     def start_copy_tensor(self, dst: Any, src: Any, **options: Unpack[BatchOptions]) -> CopyHandle:

@@ -679,7 +679,7 @@ class SyncClient:
         """Copy every segment and wait for the batch (see `Client.copy_batch`)."""
         check_regions(self.generation, dst, src)
         if self.route.takes(dst, src, options, check_copy_path(path or self.copy_path)):
-            return self.route.copy_batch(dst, src, self.route.check_batch(dst, src, segments))
+            return self.route.copy_batch(dst, src, segments)
         timeout_seconds(timeout)  # NaN is refused before anything is sent
         return self.start_copy_batch(dst, src, segments, **options).wait(timeout)
 
