@@ -69,7 +69,7 @@ class DirectRoute:
         self._copies: DirectCopies | None = None
         self._pairs: dict[tuple[int, int], DirectPair] = {}
         self._ready: dict[tuple[int, int], int] = {}
-        """(dst, src) region ids that passed `eligible` -> their hold page slot: what holds for
+        """(dst, src) region ids that passed `why_not` -> their hold page slot: what holds for
         the pair until a region is freed (`forget`). An urgent copy on the front door then pays
         a dict lookup and the page's word instead of a dozen calls, which cost tens of
         microseconds on a host whose CPU has just woken."""
@@ -100,7 +100,9 @@ class DirectRoute:
         if why is None:
             # A region freed meanwhile by another thread may leave its entry behind: its copies
             # then fail as a freed region's do (`copy`: not mapped in this process any more).
-            self._ready[(dst.id, src.id)] = _slot(self.page(), dst, src)
+            slot = _slot(self.page(), dst, src)
+            with self._lock:  # `forget` walks the dict under it
+                self._ready[(dst.id, src.id)] = slot
         return why is None
 
     def why_not(self, dst: Region, src: Region, options: Any) -> str | None:
@@ -210,14 +212,7 @@ class DirectRoute:
         return once they have landed. Checked as the daemon checks a copy, with its messages."""
         if nbytes is None:
             nbytes = min(dst.nbytes - dst_offset, src.nbytes - src_offset)
-        if not (
-            nbytes > 0
-            and dst_offset >= 0
-            and src_offset >= 0
-            and dst_offset + nbytes <= dst.nbytes
-            and src_offset + nbytes <= src.nbytes
-        ):
-            _check_bounds(dst, dst_offset, src, src_offset, nbytes)  # raises, saying which
+        _check_bounds(dst, dst_offset, src, src_offset, nbytes)
         t0 = time.perf_counter()
         if self.backend == "sim":
             self._sim(dst, src, lambda: _move(dst, dst_offset, src, src_offset, nbytes))
@@ -242,9 +237,7 @@ class DirectRoute:
         thread that has just woken), as `DirectPair.copy_batch` does. A table that fails its
         checks moves no byte and ends the hold at once."""
         page = self.page()
-        slot = self._ready.get((dst.id, src.id))
-        if slot is None:
-            slot = _slot(page, dst, src)
+        slot = self._slot_of(page, dst, src)
         t0 = time.perf_counter()
         page.begin(slot)
         try:
@@ -262,14 +255,17 @@ class DirectRoute:
     def _sim(self, dst: Region, src: Region, move: Callable[[], None]) -> None:
         """The sim's direct copy: the bytes moved here, between the two mappings, inside a hold."""
         page = self.page()
-        slot = self._ready.get((dst.id, src.id))
-        if slot is None:
-            slot = _slot(page, dst, src)
+        slot = self._slot_of(page, dst, src)
         page.begin(slot)
         try:
             move()
         finally:
             page.end(slot)
+
+    def _slot_of(self, page: HoldPage, dst: Region, src: Region) -> int:
+        """The pair's slot on ``page``: remembered where `takes` passed it, else looked up."""
+        slot = self._ready.get((dst.id, src.id))
+        return _slot(page, dst, src) if slot is None else slot
 
     def _pair(self, dst: Region, src: Region) -> DirectPair:
         """The CUDA pair of the two regions' memory in this process, resolved once."""
@@ -287,7 +283,9 @@ class DirectRoute:
                 if address is None:
                     raise InvalidRequest(f"{region!r} is not mapped in this process any more")
                 ends.append((address, region.nbytes))
-            pair = self._pairs[(dst.id, src.id)] = copies.pair(ends[0], ends[1])
+            pair = copies.pair(ends[0], ends[1])
+            with self._lock:  # `forget` walks the dict under it
+                self._pairs[(dst.id, src.id)] = pair
         return pair
 
     def close(self) -> None:
