@@ -11,7 +11,6 @@ first.
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -222,7 +221,7 @@ def test_allow_lists_admit_by_uid_or_gid_and_refuse_others(open_daemon: DaemonPr
         users[STRANGER]("connect", open_daemon.socket_path)
     with priod.SyncClient(open_daemon.socket_path, timeout=30) as root:
         assert root.server.peer["uid"] == 0
-    refused = [json.loads(line) for line in open_daemon.log().splitlines() if '"connection_refused"' in line]
+    refused = [r for r in open_daemon.log_records() if r.get("event") == "connection_refused"]
     assert len(refused) == 1 and refused[0]["uid"] == STRANGER
 
 

@@ -53,7 +53,7 @@ async def test_two_pods_with_different_visible_devices_reach_the_same_gpu_lane(t
     the UUID fixes (checked last, so the lane figures above are pods' UUID copies only)."""
     pod_a_visible = {0: U1}  # what cuDeviceGetUuid answers in pod A for each of its ordinals
     pod_b_visible = {0: U0, 1: U1}
-    logged_before = len(_log(two_gpus))
+    logged_before = len(two_gpus.log_records())
     async with (
         priod.connect(two_gpus.socket_path, name="pod-a", copy_path="daemon") as a,
         priod.connect(two_gpus.socket_path, name="pod-b", copy_path="daemon") as b,
@@ -76,13 +76,9 @@ async def test_two_pods_with_different_visible_devices_reach_the_same_gpu_lane(t
 
         by_ordinal = await a.alloc_device(4096, device=0)
         assert (by_ordinal.device, by_ordinal.device_uuid) == (0, U0)
-    copies = [line for line in _log(two_gpus)[logged_before:] if line.get("event") == "copy"]
+    copies = [line for line in two_gpus.log_records()[logged_before:] if line.get("event") == "copy"]
     assert len({c["conn"] for c in copies}) == 2
     assert [(c["lane"], c["gpu"]) for c in copies] == [("gpu1/h2d", U1)] * 2
-
-
-def _log(d: DaemonProcess) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
 
 
 async def test_uuid_wins_over_ordinal_and_takes_any_nvidia_smi_spelling(two_gpus: DaemonProcess) -> None:
@@ -140,7 +136,7 @@ async def test_status_shows_each_gpu_and_each_lane_by_uuid(two_gpus: DaemonProce
 
 def test_daemon_started_line_maps_ordinals_to_uuids(two_gpus: DaemonProcess) -> None:
     """The start line of the log says which UUID each ordinal (``gpu0`` in lane names) is."""
-    started = [line for line in _log(two_gpus) if line.get("event") == "daemon_started"]
+    started = [line for line in two_gpus.log_records() if line.get("event") == "daemon_started"]
     assert len(started) == 1 and started[0]["gpus"] == {"gpu0": U0, "gpu1": U1}
 
 

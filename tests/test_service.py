@@ -39,11 +39,6 @@ MiB = 1 << 20
 SLOW = {"PRIOD_SIM__H2D_GBPS": "0.064", "PRIOD_SIM__D2H_GBPS": "0.064", "PRIOD_TUNING__MIN_CHUNK_BYTES": "65536"}
 
 
-def log_lines(d: DaemonProcess) -> list[dict[str, Any]]:
-    """The daemon's log as parsed JSON lines (it logs JSON when stdout is not a terminal)."""
-    return [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
-
-
 # -- units ---------------------------------------------------------------------------------
 
 
@@ -547,7 +542,7 @@ async def outcomes(handles: list[Any], timeout: float = 60.0) -> list[str]:
 
 def wait_log_event(d: DaemonProcess, event: str, timeout: float = 30.0) -> dict[str, Any]:
     return wait_until(
-        lambda: next((e for e in log_lines(d) if e.get("event") == event), None), timeout, f"log event {event!r}"
+        lambda: next((e for e in d.log_records() if e.get("event") == event), None), timeout, f"log event {event!r}"
     )
 
 
@@ -578,7 +573,7 @@ async def test_sigterm_finish_completes_queued_work_and_refuses_new() -> None:
             await c.ping()
         await c.close()
     assert not os.path.exists(d.socket_path)
-    stopped = [e for e in log_lines(d) if e["event"] == "daemon_stopped"]
+    stopped = [e for e in d.log_records() if e["event"] == "daemon_stopped"]
     assert stopped and stopped[0]["copies"] == 8
 
 
@@ -594,7 +589,7 @@ async def test_sigterm_cancel_answers_queued_work_with_shutting_down() -> None:
         assert set(got) <= {"done", "ShuttingDown"} and got[-1] == "ShuttingDown", got
         assert d.proc.wait(timeout=60) == 0
         await c.close()
-    copies = [e for e in log_lines(d) if e["event"] == "copy"]
+    copies = [e for e in d.log_records() if e["event"] == "copy"]
     assert len(copies) == 32
     assert {e["outcome"] for e in copies} <= {"done", "shutting_down"}
 
@@ -672,7 +667,7 @@ async def test_sighup_reloads_classes_weights_and_limits_keeping_connections(tmp
             await c.alloc_host(4096)
         assert await outcomes(handles) == ["done"] * 8
         await c.close()
-    events = [e["event"] for e in log_lines(d)]
+    events = [e["event"] for e in d.log_records()]
     assert events.count("config_reloaded") == 1
     assert events.count("client_connected") == 2  # the harness's probe, then this test's client
 

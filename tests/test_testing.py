@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import pathlib
 import shutil
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from priod.daemon.engines.base import ChunkJob, DeviceMemory, HostMemory
 from priod.errors import EngineError
 from priod.testing import (
     CpuMeter,
+    DaemonProcess,
     ManualChunk,
     ManualEngine,
     blocking_framed_pair,
@@ -383,3 +386,17 @@ def test_a_daemon_that_stopped_cleanly_leaves_no_directory_behind() -> None:
         d.proc.wait()
     assert d.proc.returncode != 0 and os.path.exists(d.log_path)
     shutil.rmtree(where)
+
+
+def test_log_records_leave_a_line_the_daemon_is_still_writing(tmp_path: pathlib.Path) -> None:
+    """A test reading the log of a running daemon gets whole lines only: the one being written
+    comes on a later read, not as a JSON error."""
+    log = tmp_path / "daemon.log"
+    log.write_text('{"event":"a"}\nnot json\n{"event":"b","le')
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    d = DaemonProcess(proc, str(tmp_path / "priod.sock"), str(log))
+    assert d.log_records() == [{"event": "a"}]
+    with open(log, "a") as fp:
+        fp.write('vel":"info"}\n')
+    assert d.log_records() == [{"event": "a"}, {"event": "b", "level": "info"}]

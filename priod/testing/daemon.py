@@ -3,6 +3,7 @@ it listens, stop it; and find the pid of a daemon that is already running."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -99,6 +100,14 @@ class DaemonProcess:
             return self.final_log
         with open(self.log_path, encoding="utf-8", errors="replace") as fp:
             return fp.read()
+
+    def log_records(self) -> list[dict[str, Any]]:
+        """The daemon's JSON log lines (it logs JSON when stdout is not a terminal), parsed; a
+        line it is still writing is left for the next call."""
+        text = self.log()
+        if self.final_log is None:
+            text = text[: text.rfind("\n") + 1]
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send ``sig`` (SIGKILL after ``timeout`` s) and return the exit status."""
