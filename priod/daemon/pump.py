@@ -559,6 +559,7 @@ class Pump:
                 # short bound: its small bulk chunks end every ~100 us, too often for a timer.
                 # (Checked first: that loop turns thousands of times a second.)
                 urgent = self.scheduler.strict_in_flight or self.scheduler.urgent_recent(now)
+                wait: float | None = None  # `next_poll_at` walks every chunk in flight: once a turn
                 if urgent and not spin_urgent and self._timer is not None:
                     # urgent_poll "timer": sleep until the next chunk is due; turn the loop only
                     # when that is within URGENT_SPIN_WITHIN_S (a timerfd wake-up costs about as
@@ -579,7 +580,8 @@ class Pump:
                         self.scan_holds()
                     await asyncio.sleep(0)  # one loop turn: other connections are served between polls
                     continue
-                wait = next_poll_at(self._inflight, self._bandwidth, now) - now
+                if wait is None:
+                    wait = next_poll_at(self._inflight, self._bandwidth, now) - now
                 if wait < 0.002 and self._timer is None:
                     await asyncio.sleep(0)  # bulk_poll "spin"
                     continue
