@@ -1,4 +1,5 @@
-"""The poll loop on the sim engine while urgent copies are recent (`Pump.run`).
+"""The poll loop on the sim engine while urgent copies are recent (`Pump.run`), with
+``[server] urgent_poll = "spin"``.
 
 For ``urgent_window_ms`` after an urgent copy the loop stays awake, turning instead of sleeping
 in epoll, so the next urgent request is read at once; other connections are served between its
@@ -28,7 +29,7 @@ BULK_BYTES = 32 << 20  # 16 ms at the sim's 2 GB/s: chunks stay in flight on the
 async def test_loop_stays_awake_in_the_urgent_window_only_and_sleeps_after() -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     cfg = load_config(None, environ={}).replace(
-        server={"socket": path}, tuning={"urgent_window_ms": WINDOW_MS}, log={"level": "warning"}
+        server={"socket": path, "urgent_poll": "spin"}, tuning={"urgent_window_ms": WINDOW_MS}, log={"level": "warning"}
     )
     engine = SimEngine(cfg.sim)
     assert engine.wakes_on_completion  # the case this file is about
@@ -85,7 +86,9 @@ async def test_direct_copies_with_no_bulk_about_leave_the_loop_asleep() -> None:
     Bulk that comes while one is announced still waits for it, and lands whole after."""
     path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
     long_holds = {"urgent_window_ms": WINDOW_MS, "direct_hold_max_ms": 3000.0, "direct_hold_burst_ms": 10000.0}
-    cfg = load_config(None, environ={}).replace(server={"socket": path}, tuning=long_holds, log={"level": "warning"})
+    cfg = load_config(None, environ={}).replace(
+        server={"socket": path, "urgent_poll": "spin"}, tuning=long_holds, log={"level": "warning"}
+    )
     daemon = Daemon(cfg, SimEngine(cfg.sim))
     await daemon.start()
     pump = daemon.pump

@@ -46,7 +46,7 @@ class ServerConfig:
     (cuda): "timer" sleeps until it is due, on a timerfd the event loop watches (little CPU),
     "spin" polls every loop turn (about one core while bulk moves, for a little less urgent
     latency)."""
-    urgent_poll: Literal["spin", "timer"] = "spin"
+    urgent_poll: Literal["spin", "timer"] = "timer"
     """How the daemon waits while urgent work is recent (``[tuning] urgent_window_ms``) on an
     engine that is polled: "spin" turns the loop every time (a chunk's end and the next request
     are seen at once, at the cost of a core); "timer" sleeps until the next chunk is due (polling

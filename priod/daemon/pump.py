@@ -133,7 +133,7 @@ class Pump:
         on_finished: Callable[[Finished], None],
         *,
         bulk_poll: Literal["spin", "timer"] = "timer",
-        urgent_poll: Literal["spin", "timer"] = "spin",
+        urgent_poll: Literal["spin", "timer"] = "timer",
         on_signalled: Callable[[Request, Exception | None], None] | None = None,
     ) -> None:
         """``on_signalled``: told when a copy's ``signal_event`` was recorded (None) or could
