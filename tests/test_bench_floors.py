@@ -1,0 +1,44 @@
+"""The floors the sim benchmarks measure priod against: scripts/bench.py's echo, whose two
+clients get every reply whole from the real uvloop echo server, and scripts/bench_batch.py's
+in-process copy of the same blocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from priod.testing.scripts import import_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    return import_script(ROOT / "scripts" / "bench.py", "priod_bench")
+
+
+@pytest.mark.parametrize("spin_us", [0.0, 200.0, 1e6])
+def test_polling_echo_client_reads_every_reply_whole(bench: Any, spin_us: float) -> None:
+    """``spin_us`` 0 blocks in select at once, 1e6 never does: each way, 50 round trips each
+    decode a whole reply frame (a torn or misframed read would fail the decode or hang)."""
+    msg = bench.copy_request(1, 2, 64, "normal")
+    with bench.echo_server() as path:
+        latencies = bench.sync_rtt_echo_polling(path, msg, 50, spin_us)
+        blocking = bench.sync_rtt_echo(path, msg, 50)
+    assert len(latencies) == 50 and len(blocking) == 50
+    assert all(0 < us < 5e6 for us in latencies + blocking)
+
+
+def test_bench_batch_measures_the_floor_beside_both_forms(tmp_path: Path) -> None:
+    """scripts/bench_batch.py on the sim: singles, one batch and the in-process floor each run
+    every round with every block read back and checked (a block that did not land stops the
+    script), and the results name the ratio the floor allows."""
+    script = import_script(ROOT / "scripts" / "bench_batch.py", "priod_bench_batch")
+    out = tmp_path / "bb"
+    assert script.main(["--blocks", "16", "--block-kib", "4", "--rounds", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "bench_batch.json").read_text())
+    assert len(res["single_s"]) == len(res["batch_s"]) == len(res["floor_s"]) == 2
+    assert res["floor_ratio"] == res["single_p50_s"] / res["floor_p50_s"]
