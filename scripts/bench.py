@@ -34,7 +34,6 @@ import contextlib
 import datetime as _dt
 import json
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -214,10 +213,16 @@ async def urgent_probe(client: Client, size: int, count: int, interval_s: float)
     }
 
 
-def sync_rtt_echo(path: str, msg: dict[str, Any], n: int) -> list[float]:
+def sync_rtt_echo(path: str, msg: dict[str, Any], n: int, spin_us: float = 0.0) -> list[float]:
+    """Round trips to the echo server. ``spin_us``: the client polls its socket for the reply
+    that long before it blocks, as priod's blocking client polls its completion word (the same
+    `BlockingFramedSocket` that client uses on its socket): the same way of waiting on both
+    sides. A client that blocks lets its CPU sleep, and on a VM waking it again can cost more
+    than the whole echo (2-vCPU VM: 57-69 us p50 blocking, 16-21 while another process kept a
+    core busy)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    fs = BlockingFramedSocket(sock)
+    fs = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
     lat = []
     try:
         for i in range(1, n + 1):
@@ -227,42 +232,6 @@ def sync_rtt_echo(path: str, msg: dict[str, Any], n: int) -> list[float]:
             lat.append((time.perf_counter() - t0) * 1e6)
     finally:
         fs.close()
-    return lat
-
-
-def sync_rtt_echo_polling(path: str, msg: dict[str, Any], n: int, spin_us: float) -> list[float]:
-    """As `sync_rtt_echo`, but the client polls its socket for the reply for up to ``spin_us``
-    before it blocks, as priod's blocking client polls its completion word: the same way of
-    waiting on both sides. A client that blocks lets its CPU sleep, and on a VM waking it again
-    can cost more than the whole echo (2-vCPU VM: 62-67 us p50 blocking, 16-17 while another
-    process kept a core busy)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
-    sock.setblocking(False)
-    lat = []
-    try:
-        for i in range(1, n + 1):
-            body = msgpack.packb({**msg, "id": i}, use_bin_type=True)
-            t0 = time.perf_counter()
-            sock.sendall(HEADER.pack(len(body)) + body)
-            buf = b""
-            need = HEADER.size
-            while len(buf) < need:
-                try:
-                    chunk = sock.recv(65536)
-                except BlockingIOError:
-                    if (time.perf_counter() - t0) * 1e6 > spin_us:
-                        select.select([sock], [], [])
-                    continue
-                if not chunk:
-                    raise ConnectionError("the echo server closed the connection")
-                buf += chunk
-                if need == HEADER.size and len(buf) >= HEADER.size:
-                    need += HEADER.unpack(buf[: HEADER.size])[0]
-            msgpack.unpackb(buf[HEADER.size : need])
-            lat.append((time.perf_counter() - t0) * 1e6)
-    finally:
-        sock.close()
     return lat
 
 
@@ -366,7 +335,7 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         efs = await _open_framed(echo_path)
         # Warm both sides (allocations, caches, the first-touch of the regions).
         sync_rtt_echo(echo_path, msg, 200)
-        sync_rtt_echo_polling(echo_path, msg, 200, DEFAULT_SPIN_US)
+        sync_rtt_echo(echo_path, msg, 200, DEFAULT_SPIN_US)
         sync_rtt_priod(sync, (s_dev, s_host), args.rtt_bytes, "normal", 200)
         sync_rtt_priod(sync, (s_dev, s_host), args.rtt_bytes, "urgent", 200)
         sync_rtt_priod(sync_socket, (so_dev, so_host), args.rtt_bytes, "normal", 200)
@@ -394,7 +363,7 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
         n = plan.rtt_per_round
         for _ in range(plan.rtt_rounds):
             series["echo_sync"] += sync_rtt_echo(echo_path, msg, n)
-            series["echo_sync_polling"] += sync_rtt_echo_polling(echo_path, msg, n, DEFAULT_SPIN_US)
+            series["echo_sync_polling"] += sync_rtt_echo(echo_path, msg, n, DEFAULT_SPIN_US)
             for prio in ("normal", "urgent"):
                 lat, tr = sync_rtt_priod(sync, (s_dev, s_host), args.rtt_bytes, prio, n)
                 series[f"priod_sync_{prio}"] += lat

@@ -130,6 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             )
             status = await c.status()
     single_p50, batch_p50 = statistics.median(single_s), statistics.median(batch_s)
+    floor_p50 = statistics.median(floor_s) if floor_s else None
     return {
         "backend": args.backend,
         "link_gbps": args.link_gbps if args.backend == "sim" else None,
@@ -145,8 +146,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch_blocks_per_s": n / batch_p50,
         "ratio": single_p50 / batch_p50,
         "floor_s": floor_s,
-        "floor_p50_s": statistics.median(floor_s) if floor_s else None,
-        "floor_ratio": single_p50 / statistics.median(floor_s) if floor_s else None,
+        "floor_p50_s": floor_p50,
+        "floor_ratio": None if floor_p50 is None else single_p50 / floor_p50,
         "loop_cpu_us_per_block": {k: statistics.median(v) / n * 1e6 for k, v in loop_cpu.items() if v},
         "loop_cpu_s": loop_cpu,
         "batch_replies": replies,

@@ -21,12 +21,12 @@ def bench() -> Any:
 
 
 @pytest.mark.parametrize("spin_us", [0.0, 200.0, 1e6])
-def test_polling_echo_client_reads_every_reply_whole(bench: Any, spin_us: float) -> None:
-    """``spin_us`` 0 blocks in select at once, 1e6 never does: each way, 50 round trips each
-    decode a whole reply frame (a torn or misframed read would fail the decode or hang)."""
+def test_echo_client_reads_every_reply_whole_polling_or_blocking(bench: Any, spin_us: float) -> None:
+    """``spin_us`` 0 blocks at once, 1e6 never does: each way, 50 round trips each decode a
+    whole reply frame (a torn or misframed read would fail the decode or hang)."""
     msg = bench.copy_request(1, 2, 64, "normal")
     with bench.echo_server() as path:
-        latencies = bench.sync_rtt_echo_polling(path, msg, 50, spin_us)
+        latencies = bench.sync_rtt_echo(path, msg, 50, spin_us)
         blocking = bench.sync_rtt_echo(path, msg, 50)
     assert len(latencies) == 50 and len(blocking) == 50
     assert all(0 < us < 5e6 for us in latencies + blocking)
