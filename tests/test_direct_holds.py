@@ -505,22 +505,30 @@ def test_a_held_lane_hands_out_no_bulk_and_a_begun_copy_starts_the_short_bound()
     assert h2d and all(c.nbytes <= short for c in h2d) and all(c.path is Path.DMA for c in h2d)
 
 
-def test_bulk_chunks_are_gated_under_the_short_bound_only() -> None:
-    """A gated chunk is one a direct copy's hold can still stop on the device once queued
-    (`Engine.set_gates`): bulk DMA under the short bound, never outside it, never a strict
-    chunk, and none with ``gate_bulk`` off."""
-    for gate_bulk in (True, False):
-        sched = Scheduler(
-            Policy(urgent_block_us=100.0, urgent_window_ms=10.0, gate_bulk=gate_bulk), [LaneInfo(H2D, 2e9, 0, 0)]
-        )
+def test_bulk_dma_chunks_are_gated_where_the_lane_has_a_gate() -> None:
+    """A gated chunk is one a direct copy's hold or the daemon's own urgent DMA chunk can still
+    stop on the device once queued (`Engine.set_gates`): every bulk DMA chunk on a lane with a
+    gate, inside the short bound and outside it; never a strict chunk; none with ``gate_bulk``
+    off or on a lane without a gate. Where chunks are gated each takes ``max_block_us`` (an
+    urgent copy waits for the running one only); elsewhere ``depth`` of them share it."""
+    bw = 2e9
+    for gate_bulk, has_gate in ((True, True), (False, True), (True, False)):
+        gated = gate_bulk and has_gate
+        policy = Policy(urgent_block_us=100.0, urgent_window_ms=10.0, gate_bulk=gate_bulk)
+        sched = Scheduler(policy, [LaneInfo(H2D, bw, 0, 0, gate=has_gate)])
+        p = sched.lane_params(H2D)
+        long_chunk = int(bw * policy.max_block_us / 1e6) // 4096 * 4096
+        assert p.chunk_bytes == (long_chunk if gated else long_chunk // policy.depth)
+        assert p.inflight_bytes == policy.depth * p.chunk_bytes
         sched.enqueue(Request(1, "c", H2D, "bulk", 64 * MiB, 0.0), 0.0)
-        before = sched.next_chunks(0.0)
-        assert before and not any(c.gated for c in before)  # no urgent copy seen yet: long bound
+        before = sched.next_chunks(0.0)  # no urgent copy seen yet: the long bound
+        assert [c.nbytes for c in before] == [p.chunk_bytes] * policy.depth
+        assert all(c.gated is gated for c in before)
         sched.set_holds(frozenset(), frozenset({H2D}), 0.001)  # a direct copy began and ended
         for c in before:
             sched.chunk_done(c, 0.002)
         under = sched.next_chunks(0.002)
-        assert under and all(c.gated is gate_bulk for c in under)
+        assert under and all(c.nbytes <= p.urgent_chunk_bytes and c.gated is gated for c in under)
         sched.enqueue(Request(2, "c", H2D, "urgent", MiB, 0.003), 0.003)
         for c in under:
             sched.chunk_done(c, 0.003)
@@ -528,15 +536,15 @@ def test_bulk_chunks_are_gated_under_the_short_bound_only() -> None:
         assert strict and not any(c.gated for c in strict)
         for c in strict:
             sched.chunk_done(c, 0.004)
-        after = sched.next_chunks(0.5)  # the window is long past
-        assert after and not any(c.gated for c in after)
+        after = [c for c in sched.next_chunks(0.5) if not c.strict]  # the window is long past
+        assert after and all(c.nbytes == p.chunk_bytes and c.gated is gated for c in after)
 
 
 def test_direct_copies_on_a_beat_give_bulk_gated_long_chunks_between_them() -> None:
     """Clients' direct copies begun every 5 ms (as the daemon's scans see them) make a beat as
     urgent requests do (``beat_block_us``): between the bursts bulk runs beat-bound chunks, gated,
     so that a copy that comes before its beat still stops the queued one on the GPU."""
-    sched = Scheduler(Policy(urgent_block_us=150.0, beat_block_us=600.0), [LaneInfo(H2D, 55e9, 0, 0)])
+    sched = Scheduler(Policy(urgent_block_us=150.0, beat_block_us=600.0), [LaneInfo(H2D, 55e9, 0, 0, gate=True)])
     p = sched.lane_params(H2D)
     for k in range(5):
         t = k * 5e-3
@@ -573,6 +581,44 @@ def test_the_pump_closes_a_held_lanes_gate_and_opens_it_when_the_copy_ends() -> 
         pump.stop()  # whatever is queued must be free to drain
         assert engine.gates[-2:] == [frozenset({H2D}), frozenset()]
     finally:
+        client.close()
+        pump.holds.close(1)
+        engine.close()
+
+
+def test_the_pump_closes_a_lanes_gate_while_its_own_urgent_dma_chunk_is_in_flight() -> None:
+    """An urgent DMA chunk of the daemon's own waits for the bulk chunk running only: its lane's
+    gate closes before it is submitted and opens when the last such chunk is done, unless a
+    client's direct copy still holds the lane."""
+    engine = ManualEngine(bandwidth=2e9, express_range=(0, 0))  # every urgent copy by DMA
+    sched = Scheduler(Policy(), engine.lanes())
+    pump = Pump(sched, engine, lambda f: None)
+    mem = types.SimpleNamespace(
+        dst_mem=engine.alloc_device(64 * MiB, 0), src_mem=engine.alloc_device(64 * MiB, 0), dst_offset=0, src_offset=0
+    )
+    page = pump.holds.open(1, 1000, [H2D, D2H], time.perf_counter())
+    client = HoldPage(os.dup(page.fd), LANES)
+    try:
+        sched.enqueue(Request(1, "c", H2D, "bulk", 64 * MiB, 0.0, payload=mem), 0.0)
+        pump.kick()
+        assert engine.gates == []  # bulk alone: nothing to close
+        sched.enqueue(Request(2, "c", H2D, "urgent", 64 << 10, 0.0, payload=mem), 0.0)
+        pump.kick()
+        urgent = [c for c in engine.pending if c.strict]
+        assert len(urgent) == 1 and engine.gates == [frozenset({H2D})]
+        # The gate was closed before the urgent chunk went: it is the last chunk submitted.
+        assert engine.submitted[-1] is urgent[0]
+        client.begin(client.slot(None, "h2d"))  # a client's direct copy holds the lane meanwhile
+        pump.scan_holds()
+        assert engine.gates == [frozenset({H2D})]  # still closed: told on a change only
+        engine.complete_chunk(urgent[0])
+        pump._poll()
+        assert engine.gates == [frozenset({H2D})]  # the hold keeps it closed
+        client.end(client.slot(None, "h2d"))
+        pump.scan_holds()
+        assert engine.gates == [frozenset({H2D}), frozenset()]
+    finally:
+        pump.stop()
         client.close()
         pump.holds.close(1)
         engine.close()

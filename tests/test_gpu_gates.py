@@ -93,3 +93,46 @@ def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: st
         del view
         mapping.close()
         os.close(fd)
+
+
+def test_a_gate_closed_while_the_chunk_ahead_runs_holds_the_chunk_behind_it(engine: Any) -> None:
+    """The gate is read when the chunk ahead has ended, not when the gated chunk was queued: a
+    gate closed while the chunk ahead runs still holds the gated one, so an urgent chunk waits
+    for the running chunk only. The daemon closes a lane's gate for its own urgent DMA chunks on
+    this (`Pump`), and a client's hold for its direct copies."""
+    assert engine.statistics()["bulk_gates"] is True, engine.statistics()["bulk_gates_error"]
+    fd = os.memfd_create("priod-test")
+    os.ftruncate(fd, 2 * REGION)
+    mapping = mmap.mmap(fd, 2 * REGION)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    host = engine.map_host(fd, 2 * REGION)
+    dev = engine.alloc_device(REGION, 0)
+    try:
+        view[:REGION] = np.random.default_rng(5).integers(0, 256, REGION, dtype=np.uint8)
+        head = REGION - TAIL
+        engine.set_gates(frozenset())
+        first = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=head, gated=True))
+        gated = engine.submit(
+            ChunkJob(H2D, Path.DMA, dev, host, dst_offset=head, src_offset=head, nbytes=TAIL, gated=True)
+        )
+        time.sleep(0.0005)  # the first (252 MiB, milliseconds) has begun; the second is queued behind it
+        assert not first.done()
+        engine.set_gates(frozenset({H2D}))
+        _wait(first)
+        time.sleep(0.05)
+        assert not gated.done(), "a gate closed while the chunk ahead ran did not hold the chunk behind it"
+        strict = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=TAIL, strict=True))
+        _wait(strict)
+        assert not gated.done()
+        engine.set_gates(frozenset())
+        _wait(gated)
+        back = engine.submit(ChunkJob(D2H, Path.DMA, host, dev, dst_offset=REGION, src_offset=0, nbytes=REGION))
+        _wait(back)
+        assert np.array_equal(view[REGION:], view[:REGION])
+    finally:
+        engine.set_gates(frozenset())
+        engine.release_device(dev)
+        engine.release_host(host)
+        del view
+        mapping.close()
+        os.close(fd)

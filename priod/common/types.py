@@ -77,3 +77,5 @@ class LaneInfo:
     """Smallest copy the express lane takes; smaller copies are faster by DMA."""
     express_max: int
     """Largest copy the express lane takes; 0 means the lane has no express path."""
+    gate: bool = False
+    """The engine can hold this lane's gated chunks that have not begun at a gate (`Engine.set_gates`)."""

@@ -147,7 +147,11 @@ class Pump:
         self._batching = 0
         self._kick_pending = False
         self._gates_closed: frozenset[LaneKey] = frozenset()
-        """The lanes whose gate the engine was last told to close (`scan_holds`)."""
+        """The lanes whose gate the engine was last told to close (`_set_gates`)."""
+        self._held: frozenset[LaneKey] = frozenset()
+        """The lanes clients' direct copies hold, as of the last `scan_holds`."""
+        self._strict_dma: dict[LaneKey, int] = {}
+        """Urgent DMA chunks in flight per lane: its gate stays closed until they are done."""
         self.holds = Holds()
         """Clients' hold pages for their direct urgent copies (holds.py), read before each submission."""
         self.configure_holds()
@@ -203,6 +207,8 @@ class Pump:
 
     def stop(self) -> None:
         if self._gates_closed:
+            self._held = frozenset()
+            self._strict_dma.clear()
             self._gates_closed = frozenset()
             self.engine.set_gates(self._gates_closed)  # what is queued must be free to drain
         if self._timer is not None:
@@ -258,12 +264,23 @@ class Pump:
         now = time.perf_counter()
         scan = self.holds.scan(now)
         self.scheduler.set_holds(scan.held, scan.begun, now)
-        if scan.held != self._gates_closed:
-            # A held lane's gated bulk chunk that has not begun waits on the device until the
-            # hold ends, so the client's copy waits for the chunk running only (design.md,
-            # "Direct urgent copies"). The same limits as the hold's: a cut hold opens it.
-            self._gates_closed = scan.held
-            self.engine.set_gates(scan.held)
+        if scan.held != self._held:
+            self._held = scan.held
+            self._set_gates()
+
+    def _set_gates(self) -> None:
+        """Close the gates of the lanes a direct copy holds or an urgent DMA chunk of ours is in
+        flight on, and open the rest.
+
+        A gated bulk chunk that has not begun then waits on the device, so the urgent copy waits
+        for the chunk running only (design.md, "Bulk gates"); it goes on the moment the gate
+        opens. A hold keeps it closed within the hold's limits: a cut hold opens it."""
+        closed = self._held
+        if self._strict_dma:
+            closed = closed.union(self._strict_dma)
+        if closed != self._gates_closed:
+            self._gates_closed = closed
+            self.engine.set_gates(closed)
 
     def hold_rung(self) -> None:
         """A client rang its hold doorbell (it announced a direct copy): read the pages now, so
@@ -422,8 +439,12 @@ class Pump:
                         strict=chunk.strict,
                         gated=chunk.gated,
                     )
+                if chunk.strict and chunk.path is Path.DMA:
+                    self._strict_begun(req.lane)  # before the submit: the gate must be shut first
                 completion = self.engine.submit(job)
             except PriodError as exc:
+                if chunk.strict and chunk.path is Path.DMA:
+                    self._strict_ended(req.lane)
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):
                     self._on_finished(f)
@@ -438,6 +459,20 @@ class Pump:
                 if signal is not None:
                     self._signal(chunk, signal)
         return bool(chunks)
+
+    def _strict_begun(self, lane: LaneKey) -> None:
+        n = self._strict_dma.get(lane, 0)
+        self._strict_dma[lane] = n + 1
+        if not n:
+            self._set_gates()
+
+    def _strict_ended(self, lane: LaneKey) -> None:
+        n = self._strict_dma[lane] - 1
+        if n:
+            self._strict_dma[lane] = n
+        else:
+            del self._strict_dma[lane]
+            self._set_gates()
 
     def _due(self, chunk: Chunk, now: float) -> float:
         """When the chunk just submitted should be done at the calibrated bandwidth.
@@ -488,8 +523,11 @@ class Pump:
             completion.release()
             completed = True
             lane = chunk.request.lane
-            if self._paced_by_polls and chunk.path is Path.DMA:
-                reanchor.add(lane)
+            if chunk.path is Path.DMA:
+                if chunk.strict:
+                    self._strict_ended(lane)
+                if self._paced_by_polls:
+                    reanchor.add(lane)
             if error is None:
                 self.lane_bytes[lane] += chunk.nbytes
             for f in self.scheduler.chunk_done(chunk, time.perf_counter(), error):

@@ -169,7 +169,11 @@ class SimEngine(Engine):
     def lanes(self) -> list[LaneInfo]:
         return [
             LaneInfo(
-                key, link.bandwidth, self.cfg.express_min_bytes, self.cfg.express_max_bytes if key.peer is None else 0
+                key,
+                link.bandwidth,
+                self.cfg.express_min_bytes,
+                self.cfg.express_max_bytes if key.peer is None else 0,
+                gate=key.peer is None,  # as on CUDA, where a peer lane has no gate word
             )
             for key, link in sorted(self._links.items())
         ]

@@ -23,7 +23,7 @@ from collections.abc import Hashable
 
 from priod.common.types import LaneInfo, Path
 from priod.daemon.sched.budget import BULK, EXPRESS, STRICT, Tenant, TenantKey
-from priod.daemon.sched.policy import ALIGN, ClassSpec, LaneParams, Policy, lane_params
+from priod.daemon.sched.policy import ALIGN, ClassSpec, LaneParams, Policy, gated_bulk, lane_params
 from priod.daemon.sched.records import Request
 
 _EXPRESS = Path.EXPRESS
@@ -116,7 +116,7 @@ class Lane:
         """From `BURST_S` after the last urgent copy until then (the burst over, the next not yet
         close), bulk runs the beat bound."""
         self.gate = False
-        """``gate_bulk``: bulk DMA chunks under the short bound are handed out gated."""
+        """Bulk DMA chunks are handed out gated (`gated_bulk`)."""
         self.tenants: dict[TenantKey, Tenant[Group]] = {}
         """Kept past a tenant's last request until its bucket is full again (see `budget.sweep`)."""
         self.sweep_at = 64
@@ -153,7 +153,7 @@ class Lane:
         self.burst_start = -math.inf  # a new policy learns its beat afresh
         self.beat_gaps = ()
         self.beat_until = -math.inf
-        self.gate = policy.gate_bulk and policy.mode == "priod"
+        self.gate = gated_bulk(self.info, policy)
         self.min_chunk = policy.min_chunk_bytes
         self.budget_rate = min(policy.urgent_budget_bytes_per_s, policy.urgent_budget_share * self.info.bandwidth)
         self.burst = float(policy.urgent_burst_bytes)

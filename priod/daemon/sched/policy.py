@@ -95,9 +95,11 @@ class Tuning:
     chunk of 64 KiB blocks as the link takes to move it, so such chunks need more in flight to
     keep the link fed; an urgent DMA copy that comes after a quiet spell may wait that long."""
     gate_bulk: bool = True
-    """While a lane runs its short bound, each bulk DMA chunk waits on the GPU behind a gate the
-    daemon closes while a client's direct urgent copy holds the lane: a chunk queued but not
-    begun then waits, so the copy waits for the running chunk only (engines without gates ignore it)."""
+    """Each bulk DMA chunk waits on the GPU behind a gate the daemon closes while a client's
+    direct urgent copy holds the lane or an urgent DMA chunk of its own is in flight: a chunk
+    queued but not begun then waits, so the urgent copy waits for the running chunk only, and a
+    chunk may take all of ``max_block_us`` (`lane_params`). Lanes without a gate keep
+    ``depth`` chunks within ``max_block_us``."""
     explore_ms: float = 2000.0
     """An urgent path not chosen for a size is tried again after this long (see choice.py)."""
     explore_every: int = EXPLORE_EVERY
@@ -268,19 +270,28 @@ class LaneParams:
     beat_inflight_bytes: int = 0
 
 
+def gated_bulk(info: LaneInfo, policy: Policy) -> bool:
+    """Whether the lane's bulk DMA chunks are handed out gated (`Chunk.gated`): ``gate_bulk``
+    on, the priod scheduler, and an engine that has a gate for the lane."""
+    return policy.gate_bulk and policy.mode == "priod" and info.gate
+
+
 def lane_params(info: LaneInfo, policy: Policy) -> LaneParams:
     """Derive chunk size and in-flight bound from ``max_block_us`` (and ``urgent_block_us``)
     and the lane's bandwidth.
 
     ``inflight = bandwidth * max_block_us`` (at least ``depth`` minimum chunks), split into
-    ``depth`` chunks, each a multiple of 4 KiB.
+    ``depth`` chunks, each a multiple of 4 KiB. On a lane with a gate (`gated_bulk`) a bulk
+    chunk that has not begun waits at the gate while an urgent copy goes, so an urgent copy
+    waits for the running chunk only: there each chunk takes ``max_block_us`` and ``depth`` of
+    them are in flight, half the chunks (and the daemon's polls) for the same promise.
     """
 
     def chunk_for(block_us: float) -> int:
         inflight = int(info.bandwidth * block_us / 1e6)
         return max(ALIGN, max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN)
 
-    chunk = chunk_for(policy.max_block_us)
+    chunk = chunk_for(policy.max_block_us * (policy.depth if gated_bulk(info, policy) else 1))
     short = chunk_for(min(policy.urgent_block_us, policy.max_block_us)) if policy.urgent_block_us else chunk
     batch = chunk_for(policy.batch_block_us) if policy.batch_block_us else chunk
     beat = chunk_for(policy.beat_block_us) if policy.beat_block_us else 0

@@ -8,7 +8,8 @@ The promise (docs/design.md), per lane (device x direction):
   rest waits here, where priority decides.
 - A strict-class (``urgent``) request is handed out before any queued chunk of a lower class:
   on the express path when the lane has one for its size, else as DMA chunks with a budget of
-  its own, so it waits for at most the non-strict bytes already in flight. No non-strict
+  its own, so it waits for at most the non-strict bytes already in flight (on a lane with a
+  gate, the chunk running: the pump closes the gate for it, lane_params). No non-strict
   chunk is handed out while a strict DMA chunk is queued or in flight on the lane.
 - Non-strict classes share the lane by weight: deficit round robin, measured in bytes.
 - Inside every class, clients share by round robin (a tenant is a uid; the connection where
@@ -532,7 +533,14 @@ class Scheduler:
         cq.queued_bytes -= size
         if req.submitted_bytes == req.nbytes:
             self._unqueue(t)
-        # Gated: a bulk DMA chunk under the short bound, the one kind a direct copy's hold must
-        # be able to stop on the GPU once queued (see Pump.scan_holds).
-        gated = lane.gate and not strict and path is _DMA and now - lane.last_strict < lane.window
+        # Gated: a bulk DMA chunk, which a direct copy's hold or the daemon's own urgent DMA
+        # chunk must be able to stop on the GPU once queued (Pump._set_gates). Not a chunk of a
+        # batch of small blocks outside the short bound: its long bound (batch_block_us) keeps
+        # the link fed without a wait before each call.
+        gated = (
+            lane.gate
+            and not strict
+            and path is _DMA
+            and (now - lane.last_strict < lane.window or req.segments is None or not req.segments.small_blocks())
+        )
         return Chunk(req, offset, size, path, strict, gated)

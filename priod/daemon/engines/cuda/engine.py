@@ -166,7 +166,7 @@ class CudaEngine(Engine):
 
     def lanes(self) -> list[LaneInfo]:
         return [
-            LaneInfo(lane.key, lane.dma_bandwidth, lane.express_min, lane.express_max)
+            LaneInfo(lane.key, lane.dma_bandwidth, lane.express_min, lane.express_max, gate=lane.gate is not None)
             for dev in self._devices.values()
             for lane in dev.lanes
         ]
