@@ -9,6 +9,7 @@ its own. Single chunks and a batch's chunk (enqueued by the pusher's thread) ali
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -44,9 +45,9 @@ def engine() -> Iterator[Any]:
     eng.close()
 
 
-@pytest.mark.parametrize("form", ["chunk", "batch"])
-def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: str) -> None:
-    assert engine.statistics()["bulk_gates"] is True, engine.statistics()["bulk_gates_error"]
+@contextlib.contextmanager
+def _buffers(engine: Any, seed: int) -> Iterator[tuple[np.ndarray, Any, Any]]:
+    """A host region of 2 x REGION (the first half random) and a device region of REGION."""
     fd = os.memfd_create("priod-test")
     os.ftruncate(fd, 2 * REGION)
     mapping = mmap.mmap(fd, 2 * REGION)
@@ -54,7 +55,35 @@ def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: st
     host = engine.map_host(fd, 2 * REGION)
     dev = engine.alloc_device(REGION, 0)
     try:
-        view[:REGION] = np.random.default_rng(3).integers(0, 256, REGION, dtype=np.uint8)
+        view[:REGION] = np.random.default_rng(seed).integers(0, 256, REGION, dtype=np.uint8)
+        yield view, host, dev
+    finally:
+        engine.set_gates(frozenset())
+        engine.release_device(dev)
+        engine.release_host(host)
+        del view
+        mapping.close()
+        os.close(fd)
+
+
+def _strict_passes_then_the_gate_opens(engine: Any, gated: Completion, view: np.ndarray, host: Any, dev: Any) -> None:
+    """An urgent chunk goes on the lane's strict stream, which has no wait on the gate: it runs
+    while the gated chunk waits (the sim models this: tests/test_sim_cotenant.py). Once the gate
+    opens the gated chunk runs, and every byte landed."""
+    strict = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=TAIL, strict=True))
+    _wait(strict)
+    assert not gated.done()
+    engine.set_gates(frozenset())
+    _wait(gated)
+    back = engine.submit(ChunkJob(D2H, Path.DMA, host, dev, dst_offset=REGION, src_offset=0, nbytes=REGION))
+    _wait(back)
+    assert np.array_equal(view[REGION:], view[:REGION])
+
+
+@pytest.mark.parametrize("form", ["chunk", "batch"])
+def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: str) -> None:
+    assert engine.statistics()["bulk_gates"] is True, engine.statistics()["bulk_gates_error"]
+    with _buffers(engine, 3) as (view, host, dev):
         head = REGION - TAIL
         engine.set_gates(frozenset({H2D}))
         first = engine.submit(
@@ -76,23 +105,7 @@ def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: st
         _wait(first)
         time.sleep(0.05)  # 4 MiB would take ~80 us: still not done means it has not begun
         assert not gated.done()
-        # An urgent chunk goes on the lane's strict stream, which has no wait on the gate: it
-        # runs while the gated chunk waits (the sim models this: tests/test_sim_cotenant.py).
-        strict = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=TAIL, strict=True))
-        _wait(strict)
-        assert not gated.done()
-        engine.set_gates(frozenset())
-        _wait(gated)
-        back = engine.submit(ChunkJob(D2H, Path.DMA, host, dev, dst_offset=REGION, src_offset=0, nbytes=REGION))
-        _wait(back)
-        assert np.array_equal(view[REGION:], view[:REGION])
-    finally:
-        engine.set_gates(frozenset())
-        engine.release_device(dev)
-        engine.release_host(host)
-        del view
-        mapping.close()
-        os.close(fd)
+        _strict_passes_then_the_gate_opens(engine, gated, view, host, dev)
 
 
 def test_a_gate_closed_while_the_chunk_ahead_runs_holds_the_chunk_behind_it(engine: Any) -> None:
@@ -101,14 +114,7 @@ def test_a_gate_closed_while_the_chunk_ahead_runs_holds_the_chunk_behind_it(engi
     for the running chunk only. The daemon closes a lane's gate for its own urgent DMA chunks on
     this (`Pump`), and a client's hold for its direct copies."""
     assert engine.statistics()["bulk_gates"] is True, engine.statistics()["bulk_gates_error"]
-    fd = os.memfd_create("priod-test")
-    os.ftruncate(fd, 2 * REGION)
-    mapping = mmap.mmap(fd, 2 * REGION)
-    view = np.frombuffer(mapping, dtype=np.uint8)
-    host = engine.map_host(fd, 2 * REGION)
-    dev = engine.alloc_device(REGION, 0)
-    try:
-        view[:REGION] = np.random.default_rng(5).integers(0, 256, REGION, dtype=np.uint8)
+    with _buffers(engine, 5) as (view, host, dev):
         head = REGION - TAIL
         engine.set_gates(frozenset())
         first = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=head, gated=True))
@@ -121,18 +127,4 @@ def test_a_gate_closed_while_the_chunk_ahead_runs_holds_the_chunk_behind_it(engi
         _wait(first)
         time.sleep(0.05)
         assert not gated.done(), "a gate closed while the chunk ahead ran did not hold the chunk behind it"
-        strict = engine.submit(ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=TAIL, strict=True))
-        _wait(strict)
-        assert not gated.done()
-        engine.set_gates(frozenset())
-        _wait(gated)
-        back = engine.submit(ChunkJob(D2H, Path.DMA, host, dev, dst_offset=REGION, src_offset=0, nbytes=REGION))
-        _wait(back)
-        assert np.array_equal(view[REGION:], view[:REGION])
-    finally:
-        engine.set_gates(frozenset())
-        engine.release_device(dev)
-        engine.release_host(host)
-        del view
-        mapping.close()
-        os.close(fd)
+        _strict_passes_then_the_gate_opens(engine, gated, view, host, dev)
