@@ -84,9 +84,9 @@ class Tuning:
     """How long after its last urgent copy a lane keeps the ``urgent_block_us`` bound."""
     beat_block_us: float = 600.0
     """Within that window, where a lane's urgent copies come on a steady beat (an inference
-    step's), the bound between them: bulk runs chunks of half this from just after one copy
-    until this long (and a margin) before the next is due, and the short bound around the
-    copies (lanes.py, `Lane.urgent_arrived`). 0: the short bound throughout the window.
+    step's), the bound between them: bulk runs chunks of this long (half this on a lane
+    without a gate) from just after one copy until this long (and a margin) before the next is
+    due, and the short bound around the copies (lanes.py, `Lane.urgent_arrived`). 0: the short bound throughout the window.
     600 keeps 0.93-0.97 of the link for bulk where 0 keeps 0.89-0.94, at the same urgent
     latencies (H200, a direct urgent copy every 5 ms; see docs/design.md, Defaults)."""
     batch_block_us: float = 4000.0
@@ -291,10 +291,15 @@ def lane_params(info: LaneInfo, policy: Policy) -> LaneParams:
         inflight = int(info.bandwidth * block_us / 1e6)
         return max(ALIGN, max(policy.min_chunk_bytes, inflight // policy.depth) // ALIGN * ALIGN)
 
-    chunk = chunk_for(policy.max_block_us * (policy.depth if gated_bulk(info, policy) else 1))
+    whole = policy.depth if gated_bulk(info, policy) else 1
+    chunk = chunk_for(policy.max_block_us * whole)
     short = chunk_for(min(policy.urgent_block_us, policy.max_block_us)) if policy.urgent_block_us else chunk
     batch = chunk_for(policy.batch_block_us) if policy.batch_block_us else chunk
-    beat = chunk_for(policy.beat_block_us) if policy.beat_block_us else 0
+    # Between the bursts of a beat as outside the window: the lane is back on its short bound
+    # beat_block_us and a margin before the next burst is due (lanes.py, BEAT_MARGIN_S). The
+    # short bound itself keeps depth chunks: a direct copy waits for the running one, and
+    # longer ones cost its p50 (urgent_block_us, docs/design.md).
+    beat = chunk_for(policy.beat_block_us * whole) if policy.beat_block_us else 0
     express_max = info.express_max if policy.express else 0
     return LaneParams(
         chunk,
