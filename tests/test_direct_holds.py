@@ -624,6 +624,28 @@ def test_the_pump_closes_a_lanes_gate_while_its_own_urgent_dma_chunk_is_in_fligh
         engine.close()
 
 
+def test_an_urgent_chunk_done_after_the_pump_stopped_leaves_its_gate_open() -> None:
+    """`Pump.stop` opens every gate so that what is queued drains; an urgent DMA chunk that
+    completes after it neither closes a gate again nor breaks the poll."""
+    engine = ManualEngine(bandwidth=2e9, express_range=(0, 0))
+    sched = Scheduler(Policy(), engine.lanes())
+    pump = Pump(sched, engine, lambda f: None)
+    mem = types.SimpleNamespace(
+        dst_mem=engine.alloc_device(MiB, 0), src_mem=engine.alloc_device(MiB, 0), dst_offset=0, src_offset=0
+    )
+    try:
+        sched.enqueue(Request(1, "c", H2D, "urgent", 64 << 10, 0.0, payload=mem), 0.0)
+        pump.kick()
+        assert engine.gates == [frozenset({H2D})]
+        pump.stop()
+        assert engine.gates == [frozenset({H2D}), frozenset()]
+        engine.complete_all()
+        assert pump._poll()
+        assert engine.gates == [frozenset({H2D}), frozenset()]
+    finally:
+        engine.close()
+
+
 def test_a_copy_never_ended_keeps_its_lanes_gate_closed_for_hold_max_only() -> None:
     """A hostile page cannot keep a gate closed: the hold is cut after ``direct_hold_max_ms``,
     and the gate opens with it, though the page still says the copy is under way."""

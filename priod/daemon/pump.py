@@ -467,11 +467,10 @@ class Pump:
             self._set_gates()
 
     def _strict_ended(self, lane: LaneKey) -> None:
-        n = self._strict_dma[lane] - 1
-        if n:
+        n = self._strict_dma.get(lane, 0) - 1  # 0 after `stop` cleared the count: nothing to open
+        if n > 0:
             self._strict_dma[lane] = n
-        else:
-            del self._strict_dma[lane]
+        elif self._strict_dma.pop(lane, None) is not None:
             self._set_gates()
 
     def _due(self, chunk: Chunk, now: float) -> float:
