@@ -150,8 +150,6 @@ class Pump:
         """The lanes whose gate the engine was last told to close (`_set_gates`)."""
         self._held: frozenset[LaneKey] = frozenset()
         """The lanes clients' direct copies hold, as of the last `scan_holds`."""
-        self._strict_dma: dict[LaneKey, int] = {}
-        """Urgent DMA chunks in flight per lane: its gate stays closed until they are done."""
         self.holds = Holds()
         """Clients' hold pages for their direct urgent copies (holds.py), read before each submission."""
         self.configure_holds()
@@ -208,7 +206,6 @@ class Pump:
     def stop(self) -> None:
         if self._gates_closed:
             self._held = frozenset()
-            self._strict_dma.clear()
             self._gates_closed = frozenset()
             self.engine.set_gates(self._gates_closed)  # what is queued must be free to drain
         if self._timer is not None:
@@ -275,9 +272,7 @@ class Pump:
         A gated bulk chunk that has not begun then waits on the device, so the urgent copy waits
         for the chunk running only (design.md, "Bulk gates"); it goes on the moment the gate
         opens. A hold keeps it closed within the hold's limits: a cut hold opens it."""
-        closed = self._held
-        if self._strict_dma:
-            closed = closed.union(self._strict_dma)
+        closed = self._held | self.scheduler.strict_dma_lanes()
         if closed != self._gates_closed:
             self._gates_closed = closed
             self.engine.set_gates(closed)
@@ -440,14 +435,14 @@ class Pump:
                         gated=chunk.gated,
                     )
                 if chunk.strict and chunk.path is Path.DMA:
-                    self._strict_begun(req.lane)  # before the submit: the gate must be shut first
+                    self._set_gates()  # the scheduler counts it in flight: shut the gate before it goes
                 completion = self.engine.submit(job)
             except PriodError as exc:
-                if chunk.strict and chunk.path is Path.DMA:
-                    self._strict_ended(req.lane)
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):
                     self._on_finished(f)
+                if chunk.strict and chunk.path is Path.DMA:
+                    self._set_gates()
                 continue
             now = time.perf_counter()
             # Due times pace only a polled engine's poller (`next_poll_at`); sim wakes the loop.
@@ -459,19 +454,6 @@ class Pump:
                 if signal is not None:
                     self._signal(chunk, signal)
         return bool(chunks)
-
-    def _strict_begun(self, lane: LaneKey) -> None:
-        n = self._strict_dma.get(lane, 0)
-        self._strict_dma[lane] = n + 1
-        if not n:
-            self._set_gates()
-
-    def _strict_ended(self, lane: LaneKey) -> None:
-        n = self._strict_dma.get(lane, 0) - 1  # 0 after `stop` cleared the count: nothing to open
-        if n > 0:
-            self._strict_dma[lane] = n
-        elif self._strict_dma.pop(lane, None) is not None:
-            self._set_gates()
 
     def _due(self, chunk: Chunk, now: float) -> float:
         """When the chunk just submitted should be done at the calibrated bandwidth.
@@ -522,15 +504,14 @@ class Pump:
             completion.release()
             completed = True
             lane = chunk.request.lane
-            if chunk.path is Path.DMA:
-                if chunk.strict:
-                    self._strict_ended(lane)
-                if self._paced_by_polls:
-                    reanchor.add(lane)
+            if self._paced_by_polls and chunk.path is Path.DMA:
+                reanchor.add(lane)
             if error is None:
                 self.lane_bytes[lane] += chunk.nbytes
             for f in self.scheduler.chunk_done(chunk, time.perf_counter(), error):
                 self._on_finished(f)
+            if chunk.strict and chunk.path is Path.DMA:
+                self._set_gates()  # open it once the lane's last urgent DMA chunk is done
         self._inflight = still
         for lane in reanchor:
             waiting = [e for e in still if e.chunk.path is Path.DMA and e.chunk.request.lane == lane]

@@ -366,6 +366,10 @@ class Scheduler:
         """Some strict-class chunk (express or DMA) is in flight: worth polling tightly."""
         return self._strict_chunks > 0
 
+    def strict_dma_lanes(self) -> frozenset[LaneKey]:
+        """The lanes with a strict-class DMA chunk handed out and not yet done."""
+        return frozenset(lane.key for lane in self._lane_list if lane.strict_inflight)
+
     def urgent_recent(self, now: float) -> bool:
         """Some lane runs its short bound: its small chunks want polling every loop turn."""
         return now < self._urgent_until
@@ -541,6 +545,6 @@ class Scheduler:
             lane.gate
             and not strict
             and path is _DMA
-            and (now - lane.last_strict < lane.window or req.segments is None or not req.segments.small_blocks())
+            and (req.segments is None or now - lane.last_strict < lane.window or not req.segments.small_blocks())
         )
         return Chunk(req, offset, size, path, strict, gated)
