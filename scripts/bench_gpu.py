@@ -4,6 +4,9 @@
 Rows, per direction set (h2d, d2h, both at once):
   idle        each urgent size alone on an idle GPU, in-process cudaMemcpyAsync (the reference)
   idle-5ms    the same with 5 ms between copies, as every row below has (an idle link's wake-up)
+  floor       idle-5ms plus a bare wake-up of another process asleep in a uvloop loop (an
+              eventfd it watches, seen when it bumps a word this process spins on), copy by
+              copy: what any round trip through a sleeping daemon costs at least (priod-idle's floor)
   naive       in-process: bulk 2 GiB copies on a low-priority stream, urgent copies on a
               high-priority stream (what priority streams promise, and do not give for copies)
   anchor      other-process bulk, no daemon: the measuring process issues the urgent
@@ -49,9 +52,11 @@ import dataclasses
 import functools
 import json
 import math
+import mmap
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -224,10 +229,80 @@ class CudaCopies:
         return lat
 
 
+# -- the wake-up floor -------------------------------------------------------------------------------------------
+def _waker(efd: int, word_path: str) -> None:
+    """The other side of `wake_floor`: a uvloop loop asleep until its eventfd is written; then it
+    adds one to word 0 of a shared page (and stops once word 1 is set)."""
+    import uvloop
+
+    with open(word_path, "r+b") as f:
+        page = mmap.mmap(f.fileno(), mmap.PAGESIZE)
+    words = memoryview(page).cast("Q")
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+
+        def woken() -> None:
+            os.eventfd_read(efd)
+            words[0] += 1
+            if words[1] and not stop.done():
+                stop.set_result(None)
+
+        loop.add_reader(efd, woken)
+        await stop
+
+    uvloop.run(serve())
+    words.release()
+    page.close()
+
+
+def wake_floor(count: int, interval_s: float = URGENT_INTERVAL_S, warm: int = 5) -> list[float]:
+    """Microseconds from writing the eventfd of another process asleep in a uvloop loop to
+    seeing the word it bumps, ``count`` times with ``interval_s`` between (as the urgent copies
+    have): the wake-up any round trip through a sleeping daemon pays on this host, on top of the
+    copy. The other process is forked: call this before this process has a CUDA context."""
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    fd, word_path = tempfile.mkstemp(prefix="priod-wake-")
+    os.ftruncate(fd, mmap.PAGESIZE)
+    page = mmap.mmap(fd, mmap.PAGESIZE)
+    words = memoryview(page).cast("Q")
+    waker = mp.get_context("fork").Process(target=_waker, args=(efd, word_path), daemon=True)
+    waker.start()
+    lat: list[float] = []
+    try:
+        deadline = time.monotonic() + 30
+        while words[0] == 0 and time.monotonic() < deadline:  # until its loop is up and answers
+            os.eventfd_write(efd, 1)
+            time.sleep(0.01)
+        for i in range(warm + count):
+            seen = words[0]
+            t0 = time.perf_counter()
+            os.eventfd_write(efd, 1)
+            while words[0] == seen:
+                if time.perf_counter() - t0 > 5.0:
+                    raise RuntimeError("the wake-up floor's other process stopped answering")
+            if i >= warm:
+                lat.append((time.perf_counter() - t0) * 1e6)
+            pause(interval_s)
+    finally:
+        words[1] = 1
+        os.eventfd_write(efd, 1)
+        waker.join(10)
+        words.release()
+        page.close()
+        os.close(fd)
+        os.close(efd)
+        os.unlink(word_path)
+    return lat
+
+
 # -- in-process rows: idle, naive, and the raw bandwidth ------------------------------------------------------
 def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) -> None:
     """idle and naive rows, and raw bandwidth, in a child process of its own."""
     _dump_stacks_later()
+    log("in-process: the wake-up floor")
+    wake = wake_floor(count)  # first: it forks, and this process has no CUDA context yet
     cc = CudaCopies()
     low = [cc.stream() for _ in directions]
     bulk = {d: cc.buffers(bulk_bytes) for d in directions}
@@ -244,6 +319,7 @@ def inprocess(directions: tuple[str, ...], bulk_bytes: int, count: int, q: Any) 
     # the same with the other rows' pause after each copy: what an idle link costs a copy that
     # comes after 5 ms of nothing, in-process (the floor for priod-idle and direct-idle)
     out["idle_gap"] = {f"{d}/{n}": cc.urgent_series(d, n, count, URGENT_INTERVAL_S) for d in directions for n in SIZES}
+    out["wake_us"] = wake
     # raw: whole bulk copies in every direction of the set at once (for "both", the two
     # directions share the host's PCIe and memory, so each alone would overstate the reference)
     for i, d in enumerate(directions):
@@ -815,6 +891,11 @@ def table_lines(s: dict[str, Any], key: str) -> list[Line]:
     lines = [Line("idle", "none", inproc["idle"][key])]
     if key in inproc.get("idle_gap", {}):
         lines.append(Line("idle-5ms", "none", inproc["idle_gap"][key]))
+        if inproc.get("wake_us"):
+            # copy by copy: each in-process copy after 5 ms asleep, plus one bare wake-up
+            lines.append(
+                Line("floor", "none", [a + b for a, b in zip(inproc["idle_gap"][key], inproc["wake_us"], strict=False)])
+            )
     lines.append(Line("naive", "none", naive["lat"], naive["bulk_gbps"], naive.get("urgent_gbps")))
     for cot in dict.fromkeys(r["cotenant"]["kind"] for r in s["rows"]):
         rows = [r for r in s["rows"] if r["cotenant"]["kind"] == cot]

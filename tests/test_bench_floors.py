@@ -42,3 +42,13 @@ def test_bench_batch_measures_the_floor_beside_both_forms(tmp_path: Path) -> Non
     res = json.loads((out / "bench_batch.json").read_text())
     assert len(res["single_s"]) == len(res["batch_s"]) == len(res["floor_s"]) == 2
     assert res["floor_ratio"] == res["single_p50_s"] / res["floor_p50_s"]
+
+
+def test_bench_gpu_wake_floor_times_a_real_wake_up_of_another_process() -> None:
+    """scripts/bench_gpu.py's wake-up floor (its "floor" row: idle-5ms plus this): each figure is
+    a round trip to another live process, asleep in its loop until woken, which must answer
+    every time (a missed wake-up would raise rather than read as fast), and it stops after."""
+    script = import_script(ROOT / "scripts" / "bench_gpu.py", "priod_bench_gpu_floor")
+    lat = script.wake_floor(20, interval_s=0.002, warm=2)
+    assert len(lat) == 20
+    assert all(0 < us < 1e6 for us in lat)
