@@ -59,12 +59,12 @@ LATENCY_BUCKETS = (
     300e-6,
     400e-6,
     500e-6,
+    600e-6,
     750e-6,
     1e-3,
     2e-3,
     5e-3,
     10e-3,
-    25e-3,
     50e-3,
     100e-3,
     250e-3,
@@ -72,9 +72,9 @@ LATENCY_BUCKETS = (
     10.0,
 )
 """Bounds of the latency histograms (seconds); direct copies are timed into the same (holds.py).
-Fine from 50 to 500 us, where urgent copies are on a GPU (README.md's table: p50 87-664 us,
-p99 141-834 us; no bound more than 1.5 times the one before), with a bound at each urgent-latency
-alert's threshold (0.5 ms and 1 ms: deploy/helm/priod/files/priod-rules.yaml) so that
+Fine from 50 to 750 us, where urgent copies are on a GPU (README.md's tables: p50 76-466 us,
+p99 128-605 us; no bound more than 1.5 times the one before), with a bound at each urgent-latency
+alert's threshold (0.6 ms and 0.75 ms: deploy/helm/priod/files/priod-rules.yaml) so that
 ``histogram_quantile`` is exact there; coarse above, to 10 s for bulk copies. 21 bounds: with
 +Inf, ``_sum``, ``_count`` and ``_created``, 25 series per label set of a histogram."""
 _LATENCY_BUCKETS = LATENCY_BUCKETS
