@@ -66,8 +66,36 @@ def test_the_table_shows_bulk_per_size_and_falls_back_for_older_results(bench: A
     before has no per-size figures: its table shows the whole phase's bulk, as it did."""
     lines = _render(bench, "bench_gpu_with_per_size_bulk.json.gz")
     row = next(ln for ln in lines if ln.startswith("h2d   h2d 64 KiB direct ") and " none " in ln)
-    assert row.split()[-2:] == ["0.927", "0.927"]  # x raw, link (64 KiB every 5 ms: 0.02% of it)
+    # x raw, link (64 KiB every 5 ms: 0.02% of it), then the target's verdict (104 / 151 us)
+    assert row.split()[-3:] == ["0.927", "0.927", "met"]
     assert any("whole urgent phase h2d 50.2 (x raw 0.907)" in ln for ln in lines)
     old = _render(bench, "bench_gpu_without_per_size_bulk.json.gz")
     row = next(ln for ln in old if ln.startswith("h2d   h2d 64 KiB direct ") and " none " in ln)
-    assert row.split()[-2:] == ["0.881", "0.900"]  # the whole phase, as recorded then
+    assert row.split()[-3:-1] == ["0.881", "0.900"]  # the whole phase, as recorded then
+
+
+@pytest.mark.parametrize(
+    ("row", "nbytes", "p50", "p99", "idle", "want"),
+    [
+        ("front", 64 * KiB, 130.0, 200.0, 10.0, "met"),
+        ("front", MiB, 131.0, 150.0, 28.0, "not met"),  # p50 over 130
+        ("direct", MiB, 100.0, 201.0, 28.0, "not met"),  # p99 over 200
+        ("front", 16 * MiB, 400.0, 465.0, 310.0, "met"),  # 1.5x idle: 465
+        ("ahead", 16 * MiB, 400.0, 466.0, 310.0, "not met"),
+        ("express", 64 * KiB, 150.0, 250.0, 10.0, "met"),
+        ("express/spin", 64 * KiB, 151.0, 200.0, 10.0, "not met"),  # the same row in another mode
+        ("dma", 16 * MiB, 600.0, 720.0, 310.0, "met"),  # 2x idle + 100: 720
+        ("express", 16 * MiB, 600.0, 721.0, 310.0, "not met"),
+        ("priod-idle", 64 * KiB, 100.0, 150.0, 10.0, "met"),
+        ("priod-idle", 64 * KiB, 101.0, 120.0, 10.0, "not met"),
+        ("priod-idle", MiB, 90.0, 120.0, 28.0, ""),  # the idle daemon's target is 64 KiB's
+        ("anchor", 64 * KiB, 150.0, 180.0, 10.0, ""),
+        ("floor", 64 * KiB, 150.0, 180.0, 10.0, ""),
+    ],
+)
+def test_each_row_is_held_to_its_own_target(
+    bench: Any, row: str, nbytes: int, p50: float, p99: float, idle: float, want: str
+) -> None:
+    """The table's target column: the direct path, the daemon path under bulk and the idle
+    daemon each against their own bounds, at the bound itself met; rows without one blank."""
+    assert bench.verdict(row, nbytes, p50, p99, idle) == want
