@@ -30,6 +30,7 @@ from priod.client.direct import HoldPage
 from priod.common.types import Direction, LaneInfo, LaneKey, Path
 from priod.daemon.config import load_config
 from priod.daemon.holds import Holds
+from priod.daemon.sched.budget import SMALL_CHUNK_BYTES, SMALL_PER_SLOT
 from priod.daemon.sched.policy import ClassSpec, Policy
 from priod.daemon.sched.scheduler import Chunk, Finished, Request, RequestState, Scheduler
 from priod.errors import ConfigError, EngineError, InvalidRequest, PermissionDenied
@@ -122,9 +123,10 @@ def test_tiny_copy_flood_delays_another_client_by_one_round_at_most(
 ) -> None:
     """Owner A queues 5,000 one-byte copies (4 KiB ones where urgent copies go express); owner
     B then sends one 1 MiB copy. Between B's arrival and its completion, A's chunks that
-    complete are at most what A had in flight (``depth`` per path) plus one per chunk of B's
-    (one round robin turn each), and B's latency is its own transfer plus those. Before: B
-    waited behind every one of A's copies."""
+    complete are at most what A had in flight (``depth`` slots per path, a non-strict slot
+    holding up to ``SMALL_PER_SLOT`` such tiny chunks) plus a turn's worth per chunk of B's
+    (round robin), and B's latency is its own transfer plus those. Before: B waited behind
+    every one of A's copies."""
     s = Scheduler(Policy(), [lane])
     m = Model(s, [lane])
     ids = Ids()
@@ -140,9 +142,29 @@ def test_tiny_copy_flood_delays_another_client_by_one_round_at_most(
     done = m.done_at[b]
     ahead = [c for t, c in m.completed if arrival < t <= done and c.request.owner == "A"]
     b_chunks = sum(1 for _, c in m.handed if c.request.id == b)
-    assert len(ahead) <= 2 * DEPTH + b_chunks, f"{len(ahead)} of A's chunks completed while B's {b_chunks} waited"
+    per_slot = SMALL_PER_SLOT if flood_cls != "urgent" else 1  # A's tiny non-strict chunks share a slot
+    limit = DEPTH * per_slot + DEPTH + b_chunks * per_slot
+    assert len(ahead) <= limit, f"{len(ahead)} of A's chunks completed while B's {b_chunks} waited"
     own = MiB / lane.bandwidth + PER_CHUNK_S * b_chunks
     assert done - arrival <= own + len(ahead) * (PER_CHUNK_S + tiny / lane.bandwidth) + 1e-9
+
+
+def test_small_non_strict_chunks_share_a_tenants_slot_and_large_ones_do_not() -> None:
+    """A client pipelining 64-byte copies has ``depth`` slots of ``SMALL_PER_SLOT`` of them in
+    flight, not ``depth`` copies; another's 256 KiB copies still ``depth``, handed out beside
+    them; urgent tiny ones still ``depth`` (strict kinds count a chunk a slot)."""
+    s = Scheduler(Policy(), [SIM_LANE])
+    ids = Ids()
+    for _ in range(100):
+        s.enqueue(request(ids(), "A", "normal", 64, 0.0), 0.0)
+    for _ in range(10):
+        s.enqueue(request(ids(), "B", "normal", MiB // 4, 0.0), 0.0)
+    by_owner = Counter(c.request.owner for c in s.next_chunks(0.0))
+    assert by_owner == {"A": DEPTH * SMALL_PER_SLOT, "B": DEPTH}
+    urgent = Scheduler(Policy(), [SIM_LANE])
+    for _ in range(100):
+        urgent.enqueue(request(ids(), "C", "urgent", 64, 0.0), 0.0)
+    assert len(urgent.next_chunks(0.0)) == DEPTH
 
 
 def test_a_tenant_is_a_uid_however_many_connections_it_opens() -> None:
@@ -573,9 +595,16 @@ def test_random_traffic_from_many_tenants_keeps_the_promise(ops: list[tuple[obje
         assert sum(c.nbytes for c in dma if not c.strict) <= 16384
         assert sum(c.nbytes for c in dma if c.strict) <= 16384
         per_tenant: Counter[tuple[object, int]] = Counter()
+        small: Counter[object] = Counter()
         for c in dma + express:
             tenant = c.request.uid if c.request.uid is not None else ("conn", c.request.owner)
-            per_tenant[tenant, 0 if c.path is Path.EXPRESS else (1 if c.strict else 2)] += 1
+            kind = 0 if c.path is Path.EXPRESS else (1 if c.strict else 2)
+            if kind == 2 and c.nbytes < SMALL_CHUNK_BYTES:
+                small[tenant] += 1  # SMALL_PER_SLOT of them to a slot
+            else:
+                per_tenant[tenant, kind] += 1
+        for owner, n in small.items():
+            per_tenant[owner, 2] += n // SMALL_PER_SLOT
         assert max(per_tenant.values(), default=0) <= DEPTH
     for _ in range(100_000):
         pump()

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Hashable
 
 from priod.common.types import LaneInfo, Path
-from priod.daemon.sched.budget import BULK, EXPRESS, STRICT, Tenant, TenantKey
+from priod.daemon.sched.budget import BULK, EXPRESS, SMALL_CHUNK_BYTES, STRICT, Tenant, TenantKey
 from priod.daemon.sched.policy import ALIGN, ClassSpec, LaneParams, Policy, gated_bulk, lane_params
 from priod.daemon.sched.records import Request
 
@@ -176,6 +176,8 @@ class Lane:
         else:
             self.inflight += n * size
             tenant.inflight[BULK] += n
+            if size < SMALL_CHUNK_BYTES:
+                tenant.small += n
 
     def urgent_arrived(self, now: float) -> None:
         """An urgent copy arrived on this lane (a strict request, or a client's direct copy

@@ -74,14 +74,15 @@ def leave_class(t: Track) -> None:
 
 def pick(cq: ClassQueue, kind: int, cap: int) -> Group | None:
     """The tenant group whose turn it is in ``cq`` and that may have another chunk of
-    ``kind`` in flight (fewer than ``cap``); groups of tenants at their cap are parked on the way."""
+    ``kind`` in flight (fewer than ``cap`` slots, `Tenant.slots`); groups of tenants at their
+    cap are parked on the way."""
     ring = cq.ring
     while ring:
         g = ring[0]
         if not g.live:
             ring.popleft()
             g.in_ring = False
-        elif g.tenant.inflight[kind] >= cap:
+        elif g.tenant.slots(kind) >= cap:
             park(g)
         else:
             return g
