@@ -16,7 +16,7 @@ client's flood of small copies would fill the engine's FIFO queue ahead of other
 - The in-flight cap: a tenant has at most ``depth`` chunks in flight per lane of each kind
   (`EXPRESS`, `STRICT`, `BULK`); its class groups wait off their rings while it is at the cap
   (``parked``; queues.py parks and unparks them). Non-strict chunks under `SMALL_CHUNK_BYTES`
-  count `SMALL_PER_SLOT` to one (`Tenant.bulk_slots`).
+  count `SMALL_PER_SLOT` to one (`Tenant.slots`).
 
 No clocks: the caller passes ``now``.
 
