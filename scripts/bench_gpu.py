@@ -536,14 +536,13 @@ def urgent_client(
     count: int,
     cpu_pid: int,
     interval_s: float = URGENT_INTERVAL_S,
-    spin_us: float = 2000,
     warm: int = 5,
     direct: Any = None,
     ahead_us: float = 0.0,
     front: bool = False,
 ) -> dict[str, Any]:
-    """Urgent copies one at a time from a blocking client that busy-polls for its reply
-    (``spin_us``), as a latency-critical caller would; client-observed latency per copy, and the
+    """Urgent copies one at a time from a blocking client with its defaults (it busy-polls for an
+    urgent copy's reply, `DEFAULT_URGENT_SPIN_US`); client-observed latency per copy, and the
     daemon's (``cpu_pid``) CPU seconds and the wall seconds over each size's copies. ``warm``
     unmeasured copies per size go first, as in the in-process and anchor rows (the first copy of a
     size after the daemon starts, or after the size changes, is slower than the rest).
@@ -559,7 +558,7 @@ def urgent_client(
     lane_bytes: dict[
         str, tuple[dict[str, int], dict[str, int], float]
     ] = {}  # per size: lane bytes before, after, wall s
-    with priod.SyncClient(path, copy_path="auto" if front else "daemon", name="urgent", spin_us=spin_us) as c:
+    with priod.SyncClient(path, copy_path="auto" if front else "daemon", name="urgent") as c:
         one: Callable[[str, int], Any]
         if direct is not None:
             from priod.client.direct import DirectCopies

@@ -622,7 +622,7 @@ class CudaDecode:
         try:
             if form == "priod":
                 assert socket is not None
-                with priod.SyncClient(socket, name="decode", spin_us=2000) as c:
+                with priod.SyncClient(socket, name="decode") as c:
                     hregion = c.alloc_host(shape.slots * shape.block)
                     gregion = c.register_device(gpu)
                     try:
@@ -971,7 +971,7 @@ def sim_row(
     warm = max(1, round(args.warm_s / interval))
     log(f"priod {shape.label} (sim)")
     plan = make_plan(shape, warm + args.steps, seed=len(results["rows"]) + 1)
-    with priod.SyncClient(socket, name="decode", spin_us=2000) as c:
+    with priod.SyncClient(socket, name="decode") as c:
         host = c.alloc_host(shape.slots * shape.block)
         gpu = c.alloc_device(shape.slots * shape.block)
         assert gpu.array is not None

@@ -413,3 +413,27 @@ async def test_an_asyncio_client_may_poll_the_ring_for_its_copy(ringd: DaemonPro
         assert await _clients_ring_completions(c) - before == 21
         with pytest.raises(InvalidRequest):
             await c.copy(dev, host, 100, dst_offset=8100)
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "socket"])
+def test_a_blocking_clients_urgent_copy_polls_for_its_reply_for_urgent_spin_us(ring: bool) -> None:
+    """`SyncClient` busy-polls for an ``urgent`` copy's reply for ``urgent_spin_us`` and for any
+    other class's for ``spin_us`` (here 0: it sleeps at once), on the ring and on the socket:
+    its thread's CPU time over a 40 ms copy tells which it did."""
+    slow = {**QUIET, "PRIOD_SIM__H2D_GBPS": "0.1"}  # 4 MiB: about 40 ms
+    with (
+        daemon_process(slow) as d,
+        SyncClient(d.socket_path, copy_path="daemon", ring=ring, spin_us=0, urgent_spin_us=1e6) as c,
+    ):
+        dev, host = c.alloc_device(4 << 20), c.alloc_host(4 << 20)
+        arr(host)[:] = 9
+
+        def busy_share(priority: str) -> float:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            r = c.copy(dev, host, priority=priority)
+            assert r.nbytes == 4 << 20
+            return (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
+        assert busy_share("urgent") > 0.5
+        assert busy_share("normal") < 0.2
+        assert (arr(dev) == 9).all()

@@ -49,7 +49,7 @@ from priod.client.base import (
 )
 from priod.client.copy_ring import ClientRing
 from priod.client.direct import HoldPage
-from priod.client.route import CopyPath, DirectRoute, check_copy_path
+from priod.client.route import DIRECT_CLASS, CopyPath, DirectRoute, check_copy_path
 from priod.client.torch_face import block_segments, tensor_copy
 from priod.common.socket_path import find_socket
 from priod.errors import ConnectionClosed, InvalidRequest, PriodError
@@ -81,7 +81,7 @@ from priod.wire.replies import ErrorReply
 from priod.wire.ring import RING_VERSION, ring_supported
 from priod.wire.transport import BlockingFramedSocket
 
-__all__ = ["DEFAULT_SPIN_US", "SyncBatchHandle", "SyncClient", "SyncCopyHandle"]
+__all__ = ["DEFAULT_SPIN_US", "DEFAULT_URGENT_SPIN_US", "SyncBatchHandle", "SyncClient", "SyncCopyHandle"]
 
 DEFAULT_SPIN_US = 200.0
 """How long a `SyncClient` busy-polls for a reply before it sleeps in ``recv``. Measured on the
@@ -89,6 +89,11 @@ DEFAULT_SPIN_US = 200.0
 that a spinning one has at 58 us; the difference is waking the sleeping process (a virtual CPU
 that halted). A small copy's round trip fits in 200 us; a longer wait costs at most that much
 CPU before the client sleeps."""
+DEFAULT_URGENT_SPIN_US = 2000.0
+"""The busy-poll for the reply of an ``urgent`` copy through the daemon. On the GPU hosts such a
+copy takes 125-400 us (docs/benchmarks.md), past `DEFAULT_SPIN_US`, and a client asleep by then
+pays a wake-up of 46-154 us on top (bench_gpu.py's ``floor`` row); the GPU benchmarks' figures
+are for a client that polls this long. It costs a core for the copy's time, at most this long."""
 
 
 class _SyncHandle(Generic[R]):
@@ -221,6 +226,7 @@ class SyncClient:
         name: str = "",
         timeout: float | None = None,
         spin_us: float = DEFAULT_SPIN_US,
+        urgent_spin_us: float = DEFAULT_URGENT_SPIN_US,
         expect_uid: int | None = None,
         copy_path: CopyPath = "auto",
         reconnect_s: float = 30.0,
@@ -228,8 +234,10 @@ class SyncClient:
         ring: bool = True,
     ) -> None:
         """Connect and handshake. ``spin_us`` > 0 busy-polls that long for each reply before
-        sleeping (lower latency for urgent copies, at the cost of a core while waiting); 0
-        sleeps at once. The default, `DEFAULT_SPIN_US`, covers a small copy's round trip.
+        sleeping (lower latency, at the cost of a core while waiting); 0 sleeps at once. The
+        default, `DEFAULT_SPIN_US`, covers a small copy's round trip. ``urgent_spin_us``: the
+        same for an ``urgent`` copy through the daemon (`DEFAULT_URGENT_SPIN_US`), the copy
+        whose caller waits on it.
         ``copy_path``: this connection's default for `copy`'s ``path`` (see `Client.copy`).
         ``reconnect_s``, ``retry_copies``: as for `priod.connect`; a lost connection is found
         by the next request, which reconnects, registers the regions again and goes on (a copy
@@ -241,6 +249,7 @@ class SyncClient:
         self.copy_path = check_copy_path(copy_path)
         self.path = path or find_socket()
         self.name, self.timeout, self.spin_us, self.expect_uid = name, timeout, spin_us, expect_uid
+        self.urgent_spin_us = urgent_spin_us
         self.reconnect_s = reconnect_s
         """See `Client.reconnect_s`."""
         self.retry_copies = retry_copies
@@ -453,7 +462,7 @@ class SyncClient:
                     raise self._lost_error(exc, False, req_id) from exc
                 continue  # it never left: nothing moved; send it on the new connection
             try:
-                return self._receive(req_id)
+                return self._receive(req_id, self._spin_s(msg))
             except BaseException as exc:
                 if not self._lost_by(exc) or (isinstance(exc, PriodError) and getattr(exc, "_reply", False)):
                     raise
@@ -463,9 +472,16 @@ class SyncClient:
                     err = copy_lost(req_id, self.path, "The client has reconnected and registered its regions again.")
                     raise err from exc
 
-    def _receive(self, req_id: int) -> Reply:
+    def _spin_s(self, msg: object) -> float | None:
+        """How long to busy-poll for ``msg``'s reply: None, the socket's own `spin_us`, but for
+        an urgent copy (`DEFAULT_URGENT_SPIN_US`)."""
+        if isinstance(msg, Copy | CopyBatch) and msg.priority == DIRECT_CLASS:
+            return self.urgent_spin_us / 1e6
+        return None
+
+    def _receive(self, req_id: int, spin_s: float | None = None) -> Reply:
         while True:
-            reply, got = self._sock.receive()
+            reply, got = self._sock.receive(spin_s)
             if is_progress(reply) and reply.get("id") == req_id:
                 close_fds(got)  # a blocking copy() with signal_event: its reply follows
                 continue
@@ -547,6 +563,8 @@ class SyncClient:
     def _take(self, req_id: int, timeout: float) -> Message | None:
         """A started copy's reply, read within ``timeout`` seconds, else None."""
         deadline = time.perf_counter() + timeout
+        started = self._started_copies.get(req_id)
+        spin_s = self._spin_s(started[0]) if started is not None else None
         while self._started.get(req_id) is None:
             if self._collect_ring():
                 continue
@@ -555,13 +573,17 @@ class SyncClient:
             try:
                 if ring is not None:
                     # Spin on the ring's completions (no system call), then sleep on both.
-                    got = self._sock.receive_or_wake(max(left, 0.0), ring.wake_fd, ring.has_completions)
+                    got = self._sock.receive_or_wake(max(left, 0.0), ring.wake_fd, ring.has_completions, spin_s)
                     if got is None:
                         if ring.has_completions() or time.perf_counter() < deadline:
                             continue
                         return None
                 else:
-                    got = self._sock.receive() if left == math.inf else self._sock.receive_within(max(left, 0.0))
+                    got = (
+                        self._sock.receive(spin_s)
+                        if left == math.inf
+                        else self._sock.receive_within(max(left, 0.0), spin_s)
+                    )
             except BaseException as exc:
                 if not self._lost_by(exc):
                     raise

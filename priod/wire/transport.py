@@ -561,9 +561,9 @@ class BlockingFramedSocket:
         except (ConnectionResetError, ConnectionAbortedError) as exc:
             raise self._lost(exc) from exc
 
-    def _recv(self) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
-        if self.spin_s > 0:
-            deadline = time.perf_counter() + self.spin_s
+    def _recv(self, spin_s: float) -> tuple[bytes, list[tuple[int, int, bytes]], int]:
+        if spin_s > 0:
+            deadline = time.perf_counter() + spin_s
             while time.perf_counter() < deadline:
                 try:
                     data, ancdata, flags = self._recvmsg(socket.MSG_DONTWAIT)
@@ -573,10 +573,11 @@ class BlockingFramedSocket:
         data, ancdata, flags = self._recvmsg()
         return data, ancdata, flags
 
-    def receive(self) -> tuple[Message, list[int]]:
-        """The next message; `ConnectionClosed` once the peer is gone."""
+    def receive(self, spin_s: float | None = None) -> tuple[Message, list[int]]:
+        """The next message; `ConnectionClosed` once the peer is gone. ``spin_s``: this wait's
+        busy-poll, instead of the socket's `spin_s`."""
         while not self._messages:
-            self._take_in(*self._recv())
+            self._take_in(*self._recv(self.spin_s if spin_s is None else spin_s))
         return self._messages.popleft()
 
     def _take_in(self, data: bytes, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
@@ -586,13 +587,15 @@ class BlockingFramedSocket:
             raise self._lost("the daemon closed the connection")
         self._messages.extend(self._inbox.feed(data, fds))
 
-    def receive_within(self, timeout: float) -> tuple[Message, list[int]] | None:
+    def receive_within(self, timeout: float, spin_s: float | None = None) -> tuple[Message, list[int]] | None:
         """The next message if one arrives within ``timeout`` seconds (0: only what is already
-        here), else None. For clients that wait for one of several replies with a deadline."""
+        here), else None. For clients that wait for one of several replies with a deadline.
+        ``spin_s``: as `receive`'s."""
         deadline = time.perf_counter() + max(timeout, 0.0)
+        spin = self.spin_s if spin_s is None else spin_s
         # Spin first, as `_recv` does (no wake-up to pay), but only on a socket without a timeout
         # of its own: Python waits for readiness up to that timeout even with MSG_DONTWAIT.
-        spin_until = min(deadline, time.perf_counter() + self.spin_s) if self.sock.gettimeout() is None else 0.0
+        spin_until = min(deadline, time.perf_counter() + spin) if self.sock.gettimeout() is None else 0.0
         while not self._messages and time.perf_counter() < spin_until:
             try:
                 self._take_in(*self._recvmsg(socket.MSG_DONTWAIT))
@@ -621,7 +624,7 @@ class BlockingFramedSocket:
             return True
 
     def receive_or_wake(
-        self, timeout: float, wake_fd: int, woken: Callable[[], bool]
+        self, timeout: float, wake_fd: int, woken: Callable[[], bool], spin_s: float | None = None
     ) -> tuple[Message, list[int]] | None:
         """As `receive_within`, but also return None as soon as ``woken()`` is true (checked while
         spinning: a shared-memory completion costs no system call) or ``wake_fd`` is readable."""
@@ -629,7 +632,8 @@ class BlockingFramedSocket:
             return self._messages.popleft()
         now = time.perf_counter()
         deadline = now + max(timeout, 0.0)
-        spin_until = min(deadline, now + self.spin_s) if self.sock.gettimeout() is None else 0.0
+        spin = self.spin_s if spin_s is None else spin_s
+        spin_until = min(deadline, now + spin) if self.sock.gettimeout() is None else 0.0
         while time.perf_counter() < spin_until:
             if woken():
                 return None
