@@ -682,10 +682,10 @@ def test_uids_taking_turns_past_the_lane_total_leave_bulk_its_long_chunks() -> N
 
 def test_the_default_lane_total_leaves_bulk_more_than_half_beside_eight_uids() -> None:
     """With the shipped ``direct_hold_total_share``, eight uids taking turns (as above, the lane
-    wanted throughout) hold it for at most 0.35 of its time, so bulk keeps half the lane and
+    wanted throughout) hold it for at most 0.3 of its time, so bulk keeps half the lane and
     room for what each hold costs it beyond its own length (the stop before and the restart
-    after: 0.1-0.17 of the link beside 8 uids on the 2-core VM, docs/benchmarks.md). The old
-    default, 0.5, held it for half the time, and root's bulk beside 8 uids was 0.41x of alone."""
+    after: 0.1-0.17 of the link beside 8 uids on the 2-core VM, docs/benchmarks.md). A total of
+    0.3 held it for 0.31, and root's bulk beside 8 uids was 0.42-0.48x of alone."""
     total = load_config(None, environ={}).policy().direct_hold_total_share
     holds = Holds(hold_max_s=0.005, share=0.25, burst_s=0.05, total_share=total)
     pages = [HoldPage(os.dup(holds.open(k + 1, 1000 + k, [LANE], 0.0).fd), HOLD_LANES) for k in range(8)]
@@ -697,4 +697,4 @@ def test_the_default_lane_total_leaves_bulk_more_than_half_beside_eight_uids() -
         take_turn(pages, open_, step, period, turn)
         held += LANE in holds.scan(step * step_s).held
     print(f"direct_hold_total_share {total}: held {held / steps:.3f} of the lane's time")
-    assert held / steps <= 0.35
+    assert held / steps <= 0.3

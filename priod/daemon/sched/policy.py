@@ -134,13 +134,14 @@ class SchedulerSettings:
     urgent_burst_bytes: int = 64 << 20
     """The token bucket's depth: urgent bytes a client may send at once after a quiet spell.
     An urgent copy larger than this is always served as ``high``."""
-    direct_hold_total_share: float = 0.3
+    direct_hold_total_share: float = 0.25
     """Per lane: the share of its time that the holds of clients' direct urgent copies, all uids
     together, may take (each uid alone: ``urgent_budget_share``); past it every client's page
     reads refused on the lane and their urgent copies go through the daemon. Bulk loses more than
     the holds' own time (the stop before each hold and the restart after: 0.1-0.17 of the link
-    beside 8 uids taking turns on the 2-vCPU VM), so 0.3 is what keeps it at least half the link
-    however many uids take turns (0.5 left it 0.41x beside 8 uids, 0.4 0.44x, 0.35 0.48x)."""
+    beside 8 uids taking turns on the 2-vCPU VM), so 0.25, one uid's share, is what keeps it at
+    least half the link however many uids take turns (beside 8 uids 0.59-0.61x; 0.3 left it
+    0.42-0.48x, 0.5 0.41x)."""
 
     def with_classes(self, classes: tuple[ClassSpec, ...], tuning: Tuning | None = None) -> Policy:
         """The `Policy` of these settings, ``classes`` (the ``[classes]`` tables) and ``tuning``."""
