@@ -17,8 +17,9 @@ b. Bulk throughput as a fraction of the h2d lane's bandwidth (``status()['lanes'
 c. The daemon's overhead: round trip of a tiny copy against a bare uvloop echo server that
    answers frames of the same size (same run, interleaved; the blocking client's figures against
    an echo client that polls for its reply as that client polls its completion word, the
-   asyncio client's against an asyncio echo client); and copies per second from one client that
-   keeps windows of copies outstanding.
+   asyncio client's against an asyncio echo client); the same urgent round trip once every 5 ms,
+   as a decode step makes it, beside the echo at the same pace; and copies per second from one
+   client that keeps windows of copies outstanding.
 d. The daemon's CPU: idle with a client connected, and per GB moved under the bulk load.
 
 The daemons run as ``python -m priod serve`` child processes with their default configuration
@@ -84,6 +85,8 @@ class Plan:
     rtt_per_round: int = 1500
     pipe_rounds: int = 3
     pipe_windows: int = 40
+    spaced_copies: int = 600
+    """Round trips one every `SPACED_S` (each side): the tail of a copy that finds the daemon asleep."""
     idle_s: float = 2.0
     bulk_s: float = 8.0
     fifo_probes: int = 24
@@ -97,11 +100,16 @@ class Plan:
             rtt_per_round=800,
             pipe_rounds=2,
             pipe_windows=20,
+            spaced_copies=300,
             idle_s=2.0,
             bulk_s=3.0,
             fifo_probes=8,
             priod_probes=80,
         )
+
+
+SPACED_S = 0.005
+"""The pace of the spaced round trips: a decode step's."""
 
 
 def _ratio(a: float, b: float) -> float:
@@ -213,19 +221,31 @@ async def urgent_probe(client: Client, size: int, count: int, interval_s: float)
     }
 
 
-def sync_rtt_echo(path: str, msg: dict[str, Any], n: int, spin_us: float = 0.0) -> list[float]:
+def pause_until(due: float) -> None:
+    """Sleep until 0.5 ms before ``due``, then spin: the client is on its CPU when it sends, as
+    one that was computing until then is."""
+    left = due - time.perf_counter() - 0.0005
+    if left > 0:
+        time.sleep(left)
+    while time.perf_counter() < due:
+        pass
+
+
+def sync_rtt_echo(path: str, msg: dict[str, Any], n: int, spin_us: float = 0.0, interval_s: float = 0.0) -> list[float]:
     """Round trips to the echo server. ``spin_us``: the client polls its socket for the reply
     that long before it blocks, as priod's blocking client polls its completion word (the same
     `BlockingFramedSocket` that client uses on its socket): the same way of waiting on both
     sides. A client that blocks lets its CPU sleep, and on a VM waking it again can cost more
     than the whole echo (2-vCPU VM: 57-69 us p50 blocking, 16-21 while another process kept a
-    core busy)."""
+    core busy). ``interval_s``: one round trip that often (`pause_until`), else back to back."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     fs = BlockingFramedSocket(sock, spin_s=spin_us / 1e6)
     lat = []
     try:
         for i in range(1, n + 1):
+            if interval_s:
+                pause_until(time.perf_counter() + interval_s)
             t0 = time.perf_counter()
             fs.send({**msg, "id": i})
             fs.receive()
@@ -236,11 +256,13 @@ def sync_rtt_echo(path: str, msg: dict[str, Any], n: int, spin_us: float = 0.0) 
 
 
 def sync_rtt_priod(
-    c: SyncClient, regions: tuple[Any, Any], nbytes: int, priority: str, n: int
+    c: SyncClient, regions: tuple[Any, Any], nbytes: int, priority: str, n: int, interval_s: float = 0.0
 ) -> tuple[list[float], list[float]]:
     dev, host = regions
     lat, transfer = [], []
     for _ in range(n):
+        if interval_s:
+            pause_until(time.perf_counter() + interval_s)
         t0 = time.perf_counter()
         r = c.copy(dev, host, nbytes, priority=priority)
         lat.append((time.perf_counter() - t0) * 1e6)
@@ -378,6 +400,14 @@ async def measure_overhead(d: DaemonProcess, echo_path: str, args: argparse.Name
             series["priod_async_socket"] += await async_rtt_priod(sclient, ss_dev, ss_host, args.rtt_bytes, "normal", n)
             series["priod_async_spin"] += await async_rtt_priod(pclient, sp_dev, sp_host, args.rtt_bytes, "normal", n)
         out["rtt_us"] = {k: summarize(v) for k, v in series.items()}
+        # One every 5 ms: the daemon (and the echo) asleep when each comes.
+        spaced = {
+            "echo": sync_rtt_echo(echo_path, msg, plan.spaced_copies, DEFAULT_SPIN_US, SPACED_S),
+            "priod_urgent": sync_rtt_priod(
+                sync, (s_dev, s_host), args.rtt_bytes, "urgent", plan.spaced_copies, SPACED_S
+            )[0],
+        }
+        out["spaced_rtt_us"] = {k: {**summarize(v), "over_1ms": sum(x > 1000 for x in v)} for k, v in spaced.items()}
         out["engine_transfer_us"] = {k: summarize(v) for k, v in transfer.items()}
         # The daemon's own part of a round trip: what is left once the engine's time (first
         # chunk submitted to completion seen, as the daemon reports it) is taken out.
@@ -601,6 +631,18 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str,
             (
                 f"(c) same, less the engine's time (transfer_us), {prio_name}",
                 f"{pr['p50']:.0f}/{pr['p99']:.0f} us: p50 {_ratio(pr['p50'], echo['p50']):.2f}x echo",
+                "report",
+                "—",
+            )
+        )
+    sp = ov.get("spaced_rtt_us")
+    if sp is not None:
+        pr, ec = sp["priod_urgent"], sp["echo"]
+        rows.append(
+            (
+                f"(c) {_size(args.rtt_bytes)} urgent copy RTT, one every {SPACED_S * 1e3:.0f} ms (blocking client, {via})",
+                f"p50/p99/max {pr['p50']:.0f}/{pr['p99']:.0f}/{pr['max']:.0f} us, {pr['over_1ms']} of {pr['n']} over 1 ms; "
+                f"echo {ec['p50']:.0f}/{ec['p99']:.0f}/{ec['max']:.0f} us, {ec['over_1ms']} over 1 ms",
                 "report",
                 "—",
             )

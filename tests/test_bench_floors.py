@@ -5,6 +5,7 @@ in-process copy of the same blocks."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,20 @@ def test_echo_client_reads_every_reply_whole_polling_or_blocking(bench: Any, spi
         blocking = bench.sync_rtt_echo(path, msg, 50)
     assert len(latencies) == 50 and len(blocking) == 50
     assert all(0 < us < 5e6 for us in latencies + blocking)
+
+
+def test_spaced_echo_round_trips_come_one_per_interval(bench: Any) -> None:
+    """The spaced figure's echo (and copies) go one every ``interval_s``, not back to back: 20
+    of them at 5 ms take at least 95 ms, and each is timed from its send (well under the gap)."""
+    msg = bench.copy_request(1, 2, 64, "urgent")
+    with bench.echo_server() as path:
+        bench.sync_rtt_echo(path, msg, 5, 200.0)  # the server is up and warm
+        t0 = time.perf_counter()
+        latencies = bench.sync_rtt_echo(path, msg, 20, 200.0, bench.SPACED_S)
+        elapsed = time.perf_counter() - t0
+    assert len(latencies) == 20 and elapsed >= 19 * bench.SPACED_S
+    assert all(0 < us < 5e6 for us in latencies)
+    assert sorted(latencies)[10] < bench.SPACED_S * 1e6  # the median round trip, not the pause
 
 
 def test_bench_batch_measures_the_floor_beside_both_forms(tmp_path: Path) -> None:

@@ -405,6 +405,8 @@ class Client:
         while not fut.done() and time.perf_counter() < deadline:
             if ring.has_completions():
                 self._take_completions(ring)
+            else:
+                os.sched_yield()  # the daemon may be queued on this CPU: `BlockingFramedSocket.receive_or_wake`
 
     def _send_copy(self, req: Copy | CopyBatch) -> tuple[int, asyncio.Future[Reply]]:
         """Send a copy or batch: a descriptor on the ring when it can go there, a frame otherwise."""

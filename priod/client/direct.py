@@ -811,6 +811,9 @@ class DirectCopies:
             if time.perf_counter() > give_up:
                 check(self._rt.cudaStreamSynchronize(stream))
                 return
+            # The daemon this copy's hold doorbell woke may be queued on this CPU, and it closes
+            # the lane's gate: yield it the CPU between polls (`BlockingFramedSocket.receive_or_wake`).
+            os.sched_yield()
 
     def _lane_of(self, dst: int, src: int) -> tuple[int, str, tuple[int, int]]:
         """(GPU ordinal here, direction, (dst, src) as the GPU addresses them) of a copy from

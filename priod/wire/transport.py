@@ -20,6 +20,7 @@ import array
 import asyncio
 import collections
 import math
+import os
 import select
 import socket
 import time
@@ -569,7 +570,7 @@ class BlockingFramedSocket:
                     data, ancdata, flags = self._recvmsg(socket.MSG_DONTWAIT)
                     return data, ancdata, flags
                 except BlockingIOError:
-                    continue
+                    os.sched_yield()  # see `receive_or_wake`
         data, ancdata, flags = self._recvmsg()
         return data, ancdata, flags
 
@@ -600,7 +601,7 @@ class BlockingFramedSocket:
             try:
                 self._take_in(*self._recvmsg(socket.MSG_DONTWAIT))
             except BlockingIOError:
-                continue
+                os.sched_yield()  # see `receive_or_wake`
         while not self._messages:
             ready, _, _ = select.select([self.sock], [], [], max(deadline - time.perf_counter(), 0.0))
             if not ready:
@@ -637,6 +638,12 @@ class BlockingFramedSocket:
         while time.perf_counter() < spin_until:
             if woken():
                 return None
+            # Give the CPU up to any task waiting for it, without sleeping: the daemon woken by
+            # this copy's doorbell may be queued on this very CPU, and a spin that does not
+            # yield holds it off for the whole spin (2-vCPU VM, sim, an urgent 64-byte copy
+            # every 5 ms with a 2 ms spin: 6% of copies took over 2 ms, p99 2.33-2.38 ms;
+            # yielding, none, p99 0.45-0.51 ms). With nothing else runnable it returns at once.
+            os.sched_yield()
         while not self._messages:
             if woken():
                 return None
