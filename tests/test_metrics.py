@@ -581,8 +581,10 @@ def urgent_latency_alerts() -> dict[str, tuple[set[str], float]]:
 
 def test_each_urgent_path_has_its_alert_just_above_the_readme_p99() -> None:
     """One urgent-latency alert per path, together covering every path of the histogram once:
-    through the daemon (dma, express) and direct, each with its threshold just above the
-    highest p99 README.md's table gives for that path (every copy size), at a bucket bound."""
+    through the daemon (dma, express) and direct, each with its threshold above the highest p99
+    README.md's table gives for that path (every copy size), within 1.5 times it (room for
+    hosts: the H200's front door read 503-539 us at 16 MiB where README's H100 reads 426-449),
+    at a bucket bound."""
     alerts = urgent_latency_alerts()
     # The front door's row: its urgent copies took the direct path by themselves.
     rows = {"PriodUrgentLatencyHigh": "through the daemon", "PriodDirectLatencyHigh": "priod: `copy("}
@@ -592,7 +594,7 @@ def test_each_urgent_path_has_its_alert_just_above_the_readme_p99() -> None:
     for alert, row in rows.items():
         threshold = alerts[alert][1]
         worst = max(readme_p99_us(row)) * 1e-6
-        assert worst < threshold <= 1.25 * worst, (alert, worst, threshold)
+        assert worst < threshold <= 1.5 * worst, (alert, worst, threshold)
         assert threshold in LATENCY_BUCKETS, (alert, threshold)  # histogram_quantile exact there
 
 

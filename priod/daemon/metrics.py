@@ -72,8 +72,8 @@ LATENCY_BUCKETS = (
     10.0,
 )
 """Bounds of the latency histograms (seconds); direct copies are timed into the same (holds.py).
-Fine from 50 to 750 us, where urgent copies are on a GPU (README.md's tables: p50 76-466 us,
-p99 128-605 us; no bound more than 1.5 times the one before), with a bound at each urgent-latency
+Fine from 50 to 750 us, where urgent copies are on a GPU (README.md's tables: p50 67-495 us,
+p99 120-597 us; no bound more than 1.5 times the one before), with a bound at each urgent-latency
 alert's threshold (0.6 ms and 0.75 ms: deploy/helm/priod/files/priod-rules.yaml) so that
 ``histogram_quantile`` is exact there; coarse above, to 10 s for bulk copies. 21 bounds: with
 +Inf, ``_sum``, ``_count`` and ``_created``, 25 series per label set of a histogram."""
