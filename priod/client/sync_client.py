@@ -93,7 +93,8 @@ DEFAULT_URGENT_SPIN_US = 2000.0
 """The busy-poll for the reply of an ``urgent`` copy through the daemon. On the GPU hosts such a
 copy takes 125-400 us (docs/benchmarks.md), past `DEFAULT_SPIN_US`, and a client asleep by then
 pays a wake-up of 46-154 us on top (bench_gpu.py's ``floor`` row); the GPU benchmarks' figures
-are for a client that polls this long. It costs a core for the copy's time, at most this long."""
+are for a client that polls this long. It costs the copy's time on a core (at most this long),
+which the poll yields to any other task that wants it (`BlockingFramedSocket.receive_or_wake`)."""
 
 
 class _SyncHandle(Generic[R]):
@@ -473,8 +474,8 @@ class SyncClient:
                     raise err from exc
 
     def _spin_s(self, msg: object) -> float | None:
-        """How long to busy-poll for ``msg``'s reply: None, the socket's own `spin_us`, but for
-        an urgent copy (`DEFAULT_URGENT_SPIN_US`)."""
+        """How long to busy-poll for ``msg``'s reply, in seconds: `urgent_spin_us` for an urgent
+        copy or batch, else None (the socket's own, `spin_us`)."""
         if isinstance(msg, Copy | CopyBatch) and msg.priority == DIRECT_CLASS:
             return self.urgent_spin_us / 1e6
         return None
