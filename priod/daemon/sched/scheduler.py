@@ -370,6 +370,11 @@ class Scheduler:
         """The lanes with a strict-class DMA chunk handed out and not yet done."""
         return frozenset(lane.key for lane in self._lane_list if lane.strict_inflight)
 
+    def strict_dma_on(self, key: LaneKey) -> bool:
+        """Whether lane ``key`` has a strict-class DMA chunk handed out and not yet done."""
+        lane = self._lanes.get(key)
+        return lane is not None and lane.strict_inflight > 0
+
     def urgent_recent(self, now: float) -> bool:
         """Some lane runs its short bound: its small chunks want polling every loop turn."""
         return now < self._urgent_until
