@@ -942,6 +942,42 @@ def test_a_uid_that_spends_its_hold_budget_is_told_on_its_pages_until_it_refills
     assert holds.figures()["refused"] == {}
 
 
+def test_a_uid_on_the_edge_of_its_hold_budget_holds_but_starts_no_short_bound() -> None:
+    """A uid told refused holds only within what its bucket refills, and its copies no longer put
+    the lane on its short bound until it reads granted again: a client announcing copies on the
+    edge of its budget would otherwise keep bulk on short chunks between its holds. Another uid's
+    copy still starts the short bound meanwhile."""
+    holds = Holds(hold_max_s=0.005, share=0.25, burst_s=0.010)
+    a, other = page_pair(holds, owner=1), page_pair(holds, owner=2, uid=2000)
+    slot = a.slot(None, "h2d")
+    bucket = holds._buckets[(1000, H2D)]
+    t = 0.0
+    while not a.refused(slot):  # 1 ms copies back to back: 4x faster than the budget refills
+        a.begin(slot)
+        holds.scan(t)
+        t += 0.001
+        a.end(slot)
+        holds.scan(t)
+        assert t < 0.1
+    t += (holds.regrant_s / 2 - bucket.tokens) / holds.share  # refilled halfway to regrant_s
+    a.begin(slot)
+    scan = holds.scan(t)
+    assert 0 < bucket.tokens < holds.regrant_s and a.refused(slot)
+    assert scan.held == {H2D} and scan.begun == frozenset()  # held within its tokens, no short bound
+    a.end(slot)
+    other.begin(other.slot(None, "h2d"))
+    t += 0.0001
+    assert holds.scan(t).begun == {H2D}
+    other.end(other.slot(None, "h2d"))
+    t += 0.0001
+    holds.scan(t)
+    t += holds.regrant_s / holds.share  # refilled past regrant_s: granted, and a copy starts it again
+    holds.scan(t)
+    assert not a.refused(slot)
+    a.begin(slot)
+    assert holds.scan(t + 0.0001).begun == {H2D}
+
+
 # -- the lane's total over all uids -------------------------------------------------------------
 STEP_S = 0.00025
 """The scans of `take_turns`: every 250 us."""
