@@ -30,9 +30,11 @@ figure with no attacker, then starts the attacker in a process of its own and me
    (target: yes); the connections admitted are closed once ``[server] hello_timeout_s`` (5 s)
    has passed (target: all, within 2 s after it).
 7. ``sigterm``: 60 connections fill their output with status replies and never read; the daemon
-   gets SIGTERM. Target: exit status 0 within 10 s.
+   gets SIGTERM. Target: exit status 0 within 10 s, every connection with replies waiting.
 8. ``mute``: 100 connections send requests until the daemon stops reading them, and never read
-   a reply, with ``[server] max_output_bytes`` = 1 MiB. Figure: the daemon's anonymous RSS per
+   a reply, with ``[server] max_output_bytes`` = 1 MiB and the per-uid request limits lifted
+   (they alone keep the connections from filling their output); measured once each has half
+   of that waiting, or after `MUTE_FILL_S`. Figure: the daemon's anonymous RSS per
    connection. Target: <= max_output_bytes + 1 MiB (tests/test_hostile_limits.py's bound). Then
    they close: the honest ping p50 in the next 2 s (target as 1), and how long until the daemon
    is done with their connections (waited for up to 60 s, 10 s with ``--quick``).
@@ -136,7 +138,7 @@ from priod.testing import (
     throughput_between,
     urgent_copies,
 )
-from priod.wire.frames import HEADER, REPLY_LIMITS, FrameDecoder, encode
+from priod.wire.frames import HEADER, PROTOCOL_VERSION, REPLY_LIMITS, FrameDecoder, encode
 from priod.wire.transport import BlockingFramedSocket
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -148,6 +150,8 @@ HELLO_TIMEOUT_S = 5.0
 """[server] hello_timeout_s, set explicitly (it is the default) so the verdict can use it."""
 MUTE_MAX_OUTPUT = MiB
 """[server] max_output_bytes in the mute attack, as in tests/test_hostile_limits.py."""
+MUTE_FILL_S = 20.0
+"""How long the mute attack waits for its connections' replies to fill half of that each."""
 RSS_GROWTH_MAX_MIB = 100.0
 """tests/test_hostile_wire.py's bound on RSS growth after 8 bombs (the issue sets no target)."""
 SIGTERM_MAX_S = 10.0
@@ -379,8 +383,11 @@ def attack_bombs(p: dict[str, Any]) -> dict[str, Any]:
                 with lock:  # the effective uid is the whole process's
                     sock = _raw_connect(p["path"], p["uid"])
                 fs = BlockingFramedSocket(sock)
-                fs.send({"id": 1, "op": "hello", "v": 1, "client": "bomber"})
-                fs.receive()
+                fs.send({"id": 1, "op": "hello", "v": PROTOCOL_VERSION, "client": "bomber"})
+                hello, _ = fs.receive()
+                if not hello.get("ok"):  # the bomb would meet a connection that is not greeted
+                    fs.close()
+                    raise PriodError(f"hello refused: {hello.get('error')}")
                 try:
                     sock.sendall(frame)
                 except (BrokenPipeError, ConnectionResetError):
@@ -487,7 +494,7 @@ def attack_mute(p: dict[str, Any]) -> dict[str, Any]:
     flag = _stop_flag()
     uids = p["uids"]
     socks = [_raw_connect(p["path"], uids[i % len(uids)]) for i in range(p["n"])]
-    hello = encode({"id": 1, "op": "hello", "v": 1, "client": "mute"})
+    hello = encode({"id": 1, "op": "hello", "v": PROTOCOL_VERSION, "client": "mute"})
     sent = [0] * len(socks)
     if p["mode"] == "status":
         payload = hello + b"".join(encode({"id": n, "op": "status"}) for n in range(2, 2 + p["requests"]))
@@ -569,7 +576,7 @@ def _greeted(path: str, uid: int | None) -> tuple[socket.socket, BlockingFramedS
     # A uid still in request debt from the variant before waits for its bucket: a long timeout.
     sock = _raw_connect(path, uid, timeout=60.0)
     fs = BlockingFramedSocket(sock)
-    fs.send({"id": 1, "op": "hello", "v": 1, "client": "attacker"})
+    fs.send({"id": 1, "op": "hello", "v": PROTOCOL_VERSION, "client": "attacker"})
     msg, _ = fs.receive()
     if not msg.get("ok"):
         fs.close()
@@ -689,29 +696,36 @@ def _flood(conns: list[socket.socket], frames: list[bytes], window: int, flag: t
     }
 
 
-def _uid_conns(p: dict[str, Any]) -> tuple[list[tuple[int | None, socket.socket, BlockingFramedSocket]], list[str]]:
-    """``conns`` greeted connections for each of ``uids``; the connects the daemon refused."""
-    got, refused = [], []
+def _uid_conns(
+    p: dict[str, Any],
+) -> tuple[list[tuple[int | None, socket.socket, BlockingFramedSocket]], list[str], list[str]]:
+    """``conns`` greeted connections for each of ``uids``; the connects refused for any cause
+    but the daemon's connection limits, and those its limits refused."""
+    got: list[tuple[int | None, socket.socket, BlockingFramedSocket]] = []
+    refused: list[str] = []
+    limited: list[str] = []
     for uid in p["uids"]:
         for _ in range(p["conns"]):
             try:
                 sock, fs = _greeted(p["path"], uid)
             except (OSError, PriodError, ConnectionClosed) as exc:
-                refused.append(f"{type(exc).__name__}: {exc}")
+                # The daemon's own connection limits refuse with code "limit": that is its defence
+                # at work, not an attack that failed to start.
+                (limited if "'code': 'limit'" in str(exc) else refused).append(f"{type(exc).__name__}: {exc}")
                 continue
             got.append((uid, sock, fs))
-    return got, refused
+    return got, refused, limited
 
 
 def attack_status(p: dict[str, Any]) -> dict[str, Any]:
     """Tenant attack 2 (status-flood): each of ``uids`` pipelines ``status`` on ``conns`` connections, ``window``
     outstanding on each (the daemon's request rate per uid is all that slows them)."""
     flag = _stop_flag()
-    conns, refused = _uid_conns(p)
+    conns, refused, limited = _uid_conns(p)
     print("ready", flush=True)
     frame = encode({"id": 9, "op": "status"})
     res = _flood([s for _, s, _ in conns], [frame] * len(conns), p["window"], flag)
-    return {**res, "connects_refused": _errors_summary(refused)}
+    return {**res, "connects_refused": _errors_summary(refused), "connects_limited": _errors_summary(limited)}
 
 
 def attack_batch(p: dict[str, Any]) -> dict[str, Any]:
@@ -720,7 +734,7 @@ def attack_batch(p: dict[str, Any]) -> dict[str, Any]:
     whose last one overlaps the first (refused only after the whole table is checked);
     "accepted": urgent batches of one- and two-byte segments, run."""
     flag = _stop_flag()
-    conns, refused = _uid_conns(p)
+    conns, refused, limited = _uid_conns(p)
     n = p["segments"]
     if p["mode"] == "refused":
         rows = [(16 * i, 16 * i, 16) for i in range(n - 1)] + [(0, 0, 16)]
@@ -738,7 +752,11 @@ def attack_batch(p: dict[str, Any]) -> dict[str, Any]:
             encode({"id": 10 + i, "op": "copy_batch", "dst": dv, "src": h, "segments": table, "priority": priority})
         )
     print("ready", flush=True)
-    return {**_flood(socks, frames, p["window"], flag), "connects_refused": _errors_summary(refused)}
+    return {
+        **_flood(socks, frames, p["window"], flag),
+        "connects_refused": _errors_summary(refused),
+        "connects_limited": _errors_summary(limited),
+    }
 
 
 def attack_pin(p: dict[str, Any]) -> dict[str, Any]:
@@ -749,7 +767,7 @@ def attack_pin(p: dict[str, Any]) -> dict[str, Any]:
     from priod.wire.ipc_event import sim_handle
 
     flag = _stop_flag()
-    conns, refused = _uid_conns({**p, "conns": 1})
+    conns, refused, limited = _uid_conns({**p, "conns": 1})
     queued = 0
     for _, _, fs in conns:
         h = _ask(fs, {"id": 2, "op": "alloc_host", "nbytes": 4096})["region"]
@@ -795,6 +813,7 @@ def attack_pin(p: dict[str, Any]) -> dict[str, Any]:
         "copies_queued": queued,
         "replies": dict(codes),
         "connects_refused": _errors_summary(refused),
+        "connects_limited": _errors_summary(limited),
     }
 
 
@@ -1259,7 +1278,11 @@ class Run:
     # 8: clients that never read: the daemon's memory -----------------------------------------------
     async def mute(self, out: dict[str, Any]) -> None:
         p = self.plan
-        with self.daemon(out, {"PRIOD_SERVER__MAX_OUTPUT_BYTES": str(MUTE_MAX_OUTPUT)}) as d:
+        # The per-uid request limits lifted: they alone keep two uids' 100 connections from filling
+        # their output for many seconds (attack 3 and status-flood measure them); this attack is
+        # about what a connection that never reads may cost the daemon's memory.
+        unlimited = {"PRIOD_LIMITS__MAX_REQUESTS_PER_S_PER_UID": "0", "PRIOD_LIMITS__REQUEST_LOOP_SHARE": "0"}
+        with self.daemon(out, {"PRIOD_SERVER__MAX_OUTPUT_BYTES": str(MUTE_MAX_OUTPUT), **unlimited}) as d:
             client = await Client.connect(d.socket_path, copy_path="daemon", name="honest")
             try:
                 await asyncio.sleep(0.5)
@@ -1269,9 +1292,12 @@ class Run:
                     proc,
                     result,
                 ):
-                    await asyncio.sleep(1.0)
-                    after = {k: rss_mib(d, k) for k in ("VmRSS", "RssAnon")}
                     st = await client.status()
+                    deadline = time.monotonic() + MUTE_FILL_S
+                    while time.monotonic() < deadline and not _outputs_full(st, proc.proc.pid, p.mute_clients):
+                        await asyncio.sleep(0.25)
+                        st = await client.status()
+                    after = {k: rss_mib(d, k) for k in ("VmRSS", "RssAnon")}
                     out["ping_attacked"] = await ping_rtts(client, min(p.ping_s, 1.5))
                 # They are gone (their sockets closed): what do the requests they left behind cost?
                 gone, meter = time.monotonic(), CpuMeter(d.proc.pid)
@@ -1415,6 +1441,7 @@ class Run:
                 honest.wait_ready()
                 await asyncio.sleep(p.settle_s)
                 out["alone"] = await self.tenant_window(client, pinger, await self.shared_regions(client, uids_most))
+                ours = (await client.status())["clients_total"]  # the honest processes' connections
                 runs: list[dict[str, Any]] = []
                 for label, kind, params in self.tenant_variants(name):
                     for n in self.args.uids:
@@ -1426,7 +1453,12 @@ class Run:
                         ) as (_, result):
                             await asyncio.sleep(p.settle_s)
                             fig = await self.tenant_window(client, pinger, regions)
-                        runs.append({"variant": label, "uids": n, **fig, "attacker": result})
+                        # The next window starts once the daemon is done with this attacker's
+                        # connections: else they count against its connection limits there.
+                        gone = await connections_dropped(client, ours, time.monotonic(), p.drain_wait_s)
+                        runs.append(
+                            {"variant": label, "uids": n, **fig, "attacker": result, "attacker_gone_after_s": gone}
+                        )
                         await asyncio.sleep(p.settle_s / 2)
                 out["runs"] = runs
                 out["alone_after"] = await self.tenant_window(
@@ -1609,9 +1641,9 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
                 "5. (same)",
                 "bombs refused with bad_frame",
                 "—",
-                f"{replies.get('bad_frame', 0):,} of {n:,}",
+                f"{replies.get('bad_frame', 0):,} of {n:,}" + _not_carried_out(r["attacker"]),
                 "all",
-                _verdict(n > 0 and replies.get("bad_frame", 0) == n),
+                _verdict(n > 0 and replies.get("bad_frame", 0) == n and not _not_carried_out(r["attacker"])),
             )
         )
     elif name == "idle":
@@ -1666,21 +1698,27 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
                 "daemon exit after SIGTERM",
                 f"{u['seconds']:.2f} s, status {u['exit_code']}",
                 f"{h['seconds']:.2f} s, status {h['exit_code']}",
-                f"< {SIGTERM_MAX_S:g} s, status 0",
-                _verdict(h["seconds"] < SIGTERM_MAX_S and h["exit_code"] == 0),
+                f"< {SIGTERM_MAX_S:g} s, status 0 (every client with replies waiting)",
+                _verdict(
+                    h["seconds"] < SIGTERM_MAX_S
+                    and h["exit_code"] == 0
+                    and r["clients_with_output_stuck"] >= r["attacker"]["connections"]
+                ),
             )
         )
     elif name == "mute":
         per = r["rss_anon_per_client_mib"]
         bound = r["max_output_bytes"] / MiB + 1.0
+        buffered = r["output_buffered"]
         rows.append(
             (
                 "8. 100 non-reading clients",
                 f"daemon anonymous RSS per client (max_output_bytes {r['max_output_bytes'] / MiB:g} MiB)",
                 f"{r['rss_mib']['before']['RssAnon']:.0f} MiB in all",
-                f"{per:.2f} MiB",
-                f"<= {bound:g} MiB",
-                _verdict(per <= bound),
+                f"{per:.2f} MiB (replies waiting in the daemon per connection: "
+                f"{buffered['min'] / MiB:.2f}-{buffered['max'] / MiB:.2f} MiB)",
+                f"<= {bound:g} MiB, every connection with replies waiting",
+                _verdict(per <= bound and buffered["n"] == r["attacker"]["connections"] and buffered["min"] > 0),
             )
         )
         pu, pa, pc = r["ping_unloaded"], r["ping_attacked"], r["ping_after_close"]
@@ -1742,6 +1780,31 @@ def tenant_figures(alone: dict[str, float], w: dict[str, Any]) -> dict[str, floa
     }
 
 
+def _outputs_full(status: dict[str, Any], pid: int, n: int) -> bool:
+    """Whether ``n`` connections of process ``pid`` each have at least half of
+    ``MUTE_MAX_OUTPUT`` of replies waiting in the daemon."""
+    waiting = [c["output_buffered"] for c in status["clients"] if c["pid"] == pid]
+    return len(waiting) >= n and min(waiting) >= MUTE_MAX_OUTPUT // 2
+
+
+def _limited_note(attacker: dict[str, Any]) -> str:
+    """How many of an attacker's connects the daemon's connection limits refused, if any."""
+    n = attacker.get("connects_limited", {}).get("count", 0)
+    return f" ({n} of its connects refused by the daemon's limits)" if n else ""
+
+
+def _not_carried_out(attacker: dict[str, Any]) -> str:
+    """Why an attacker's result shows it did not attack ("" if it did): its connections were
+    refused (a hello the daemon does not take, a limit), so an honest figure measured beside it
+    says nothing of the attack."""
+    refused = attacker.get("connects_refused", {}).get("count", 0)
+    if refused or attacker.get("connections", 1) == 0:
+        first = attacker.get("connects_refused", {}).get("first", [""])
+        return f" ({refused} connects refused: {first[0][:120]})" if refused else " (no connection)"
+    refused_hellos = attacker.get("failures", {}).get("kinds", {}).get("PriodError", 0)  # the bomber's
+    return f" ({refused_hellos} hellos refused)" if refused_hellos else ""
+
+
 def tenant_verdict(alone: dict[str, float], w: dict[str, Any]) -> list[str]:
     """The targets a window of a tenant attack misses (empty: all met). A figure that is not a
     number (no sample) misses."""
@@ -1757,6 +1820,8 @@ def tenant_verdict(alone: dict[str, float], w: dict[str, Any]) -> list[str]:
         missed.append("free")
     if w["wrong_copies"] or w["failed"]["count"]:
         missed.append("honest copies failed")
+    if _not_carried_out(w.get("attacker", {})):
+        missed.append("attack not carried out" + _not_carried_out(w.get("attacker", {})))
     return missed
 
 
@@ -1793,7 +1858,7 @@ def tenant_rows(res: dict[str, Any]) -> list[tuple[str, ...]]:
                     f"{_ms(f['urgent_p50_us'])} (<= {_ms(f['urgent_bound_us'])})",
                     _ms(f["ping_p99_us"]),
                     _ms(f["free_max_us"]),
-                    "met" if not missed else "NOT met: " + ", ".join(missed),
+                    ("met" if not missed else "NOT met: " + ", ".join(missed)) + _limited_note(w.get("attacker", {})),
                 )
             )
     return rows
