@@ -269,7 +269,7 @@ class SimEngine(Engine):
             gated=gated,
             strict=strict,
         )
-        work.segments = cells.tolist()
+        work.segments = cells  # the rows as the table has them: cut into views on the engine's thread
         worker = self._workers[(lane, path)]
         if not worker.run_inline(work):
             worker.put(work)
