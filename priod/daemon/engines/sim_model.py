@@ -38,10 +38,10 @@ INLINE_MAX_SEGMENTS = 16
 """A batch's chunk of more segments than this never runs inline, however few its bytes."""
 GATHER_MAX_BYTES = 1 << 20
 """A batch's chunk of more than `INLINE_MAX_SEGMENTS` segments and at most this many bytes moves
-in one gather (`gather_segments`), not a Python step per segment: 32,768 one- and two-byte
-segments took the engine's thread ~15 ms step by step, and under the GIL the daemon's loop waited
-behind it (a ping's p99 6.4-20.7 ms beside 8 uids' floods of such batches). Its index arrays take
-24 bytes per byte moved."""
+in one gather (`gather_segments`), not a Python step per segment: step by step, 32,768 one- and
+two-byte segments took the engine's thread 13-14 ms of the GIL the daemon's loop needs (one gather
+0.8-4.6 ms), and a ping's p99 beside 8 uids' floods of such batches read 6.4-20.7 ms (2.4-3.0
+with the gather). Its index arrays take 24 bytes per byte moved."""
 SLICE_BYTES = 1 << 20
 """Granularity of pacing; the chunk as a whole is still never preempted."""
 _DMA = Path.DMA
