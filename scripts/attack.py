@@ -123,7 +123,7 @@ sys.path.insert(0, _ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 from priod.client import Client, Region, SyncClient
-from priod.errors import ConnectionClosed, PriodError
+from priod.errors import ConnectionClosed, LimitExceeded, PriodError, error_for_code
 from priod.testing import (
     BulkProcess,
     CpuMeter,
@@ -373,6 +373,7 @@ def attack_bombs(p: dict[str, Any]) -> dict[str, Any]:
     replies: Counter[str] = Counter()
     sent: Counter[str] = Counter()
     failures: list[str] = []
+    hellos_refused: list[str] = []
 
     def worker(k: int) -> None:
         n = k
@@ -387,7 +388,10 @@ def attack_bombs(p: dict[str, Any]) -> dict[str, Any]:
                 hello, _ = fs.receive()
                 if not hello.get("ok"):  # the bomb would meet a connection that is not greeted
                     fs.close()
-                    raise PriodError(f"hello refused: {hello.get('error')}")
+                    with lock:
+                        hellos_refused.append(str(_refusal(hello)))
+                    time.sleep(0.05)
+                    continue
                 try:
                     sock.sendall(frame)
                 except (BrokenPipeError, ConnectionResetError):
@@ -427,6 +431,7 @@ def attack_bombs(p: dict[str, Any]) -> dict[str, Any]:
             "seconds": stopped - started,
             "threads_still_on_a_bomb": sum(t.is_alive() for t in threads),
             "failures": _errors_summary(failures),
+            "hellos_refused": _errors_summary(hellos_refused),
         }
 
 
@@ -580,8 +585,14 @@ def _greeted(path: str, uid: int | None) -> tuple[socket.socket, BlockingFramedS
     msg, _ = fs.receive()
     if not msg.get("ok"):
         fs.close()
-        raise PriodError(str(msg.get("error")))
+        raise _refusal(msg)
     return sock, fs
+
+
+def _refusal(msg: dict[str, Any]) -> PriodError:
+    """The exception an error reply stands for, as the client library raises it."""
+    err = msg.get("error") or {}
+    return error_for_code(str(err.get("code")), str(err.get("message")))
 
 
 def _ask(fs: BlockingFramedSocket, req: dict[str, Any]) -> dict[str, Any]:
@@ -590,7 +601,7 @@ def _ask(fs: BlockingFramedSocket, req: dict[str, Any]) -> dict[str, Any]:
     for fd in fds:
         os.close(fd)
     if not msg.get("ok"):
-        raise PriodError(str(msg.get("error")))
+        raise _refusal(msg)
     return dict(msg)
 
 
@@ -709,9 +720,9 @@ def _uid_conns(
             try:
                 sock, fs = _greeted(p["path"], uid)
             except (OSError, PriodError, ConnectionClosed) as exc:
-                # The daemon's own connection limits refuse with code "limit": that is its defence
-                # at work, not an attack that failed to start.
-                (limited if "'code': 'limit'" in str(exc) else refused).append(f"{type(exc).__name__}: {exc}")
+                # The daemon's own connection limits refusing is its defence at work, not an
+                # attack that failed to start.
+                (limited if isinstance(exc, LimitExceeded) else refused).append(f"{type(exc).__name__}: {exc}")
                 continue
             got.append((uid, sock, fs))
     return got, refused, limited
@@ -1636,14 +1647,15 @@ def attack_rows(name: str, r: dict[str, Any]) -> list[Row]:
         )
         replies = r["attacker"]["replies"]
         n = sum(replies.values())
+        absent = _not_carried_out(r["attacker"])
         rows.append(
             (
                 "5. (same)",
                 "bombs refused with bad_frame",
                 "—",
-                f"{replies.get('bad_frame', 0):,} of {n:,}" + _not_carried_out(r["attacker"]),
+                f"{replies.get('bad_frame', 0):,} of {n:,}" + absent,
                 "all",
-                _verdict(n > 0 and replies.get("bad_frame", 0) == n and not _not_carried_out(r["attacker"])),
+                _verdict(n > 0 and replies.get("bad_frame", 0) == n and not absent),
             )
         )
     elif name == "idle":
@@ -1801,8 +1813,8 @@ def _not_carried_out(attacker: dict[str, Any]) -> str:
     if refused or attacker.get("connections", 1) == 0:
         first = attacker.get("connects_refused", {}).get("first", [""])
         return f" ({refused} connects refused: {first[0][:120]})" if refused else " (no connection)"
-    refused_hellos = attacker.get("failures", {}).get("kinds", {}).get("PriodError", 0)  # the bomber's
-    return f" ({refused_hellos} hellos refused)" if refused_hellos else ""
+    hellos = attacker.get("hellos_refused", {}).get("count", 0)  # the bomber's
+    return f" ({hellos} hellos refused)" if hellos else ""
 
 
 def tenant_verdict(alone: dict[str, float], w: dict[str, Any]) -> list[str]:
@@ -1820,8 +1832,8 @@ def tenant_verdict(alone: dict[str, float], w: dict[str, Any]) -> list[str]:
         missed.append("free")
     if w["wrong_copies"] or w["failed"]["count"]:
         missed.append("honest copies failed")
-    if _not_carried_out(w.get("attacker", {})):
-        missed.append("attack not carried out" + _not_carried_out(w.get("attacker", {})))
+    if absent := _not_carried_out(w.get("attacker", {})):
+        missed.append("attack not carried out" + absent)
     return missed
 
 

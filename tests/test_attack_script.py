@@ -44,9 +44,7 @@ def test_an_attacker_whose_connects_were_refused_did_not_attack(attack: Any) -> 
     refused = {"connects_refused": {"count": 2, "first": ["PriodError: protocol version 1 is not supported"]}}
     assert "2 connects refused" in attack._not_carried_out({"connections": 0, **refused})
     assert attack._not_carried_out({"connections": 0}) == " (no connection)"
-    assert (
-        attack._not_carried_out({"connections": 4, "failures": {"kinds": {"PriodError": 3}}}) == " (3 hellos refused)"
-    )
+    assert attack._not_carried_out({"hellos_refused": {"count": 3}}) == " (3 hellos refused)"
     # The daemon's connection limits refusing some of them is its defence, not a failed attack.
     limited = {"connections": 253, "connects_limited": {"count": 3}}
     assert attack._not_carried_out(limited) == ""
@@ -80,3 +78,16 @@ def test_sigterm_and_mute_verdicts_need_replies_left_waiting(attack: Any) -> Non
     ):
         rows = attack.attack_rows("mute", {**mute, "output_buffered": waiting})
         assert rows[0][-1] == verdict
+
+
+def test_connects_the_daemons_limits_refuse_are_told_apart(attack: Any) -> None:
+    """A connect refused by the daemon's client limit is its defence, counted apart from
+    refusals that mean the attacker could not attack."""
+    with daemon_process({"PRIOD_SERVER__MAX_CLIENTS": "2"}) as d:
+        conns, refused, limited = attack._uid_conns({"path": d.socket_path, "uids": [None], "conns": 3})
+        try:
+            assert (len(conns), refused, len(limited)) == (2, [], 1)
+            assert limited[0].startswith("LimitExceeded: ")
+        finally:
+            for _, _, fs in conns:
+                fs.close()
