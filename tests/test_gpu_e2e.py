@@ -52,6 +52,13 @@ def test_every_direction_bytes_checked(gpu_daemon: DaemonProcess, priority: str)
                     )
                     paths |= {r1.path, r2.path, r3.path}
             assert paths == ({"dma"} if priority == "normal" else {"dma", "express"})
+            # An urgent copy's reply comes from the landed word the GPU stores behind its bytes
+            # (the bytes were checked above right after each reply); a normal one's from the
+            # daemon's completion.
+            if priority == "urgent":
+                assert c.landed_replies > 0
+            else:
+                assert c.landed_replies == 0
             cp.cuda.runtime.deviceSynchronize()
         finally:
             view1.close()

@@ -462,3 +462,77 @@ def test_a_spinning_client_does_not_hold_off_the_daemon_it_waits_for(ring: bool)
             took.append(time.perf_counter() - t0)
         slow = sorted(t for t in took if t > 0.002)
         assert len(slow) <= 2, f"{len(slow)} of 200 copies took over 2 ms: {[round(t * 1e3, 1) for t in slow]} ms"
+
+
+# -- landed words: the engine tells the spinning client, not the daemon's loop ------------------
+def test_an_urgent_copys_reply_comes_from_its_landed_word_with_its_bytes_in() -> None:
+    """A blocking client's urgent copy asks for its landed word, which the engine stores right
+    behind the copy's bytes: the client answers itself from it. Every such reply finds its bytes
+    in place, the figures are those of the copy (size, a path, times that add up), a batch's
+    too; other classes wait for the daemon's completion. A 40-ms copy (a slow sim lane) shows
+    that the reply waits for the bytes."""
+    slow = {**QUIET, "PRIOD_SIM__H2D_GBPS": "0.1"}  # 4 MiB: about 40 ms
+    with daemon_process(slow) as d, SyncClient(d.socket_path, copy_path="daemon") as c:
+        dev, host = c.alloc_device(4 << 20), c.alloc_host(4 << 20)
+        rng = np.random.default_rng(3)
+        for n in (1, 4096, 65536, 4 << 20):
+            arr(host)[:n] = rng.integers(0, 256, n, dtype=np.uint8)
+            t0 = time.perf_counter()
+            r = c.copy(dev, host, n, priority="urgent")
+            took_us = (time.perf_counter() - t0) * 1e6
+            assert np.array_equal(arr(dev)[:n], arr(host)[:n]), f"{n} bytes: the reply came before the bytes"
+            assert r.nbytes == n and r.path in ("dma", "express") and not r.missed_deadline
+            assert r.queued_us >= 0 and 0 <= r.transfer_us <= took_us
+            assert r.total_us == pytest.approx(r.queued_us + r.transfer_us, abs=0.01)
+        assert c.landed_replies == 4
+        assert r.transfer_us > 20_000  # the 4 MiB copy: its landed word waited for its bytes
+        arr(host)[:8] = 7
+        b = c.copy_batch(dev, host, [(0, 0, 4), (100, 4, 4)], priority="urgent")
+        assert (b.nbytes, b.segments) == (8, 2) and c.landed_replies == 5
+        assert (arr(dev)[[0, 1, 2, 3, 100, 101, 102, 103]] == 7).all()
+        c.copy(dev, host, 4096, priority="normal")
+        assert c.landed_replies == 5
+
+
+async def test_an_asyncio_client_spinning_for_an_urgent_copy_answers_from_its_landed_word(
+    ringd: DaemonProcess,
+) -> None:
+    """`Client` with ``spin_us`` asks for the landed word of the urgent copies it spins for:
+    the same results and bytes, one reply each (the completion that follows is dropped)."""
+    async with await Client.connect(ringd.socket_path, spin_us=5000, copy_path="daemon") as c:
+        dev, host = await c.alloc_device(1 << 20), await c.alloc_host(1 << 20)
+        for i in range(20):
+            arr(host)[:] = i
+            r = await c.copy(dev, host, 1 << 20, priority="urgent")
+            assert r.nbytes == 1 << 20 and (arr(dev) == i).all()
+        assert c.landed_replies > 0
+        await asyncio.sleep(0.05)  # the completions that follow come and are dropped
+        r = await c.copy(dev, host, 64, priority="normal")
+        assert r.nbytes == 64
+
+
+def test_a_client_gone_with_landed_copies_in_flight_leaves_the_daemon_serving() -> None:
+    """A connection that ends while its urgent copies, their landed words queued, are still
+    running: the daemon keeps the ring's memory until they end, then lets it go, and serves on.
+    A client that scribbles over its landed area fools only itself."""
+    slow = {**QUIET, "PRIOD_SIM__H2D_GBPS": "0.2"}  # 4 MiB: about 20 ms
+    with daemon_process(slow) as d:
+        for _ in range(3):
+            c = SyncClient(d.socket_path, copy_path="daemon")
+            dev, host = c.alloc_device(4 << 20), c.alloc_host(4 << 20)
+            for _ in range(4):
+                c.start_copy(dev, host, priority="urgent")
+            ring = c._ring
+            assert ring is not None
+            ring._buf[-4096:] = b"\xff" * 4096  # the landed area's last page
+            c.close()
+        with SyncClient(d.socket_path, copy_path="daemon") as ok:
+            dev, host = ok.alloc_device(4096), ok.alloc_host(4096)
+            arr(host)[:] = 3
+            ok.copy(dev, host, priority="urgent")
+            assert (arr(dev) == 3).all() and ok.landed_replies == 1
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and len(ok.status()["clients"]) > 1:
+                time.sleep(0.05)
+            assert len(ok.status()["clients"]) == 1
+        assert d.proc.poll() is None

@@ -218,6 +218,11 @@ class Client:
         """Send plain copies through a shared-memory copy ring when the daemon offers one
         (`priod.wire.ring`); False: every request goes on the socket."""
         self._ring: ClientRing | None = None
+        self.landed_replies = 0
+        """See `SyncClient.landed_replies`."""
+        self._landed: dict[int, tuple[ClientRing, int, Copy | CopyBatch]] = {}
+        """Urgent ring copies that asked for their landed word and are not yet spun for:
+        (ring, sequence number, the descriptor's copy) (`_spin_for`)."""
         self._ring_due = 0
         """0, `RING_RUNG` or `RING_DUE`: this loop turn's doorbell (`_send_copy`)."""
         self.reconnect_s = reconnect_s
@@ -376,6 +381,7 @@ class Client:
     def _take_completions(self, ring: ClientRing) -> None:
         for req_id, msg in ring.completions():
             self._copies.pop(req_id, None)
+            self._landed.pop(req_id, None)
             fut = self._pending.pop(req_id, None)
             if fut is not None and not fut.done():
                 fut.set_result((msg, []))
@@ -383,6 +389,7 @@ class Client:
     def _drop_ring(self) -> None:
         """Stop using the ring (the connection is gone): completions already there count first."""
         ring, self._ring = self._ring, None
+        self._landed.clear()
         if ring is not None:
             self._take_completions(ring)
             if not ring.closed:
@@ -394,15 +401,28 @@ class Client:
             self._ring.ring()
         self._ring_due = 0
 
-    def _spin_for(self, fut: asyncio.Future[Reply]) -> None:
+    def _spin_for(self, req_id: int, fut: asyncio.Future[Reply]) -> None:
         """Ring the doorbell now and poll the ring for ``fut``'s completion for `spin_us` (an
-        error's reply comes on the socket, read once the caller awaits)."""
+        error's reply comes on the socket, read once the caller awaits), and an urgent copy's
+        landed word (`ClientRing.landed_reply`): the GPU stores it as the bytes land."""
         ring = self._ring
+        landed = self._landed.pop(req_id, None)
         if ring is None or fut.done():
             return
+        seq = landed[1] if landed is not None and landed[0] is ring else None
         self._ring_doorbell()
         deadline = time.perf_counter() + self.spin_us / 1e6
         while not fut.done() and time.perf_counter() < deadline:
+            if seq is not None and ring.landed(seq):
+                reply = ring.landed_reply(seq, req_id, landed[2])  # type: ignore[index]
+                if reply is not None:
+                    # Answered: the completion that follows finds no one waiting.
+                    self._copies.pop(req_id, None)
+                    self._pending.pop(req_id, None)
+                    fut.set_result((reply, []))
+                    self.landed_replies += 1
+                    return
+                seq = None  # the slot holds another copy's figures: wait for the completion
             if ring.has_completions():
                 self._take_completions(ring)
             else:
@@ -413,7 +433,12 @@ class Client:
         ring = self._ring
         if ring is not None and self._closed_exc is None and ring.eligible(req):
             req_id = next(self._ids)
-            if ring.submit(req_id, req):
+            # An urgent copy that `copy` will spin for (`spin_us`) asks for its landed word.
+            landed = self.spin_us > 0 and req.priority == "urgent"
+            seq = ring.submit(req_id, req, landed)
+            if seq is not None:
+                if landed:
+                    self._landed[req_id] = (ring, seq, req)
                 loop = asyncio.get_running_loop()
                 fut: asyncio.Future[Reply] = loop.create_future()
                 self._pending[req_id] = fut
@@ -793,7 +818,7 @@ class Client:
             return await asyncio.to_thread(route.copy, dst, src, nbytes, dst_offset, src_offset)
         handle = self.start_copy(dst, src, nbytes, **options)
         if self.spin_us > 0:
-            self._spin_for(handle._future)
+            self._spin_for(handle.id, handle._future)
         return await self._wait(handle, timeout)
 
     async def copy_batch(
@@ -818,7 +843,7 @@ class Client:
             return await asyncio.to_thread(route.copy_batch, dst, src, table)
         handle = self.start_copy_batch(dst, src, segments, **options)
         if self.spin_us > 0:
-            self._spin_for(handle._future)
+            self._spin_for(handle.id, handle._future)
         return await self._wait(handle, timeout)
 
     async def _direct_route(self, dst: Region, src: Region, options: Any, path: CopyPath | None) -> DirectRoute | None:

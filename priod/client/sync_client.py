@@ -257,6 +257,9 @@ class SyncClient:
         """See `Client.retry_copies`."""
         self.reconnects = 0
         """How many times this client reconnected by itself."""
+        self.landed_replies = 0
+        """Copies whose reply this client made from their landed word (the GPU's store), not
+        from the daemon's completion (`priod.wire.ring`)."""
         self.lost_regions: list[Region] = []
         """Regions the last reconnect could not register again (each one's ``lost`` says why)."""
         self.generation = 0
@@ -268,6 +271,9 @@ class SyncClient:
         """What those copies were, to send them again after a reconnect (``retry_copies``)."""
         self._recorded: set[int] = set()
         """Started copies whose signal_event the daemon reported recorded (a progress frame)."""
+        self._landed: dict[int, tuple[ClientRing, int, Copy | CopyBatch]] = {}
+        """Started urgent copies on the ring that asked for their landed word: (ring, sequence
+        number, the descriptor's copy), to spin on (`ClientRing.landed`)."""
         self._lost_copies: dict[int, ConnectionClosed] = {}
         """Started copies a lost connection left unanswered: the error their handle raises."""
         self._greeted = False
@@ -543,9 +549,31 @@ class SyncClient:
             # A frame sent to a dead daemon fails at once and is sent again after the reconnect
             # ("it never left"); a descriptor would not fail: look first, so the two agree.
             raise ConnectionClosed(f"connection to priod at {self.path} lost: the daemon closed the connection")
-        if not ring.submit(req_id, req):
+        # An urgent copy is spun for (`urgent_spin_us`): the GPU's store of its landed word
+        # ends the spin as soon as its bytes are in, before the daemon has seen it done.
+        landed = msg.priority == "urgent" and self.urgent_spin_us > 0
+        seq = ring.submit(req_id, req, landed)
+        if seq is None:
             return False
+        if landed:
+            self._landed[req_id] = (ring, seq, req)
         ring.ring()
+        return True
+
+    def _landed_reply(self, req_id: int) -> bool:
+        """Take a started copy's reply from its landed word (`ClientRing.landed_reply`) if the
+        GPU has stored it; True if it had."""
+        entry = self._landed.get(req_id)
+        if entry is None:
+            return False
+        ring, seq, req = entry
+        if ring is not self._ring or not ring.landed(seq):
+            return False
+        reply = ring.landed_reply(seq, req_id, req)
+        if reply is None:
+            return False
+        self._started[req_id] = reply  # its completion, when it comes, finds no one waiting
+        self.landed_replies += 1
         return True
 
     def _collect_ring(self) -> bool:
@@ -566,15 +594,22 @@ class SyncClient:
         deadline = time.perf_counter() + timeout
         started = self._started_copies.get(req_id)
         spin_s = self._spin_s(started[0]) if started is not None else None
+        landed = self._landed.get(req_id)
         while self._started.get(req_id) is None:
+            if landed is not None and self._landed_reply(req_id):
+                break
             if self._collect_ring():
                 continue
             left = deadline - time.perf_counter()
             ring = self._ring
             try:
                 if ring is not None:
-                    # Spin on the ring's completions (no system call), then sleep on both.
-                    got = self._sock.receive_or_wake(max(left, 0.0), ring.wake_fd, ring.has_completions, spin_s)
+                    # Spin on the ring's completions and the copy's landed word (no system
+                    # call), then sleep on both.
+                    woken = (
+                        ring.completion_or_landed(landed[1]) if landed and landed[0] is ring else ring.has_completions
+                    )
+                    got = self._sock.receive_or_wake(max(left, 0.0), ring.wake_fd, woken, spin_s)
                     if got is None:
                         if ring.has_completions() or time.perf_counter() < deadline:
                             continue
@@ -595,6 +630,7 @@ class SyncClient:
             self._keep(*got)
         self._recorded.discard(req_id)
         self._started_copies.pop(req_id, None)
+        self._landed.pop(req_id, None)
         return self._started.pop(req_id)
 
     def raw_request(self, msg: Message) -> Message:

@@ -22,7 +22,7 @@ from priod.daemon.gates import EventTable
 from priod.daemon.log import error_fields
 from priod.daemon.pump import Pump
 from priod.daemon.regions import Holdings, Region, RegionTable, UidHoldings
-from priod.daemon.rings import CopyRing
+from priod.daemon.rings import CopyRing, LandedWord
 from priod.daemon.sched.scheduler import Finished, Scheduler
 from priod.daemon.sched.scheduler import Request as QueuedCopy
 from priod.errors import InvalidRequest, LimitExceeded, ShuttingDown
@@ -133,6 +133,8 @@ class PendingCopy:
     """Why the signal_event could not be recorded: the copy's reply then says so."""
     by_ring: bool = False
     """It came as a ring descriptor: once done, its completion goes back on the ring."""
+    landed: LandedWord | None = None
+    """Its descriptor asked for its landed word, stored behind its last chunk (pump.py)."""
 
     @property
     def dst_mem(self) -> Memory:
@@ -143,10 +145,13 @@ class PendingCopy:
         return self.src.mem
 
 
-def take_copy(session: CopySession, req_id: int, req: Copy, by_ring: bool = False) -> None:
+def take_copy(
+    session: CopySession, req_id: int, req: Copy, by_ring: bool = False, landed: LandedWord | None = None
+) -> None:
     """Check a copy (regions, bounds, limits, events) and queue it; its reply comes when it ends
     (`copy_finished`). Raises a RequestError naming the fix, and then nothing is queued.
-    ``by_ring``: it came on the connection's copy ring (rings.py), where its completion goes."""
+    ``by_ring``: it came on the connection's copy ring (rings.py), where its completion goes;
+    ``landed``: its descriptor asked for its landed word."""
     now = time.perf_counter()
     dst, src = _copy_regions(session, req_id, req.dst, req.src)
     nbytes = req.nbytes
@@ -154,15 +159,17 @@ def take_copy(session: CopySession, req_id: int, req: Copy, by_ring: bool = Fals
     lane = regions.lane_between(dst, src)
     check_copy_bounds(regions, dst, req.dst_offset, src, req.src_offset, nbytes)
     check_limits(session.shared.cfg.limits, session, session.holdings.tally, nbytes, 0)
-    payload = PendingCopy(session, req_id, dst, req.dst_offset, src, req.src_offset, by_ring=by_ring)
+    payload = PendingCopy(session, req_id, dst, req.dst_offset, src, req.src_offset, by_ring=by_ring, landed=landed)
     if req.wait_event is not None or req.signal_event is not None:
         _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, nbytes)
 
 
-def take_batch(session: CopySession, req_id: int, req: CopyBatch, by_ring: bool = False) -> None:
+def take_batch(
+    session: CopySession, req_id: int, req: CopyBatch, by_ring: bool = False, landed: LandedWord | None = None
+) -> None:
     """A batch: checked as a unit (every segment, or none, is queued), then one request.
-    ``by_ring``: as `take_copy`'s."""
+    ``by_ring``, ``landed``: as `take_copy`'s."""
     now = time.perf_counter()
     dst, src = _copy_regions(session, req_id, req.dst, req.src)
     segments = Segments.decode(req.segments)
@@ -170,7 +177,7 @@ def take_batch(session: CopySession, req_id: int, req: CopyBatch, by_ring: bool 
     lane = regions.lane_between(dst, src)
     check_limits(session.shared.cfg.limits, session, session.holdings.tally, segments.total, len(segments))
     segments.check_regions(dst.nbytes, src.nbytes, regions.memory_shift(dst, src), dst.id, src.id)
-    payload = PendingCopy(session, req_id, dst, 0, src, 0, segments=segments, by_ring=by_ring)
+    payload = PendingCopy(session, req_id, dst, 0, src, 0, segments=segments, by_ring=by_ring, landed=landed)
     if req.wait_event is not None or req.signal_event is not None:
         _open_events(session, payload, lane.device, req.wait_event, req.signal_event)
     _enqueue(session, req_id, now, payload, lane, req.priority, req.deadline_ms, segments.total)

@@ -27,6 +27,7 @@ from priod.daemon.gates import Gates
 from priod.daemon.holds import Holds
 from priod.daemon.log import error_fields
 from priod.daemon.looptimer import LoopTimer
+from priod.daemon.rings import LandedWord
 from priod.daemon.sched.scheduler import Chunk, Finished, Request, Scheduler
 from priod.errors import Cancelled, NotFound, PriodError
 
@@ -140,6 +141,7 @@ class Pump:
         not be (the error); the copy goes on either way."""
         self.scheduler = scheduler
         self.engine = engine
+        self._stores_landed = engine.stores_landed
         self._on_finished = on_finished
         self._on_signalled = on_signalled
         self.gates = Gates()
@@ -412,6 +414,8 @@ class Pump:
         for chunk in chunks:
             req = chunk.request
             target: CopyTarget = req.payload  # type: ignore[assignment]  # not typing.cast: a call per chunk
+            last = chunk.offset + chunk.nbytes == req.nbytes
+            landed = self._landed_word(chunk, target) if last and chunk.strict and self._stores_landed else None
             try:
                 if req.segments is None:
                     job = ChunkJob(
@@ -442,9 +446,15 @@ class Pump:
                         strict=chunk.strict,
                         gated=chunk.gated,
                     )
+                if landed is not None:
+                    job.landed = landed.job(
+                        req.first_submit or time.perf_counter(), req.arrival, chunk.path is Path.EXPRESS
+                    )
                 if chunk.strict and chunk.path is Path.DMA:
                     self._strict_dma_moved(req.lane)  # counted in flight: shut the gate before it goes
                 completion = self.engine.submit(job)
+                if job.landed is not None:
+                    landed.handed()  # type: ignore[union-attr]
             except PriodError as exc:
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):
@@ -457,11 +467,25 @@ class Pump:
             self._inflight.append(
                 InFlight(chunk, completion, now, self._due(chunk, now) if self._paced_by_polls else now)
             )
-            if chunk.offset + chunk.nbytes == req.nbytes:
+            if last:
                 signal = getattr(target, "signal_event", None)  # test payloads have none
                 if signal is not None:
                     self._signal(chunk, signal)
         return bool(chunks)
+
+    def _landed_word(self, chunk: Chunk, target: CopyTarget) -> LandedWord | None:
+        """The landed word to store behind ``chunk``, the last of its copy, if the copy asked for
+        one (a ring descriptor's `WANT_LANDED`) and stream order alone puts the store after every
+        byte of it: no other chunk of the copy is still in flight on another stream."""
+        landed: LandedWord | None = getattr(target, "landed", None)  # test payloads have none
+        if landed is None:
+            return None
+        req, path = chunk.request, chunk.path
+        for e in self._inflight:
+            c = e.chunk
+            if c.request is req and (c.path is not path or c.strict is not chunk.strict):
+                return None  # the client waits for the completion instead
+        return landed
 
     def _due(self, chunk: Chunk, now: float) -> float:
         """When the chunk just submitted should be done at the calibrated bandwidth.

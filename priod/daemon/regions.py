@@ -612,13 +612,23 @@ class RegionTable:
         self._releases.add(fut)
         fut.add_done_callback(functools.partial(self._released, region.id))
 
-    def _released(self, region_id: int, fut: asyncio.Future[None]) -> None:
+    def release_host_later(self, mem: HostMemory) -> None:
+        """Release host memory that is no region's (a copy ring's) as a region's is: on an
+        executor thread, counted among the releases `wait_released` waits for."""
+        fut = asyncio.get_running_loop().run_in_executor(None, self.engine.release_host, mem)
+        self._releases.add(fut)
+        fut.add_done_callback(functools.partial(self._released, None))
+
+    def _released(self, region_id: int | None, fut: asyncio.Future[None]) -> None:
         self._releases.discard(fut)
         if fut.cancelled():
             return
         if (exc := fut.exception()) is not None:
-            log.error("region_release_failed", region=region_id, **error_fields(exc))
-        else:
+            if region_id is None:
+                log.error("ring_release_failed", **error_fields(exc))
+            else:
+                log.error("region_release_failed", region=region_id, **error_fields(exc))
+        elif region_id is not None:
             log.debug("region_released", region=region_id)
 
     async def wait_released(self) -> None:

@@ -6,6 +6,11 @@ and duplicates of the eventfds. So a hostile client can write anything into the 
 its doorbell, and nothing else: what it writes is checked (`SubmissionReader`), a completion
 queue it never reads makes the daemon answer on the socket, and unmapping or closing its copies
 changes nothing here.
+
+The mapping is the engine's (`Engine.map_host`: pinned and mapped for the GPU on CUDA), so that
+the GPU can store a copy's landed word into it (`LandedWord`). It therefore outlives the
+connection while a store into it may still be queued on a stream: until the last copy that asked
+for one has ended.
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ import mmap
 import os
 from collections.abc import Callable
 
+from priod.daemon.engines.base import Engine, HostMemory
 from priod.wire.ring import (
     RING_ENTRIES,
     CompletionWriter,
+    LandedStamps,
     SubmissionReader,
     ring_bytes,
     write_header,
 )
 
-__all__ = ["RING_FDS", "CopyRing"]
+__all__ = ["RING_FDS", "CopyRing", "LandedWord"]
 
 RING_FDS = 3
 """Open files the daemon holds for one connection's ring."""
@@ -33,7 +40,15 @@ RING_FDS = 3
 class CopyRing:
     """One connection's ring: the submissions it reads and the completions it writes."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_doorbell: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_doorbell: Callable[[], None],
+        engine: Engine,
+        release: Callable[[HostMemory], None],
+    ) -> None:
+        """``engine`` maps the ring (pinned on CUDA: about 40 us for its ~420 KiB, once per
+        connection); ``release`` gives the mapping back, off the loop (`RegionTable.release_host_later`)."""
         size = ring_bytes(RING_ENTRIES)
         self.fd = os.memfd_create("priod-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self.doorbell = self.wake_fd = -1
@@ -44,17 +59,25 @@ class CopyRing:
             """Written by the client after it publishes descriptors."""
             self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             """Written by the daemon after it publishes completions."""
-            self._map = mmap.mmap(self.fd, size)
+            self._mem: HostMemory | None = engine.map_host(self.fd, size)
         except BaseException:
             for fd in (self.fd, self.doorbell, self.wake_fd):
                 if fd >= 0:
                     os.close(fd)
             raise
-        self._buf = memoryview(self._map)
+        self._release = release
+        mapping: mmap.mmap = self._mem.mapping
+        self._buf = memoryview(mapping)
         write_header(self._buf, RING_ENTRIES)
         self.submissions = SubmissionReader(self._buf, RING_ENTRIES)
         self.completions = CompletionWriter(self._buf, RING_ENTRIES)
         """Where a done copy's completion is written (`complete_on_ring`); then `completed_one`."""
+        self.landed = LandedStamps(self._buf, RING_ENTRIES) if engine.stores_landed else None
+        """Where the figures of a copy whose landed word the engine stores go (None: this engine
+        stores none, and the client waits for the completion)."""
+        self.landed_in_flight = 0
+        """Copies whose landed word is queued on a stream and that have not ended: the mapping
+        stays until they have."""
         self._loop = loop
         self._wake_due = False
         self._burst = False
@@ -106,6 +129,18 @@ class CopyRing:
             self._wake_due = False
             self._wake()
 
+    def landed_ended(self) -> None:
+        """A copy whose landed word was handed to the engine has ended (its last chunk's
+        completion, which follows the store, was seen)."""
+        self.landed_in_flight -= 1
+        if self.closed and self.landed_in_flight <= 0:
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        mem, self._mem = self._mem, None
+        if mem is not None:
+            self._release(mem)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -113,8 +148,43 @@ class CopyRing:
         self._loop.remove_reader(self.doorbell)
         self.submissions.release()
         self.completions.release()
+        if self.landed is not None:
+            self.landed.release()
         self._buf.release()
-        self._map.close()
+        if self.landed_in_flight <= 0:
+            self._release_memory()  # else once the last copy with a store queued has ended
         for fd in (self.fd, self.doorbell, self.wake_fd):
             if fd >= 0:
                 os.close(fd)
+
+
+class LandedWord:
+    """A ring copy that asked for its landed word (`priod.wire.ring.WANT_LANDED`): what the pump
+    hands the engine with its last chunk, and whether it did."""
+
+    __slots__ = ("placed", "ring", "seq")
+
+    def __init__(self, ring: CopyRing, seq: int) -> None:
+        self.ring, self.seq = ring, seq
+        self.placed = False
+
+    def job(self, first_submit: float, arrival: float, express: bool) -> tuple[HostMemory, int, int] | None:
+        """Stamp the copy's figures and give the engine's store (`ChunkJob.landed`); None if
+        the ring is closed (nobody waits)."""
+        ring = self.ring
+        stamps, mem = ring.landed, ring._mem
+        if ring.closed or stamps is None or mem is None:
+            return None
+        stamps.stamp(self.seq, int(first_submit * 1e9), int((first_submit - arrival) * 1e9), express)
+        offset, value = stamps.landed_word(self.seq)
+        return mem, offset, value
+
+    def handed(self) -> None:
+        """The engine took the store: the ring's memory stays until the copy has ended."""
+        self.placed = True
+        self.ring.landed_in_flight += 1
+
+    def ended(self) -> None:
+        if self.placed:
+            self.placed = False
+            self.ring.landed_ended()

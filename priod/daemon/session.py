@@ -55,7 +55,7 @@ from priod.daemon.pump import Pump
 from priod.daemon.rate import LoopAccount, LoopShare
 from priod.daemon.region_requests import RegionRequests
 from priod.daemon.regions import Holdings, RegionTable
-from priod.daemon.rings import CopyRing
+from priod.daemon.rings import CopyRing, LandedWord
 from priod.daemon.sched.scheduler import Finished, Scheduler
 from priod.daemon.sched.scheduler import Request as QueuedCopy
 from priod.errors import ConnectionClosed, InvalidRequest, NotFound, PriodError, ProtocolError, RequestError
@@ -540,7 +540,8 @@ class Session:
             return False
         if taken is None:
             return True
-        req_id, req = taken
+        req_id, req, landed_seq = taken
+        landed = LandedWord(ring, landed_seq) if landed_seq is not None and ring.landed is not None else None
         self.last_active = time.monotonic()
         op = "copy_batch" if isinstance(req, CopyBatch) else "copy"
         try:
@@ -549,10 +550,10 @@ class Session:
             if isinstance(req, CopyBatch):
                 self._charge_batch(req)
                 req.check()  # as decode_request checks a frame's batch: the same refusals
-                take_batch(self, req_id, req, by_ring=True)
+                take_batch(self, req_id, req, by_ring=True, landed=landed)
             else:
                 req.check()  # as decode_request checks a frame's copy: the same refusals
-                take_copy(self, req_id, req, by_ring=True)
+                take_copy(self, req_id, req, by_ring=True, landed=landed)
         except RequestError as exc:
             self._refuse(req_id, exc, op)
         except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
@@ -858,7 +859,8 @@ class Session:
             raise InvalidRequest("this daemon's machine has no copy ring (x86-64 only); send copies on the socket")
         if self.ring is not None:
             raise InvalidRequest("this connection has its copy ring already (one per connection); use the one you have")
-        ring = CopyRing(asyncio.get_running_loop(), self._on_ready)
+        shared = self.shared
+        ring = CopyRing(asyncio.get_running_loop(), self._on_ready, shared.engine, shared.regions.release_host_later)
         try:
             fds = ring.client_fds()
         except BaseException:
@@ -905,6 +907,8 @@ class Session:
                 self.sock.send(outcome_reply(f, p, queued_s, end - first, total_s).encode(p.client_id))
         finally:
             # Then the books, in this same callback: the client's next request is read after it.
+            if p.landed is not None:
+                p.landed.ended()
             if f.outcome == "done":
                 self.copies += 1
                 shared.totals["copies"] += 1

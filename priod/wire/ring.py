@@ -20,6 +20,21 @@ little-endian; each index is one aligned 8-byte store by its one writer:
   is ``i`` itself: a slot that does not carry the sequence number expected is torn or forged.
 - then `TABLE_BYTES` of batches' segment tables, written by the client, each in one piece; the
   daemon copies a table out as it takes its descriptor, and checks it as a frame's.
+- then, from the next page, ``entries`` landed slots of `LANDED_BYTES`, slot ``i % entries`` for
+  descriptor ``i``: how a copy the client waits for tells it that it landed without the daemon
+  (below).
+
+Landed words: a descriptor flagged `WANT_LANDED` asks the daemon to have the GPU itself (on the
+sim, the copy engine's thread) store ``i + 1`` into its slot's first word right behind the
+copy's last chunk, on the same stream, before the chunk's own completion event: the client
+spinning on that word sees its bytes landed a microsecond after they have, not after the
+daemon's poll finds the chunk done and its loop writes a completion. Before it asks for that
+store the daemon writes the slot's other three words, the figures of the reply the client then
+makes for itself: ``i + 1`` as a tag, then when the copy's first chunk went to the GPU
+(CLOCK_MONOTONIC ns), then the ns it waited before that times two, plus one for the express
+path; the tag is zeroed first and written last, so a reader that finds it unchanged around its
+read has read one copy's figures. The completion still follows on the completion queue, as for
+any copy, and the client drops it. The daemon only writes this area and never reads it.
 
 Ordering: a writer fills a slot, then stores the counter; a reader loads the counter, then the
 slot. On x86-64 (total store order) separate stores and loads keep that order, so no fence is
@@ -60,8 +75,11 @@ __all__ = [
     "RING_VERSION",
     "SQ_HEAD",
     "SQ_TAIL",
+    "WANT_LANDED",
     "CompletionReader",
     "CompletionWriter",
+    "LandedReader",
+    "LandedStamps",
     "RingCorrupt",
     "SubmissionReader",
     "SubmissionWriter",
@@ -72,7 +90,7 @@ __all__ = [
     "write_header",
 ]
 
-RING_VERSION: Final = 1
+RING_VERSION: Final = 2
 """The layout's version: a client maps only a ring whose header carries the version it knows."""
 MAGIC: Final = 0x474E4952  # b"RING"
 RING_ENTRIES: Final = 1024
@@ -98,6 +116,11 @@ COMPLETION: Final = struct.Struct("<QQQdddBBxxI")
 missed_deadline (0 or 1), segments (a batch's; 0 for a copy)."""
 HAS_DEADLINE: Final = 1
 IS_BATCH: Final = 2
+WANT_LANDED: Final = 4
+"""Have the GPU store the copy's landed word behind its last chunk (`LandedStamps`)."""
+LANDED_BYTES: Final = 32
+"""A landed slot: the word the GPU stores, the figures' tag, first submission ns, queued ns."""
+PAGE: Final = 4096
 TABLE_BYTES: Final = 256 << 10
 """The table area, after the completions: batches' segment tables, written by the client in
 turn; the daemon copies a table out when it takes its descriptor, so the space is the client's
@@ -132,8 +155,13 @@ def table_base(entries: int) -> int:
     return HEADER_BYTES + entries * (DESCRIPTOR.size + COMPLETION.size)
 
 
+def landed_base(entries: int) -> int:
+    """Where the landed slots start: on a page of their own, after the table area."""
+    return -(-(table_base(entries) + TABLE_BYTES) // PAGE) * PAGE
+
+
 def ring_bytes(entries: int = RING_ENTRIES) -> int:
-    return table_base(entries) + TABLE_BYTES
+    return landed_base(entries) + entries * LANDED_BYTES
 
 
 def write_header(buf: memoryview, entries: int = RING_ENTRIES) -> None:
@@ -212,19 +240,20 @@ class SubmissionWriter(_Side):
         oldest = self._tables[0][1] if self._tables else start
         return start if start + nbytes - oldest <= TABLE_BYTES else None
 
-    def try_submit(self, req_id: int, req: Copy | CopyBatch) -> bool:
-        """Publish one descriptor (and a batch's table); False if the queue or the table area
-        is full (send it on the socket)."""
+    def try_submit(self, req_id: int, req: Copy | CopyBatch, landed: bool = False) -> int | None:
+        """Publish one descriptor (and a batch's table); its sequence number, or None if the
+        queue or the table area is full (send it on the socket). ``landed``: ask for its landed
+        word (`WANT_LANDED`), which `LandedReader` reads by that number."""
         buf, tail = self._buf, self._tail
         if tail - self._words[SQ_HEAD // 8] >= self._entries:
-            return False
+            return None
         deadline = req.deadline_ms
-        flags = 0 if deadline is None else HAS_DEADLINE
+        flags = (0 if deadline is None else HAS_DEADLINE) | (WANT_LANDED if landed else 0)
         if type(req) is CopyBatch:
             table = req.segments
             start = self._place_table(len(table))
             if start is None:
-                return False
+                return None
             at = start % TABLE_BYTES
             buf[self._table + at : self._table + at + len(table)] = table
             self._tables.append((tail, start))
@@ -249,7 +278,7 @@ class SubmissionWriter(_Side):
         )
         self._tail = tail + 1
         self._words[SQ_TAIL // 8] = tail + 1  # after the slot: the daemon reads it once it sees this
-        return True
+        return tail
 
 
 class SubmissionReader(_Side):
@@ -263,10 +292,11 @@ class SubmissionReader(_Side):
     def pending(self) -> bool:
         return bool(self._words[SQ_TAIL // 8] != self._head)
 
-    def take(self) -> tuple[int, Copy | CopyBatch | InvalidRequest] | None:
-        """The next descriptor as (request id, copy), or None if there is none; a descriptor
-        that names no class of the ring's comes as (request id, the refusal to answer it with).
-        The copy's own fields are the caller's to check (`Copy.check`), as for a frame's.
+    def take(self) -> tuple[int, Copy | CopyBatch | InvalidRequest, int | None] | None:
+        """The next descriptor as (request id, copy, its sequence number if it asked for its
+        landed word, else None), or None if there is none; a descriptor that names no class of
+        the ring's comes as (request id, the refusal to answer it with, None). The copy's own
+        fields are the caller's to check (`Copy.check`), as for a frame's.
 
         Raises:
             RingCorrupt: the client's tail or slot breaks the ring's rules.
@@ -287,17 +317,22 @@ class SubmissionReader(_Side):
         if not 0 < req_id <= MAX_ID:
             raise RingCorrupt(f"a descriptor with request id {req_id} (ids are 1 .. 2**63-1)")
         if cls >= len(RING_CLASSES):
-            return req_id, _refused(f"class index {cls} is not one of the ring's {len(RING_CLASSES)} classes")
+            return req_id, _refused(f"class index {cls} is not one of the ring's {len(RING_CLASSES)} classes"), None
         deadline_ms = deadline if flags & HAS_DEADLINE else None
+        landed = seq if flags & WANT_LANDED else None
         if flags & IS_BATCH:
             # dst_off, src_off: the table's place and length. Copied out now, before any check:
             # the client may write the area again once the head has passed this descriptor.
             if not (0 < src_off <= TABLE_BYTES and dst_off <= TABLE_BYTES - src_off):
-                return req_id, _refused(f"a segment table of {src_off} bytes at {dst_off} is outside the table area")
+                return (
+                    req_id,
+                    _refused(f"a segment table of {src_off} bytes at {dst_off} is outside the table area"),
+                    None,
+                )
             base = self._table + dst_off
             table = bytes(self._buf[base : base + src_off])
-            return req_id, CopyBatch(dst, src, table, RING_CLASSES[cls], deadline_ms)
-        return req_id, Copy(dst, src, nbytes, dst_off, src_off, RING_CLASSES[cls], deadline_ms)
+            return req_id, CopyBatch(dst, src, table, RING_CLASSES[cls], deadline_ms), landed
+        return req_id, Copy(dst, src, nbytes, dst_off, src_off, RING_CLASSES[cls], deadline_ms), landed
 
 
 def _refused(why: str) -> InvalidRequest:
@@ -386,3 +421,49 @@ class CompletionReader(_Side):
             self._head = head
             self._words[CQ_HEAD // 8] = head
         return out
+
+
+class LandedStamps(_Side):
+    """The daemon's side of the landed slots: the figures it writes before it asks the engine
+    to store a copy's landed word (`landed_word`, the store's place and value)."""
+
+    def __init__(self, buf: memoryview, entries: int) -> None:
+        self._entries, self._words = entries, _words(buf)
+        self._base = landed_base(entries)
+
+    def landed_word(self, seq: int) -> tuple[int, int]:
+        """The byte offset in the ring of descriptor ``seq``'s landed word, and the value the
+        engine stores there once the copy has landed."""
+        return self._base + (seq % self._entries) * LANDED_BYTES, seq + 1
+
+    def stamp(self, seq: int, first_submit_ns: int, queued_ns: int, express: bool) -> None:
+        """Write descriptor ``seq``'s figures: the tag last, so a reader never takes two
+        copies' figures for one."""
+        words, at = self._words, (self._base + (seq % self._entries) * LANDED_BYTES) // 8
+        words[at + 1] = 0
+        words[at + 2] = max(first_submit_ns, 0)
+        words[at + 3] = max(queued_ns, 0) * 2 + express
+        words[at + 1] = seq + 1
+
+
+class LandedReader(_Side):
+    """The client's side of the landed slots (`WANT_LANDED`)."""
+
+    def __init__(self, buf: memoryview, entries: int) -> None:
+        self._entries, self._words = entries, _words(buf)
+        self._base = landed_base(entries) // 8
+
+    def landed(self, seq: int) -> bool:
+        """Whether descriptor ``seq``'s bytes have landed (its word holds ``seq + 1``). False
+        also where a later descriptor's copy took the slot over: its completion says."""
+        return bool(self._words[self._base + (seq % self._entries) * (LANDED_BYTES // 8)] == seq + 1)
+
+    def figures(self, seq: int) -> tuple[int, int, bool] | None:
+        """Descriptor ``seq``'s figures, once `landed`: (first chunk submitted, CLOCK_MONOTONIC
+        ns; ns queued before that; the express path), or None if the slot holds another's."""
+        words, at = self._words, self._base + (seq % self._entries) * (LANDED_BYTES // 8)
+        tag = words[at + 1]
+        first, queued = words[at + 2], words[at + 3]
+        if tag != seq + 1 or words[at + 1] != tag:
+            return None
+        return int(first), int(queued) >> 1, bool(queued & 1)

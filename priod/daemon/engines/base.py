@@ -184,6 +184,10 @@ class ChunkJob:
     look for them."""
     strict: bool = False
     gated: bool = False
+    landed: tuple[HostMemory, int, int] | None = None
+    """(memory, byte offset, value): store the 8-byte ``value`` there right behind this chunk,
+    before its completion is seen done: a copy ring's landed word (`priod.wire.ring`), which the
+    client waiting for the copy spins on. Only where `Engine.stores_landed` is true."""
 
 
 class Engine(ABC):
@@ -192,6 +196,8 @@ class Engine(ABC):
     name: str
     wakes_on_completion: bool = False
     """True if the engine calls the wakeup hook on every completion (the poller may then sleep)."""
+    stores_landed: bool = False
+    """True if the engine honours `ChunkJob.landed` (CUDA: stream memory operations work)."""
 
     @abstractmethod
     def lanes(self) -> list[LaneInfo]:

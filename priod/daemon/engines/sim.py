@@ -119,10 +119,17 @@ class SimDeviceMemory(DeviceMemory):
         self.export = DeviceExport(fd=fd)
 
 
+def _landed_word(landed: tuple[HostMemory, int, int]) -> tuple[npt.NDArray[np.uint64], int]:
+    """A ring's landed word as the uint64 the engine's thread stores into, and its value."""
+    mem, offset, value = landed
+    return mem.array[offset : offset + 8].view(np.uint64), value
+
+
 class SimEngine(Engine):
     """Copy engines simulated with threads; see the module docstring."""
 
     name = "sim"
+    stores_landed = True
     wakes_on_completion = True
 
     def __init__(self, cfg: SimSettings | None = None, *, seed: int | None = None) -> None:
@@ -244,6 +251,8 @@ class SimEngine(Engine):
             src_offset,
             strict,
         )
+        if job.landed is not None:
+            work.landed = _landed_word(job.landed)
         worker = self._workers[(lane, path)]
         if not worker.run_inline(work):
             worker.put(work)
@@ -270,6 +279,8 @@ class SimEngine(Engine):
             strict=strict,
         )
         work.segments = cells  # the rows as the table has them: cut into views on the engine's thread
+        if job.landed is not None:
+            work.landed = _landed_word(job.landed)
         worker = self._workers[(lane, path)]
         if not worker.run_inline(work):
             worker.put(work)

@@ -137,6 +137,7 @@ class Job:
         "dst_offset",
         "fail",
         "gated",
+        "landed",
         "nbytes",
         "segments",
         "src",
@@ -174,6 +175,9 @@ class Job:
         self.segments: npt.NDArray[np.uint64] | None = None
         """A batch's chunk: its rows [dst offset, src offset, bytes] into ``dst`` and ``src``
         (the offsets above are then unused). The views are cut on the engine's thread, not the loop's."""
+        self.landed: tuple[npt.NDArray[np.uint64], int] | None = None
+        """A copy ring's landed word (one aligned uint64 of the ring) and its value: stored once
+        the bytes have landed, before the completion is (`ChunkJob.landed`)."""
 
     def spans(self) -> Iterable[Sequence[int]]:
         """(dst offset, src offset, bytes) of each part, in order: a batch chunk's segments,
@@ -338,6 +342,9 @@ class Worker(threading.Thread):
                 f"injected engine fault on a chunk of {job.nbytes} bytes ([sim] fault_on_nbytes); the copy did not complete"
             )
         else:
+            if job.landed is not None:
+                word, value = job.landed
+                word[0] = value  # one aligned 8-byte store, as the GPU's, before the completion
             job.completion._finished = True
         if job.completion._callbacks is not None:
             job.completion._fire()

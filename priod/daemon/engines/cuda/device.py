@@ -88,6 +88,8 @@ class Lane:
     ``cudaMemcpyPeerAsync`` stages through host memory, slower and on the host's bandwidth."""
     dma_cu: Any = None
     """The DMA stream as a driver-API ``CUstream``, for ``cuStreamWaitValue32``."""
+    strict_cu: Any = None
+    """The strict DMA stream as a driver-API ``CUstream``, for ``cuStreamWriteValue64``."""
     gate: Any = None
     """The device address of this lane's gate word (`Gates`); None: no gate (peer lanes, or
     stream memory operations refused)."""
@@ -194,7 +196,7 @@ class Device:
             for stream in lane.streams:
                 if stream is not None:
                     attempt(rt.cudaStreamDestroy(stream))
-            lane.dma = lane.strict = lane.express = lane.express_cu = lane.dma_cu = lane.gate = None
+            lane.dma = lane.strict = lane.express = lane.express_cu = lane.dma_cu = lane.strict_cu = lane.gate = None
         if self.gates is not None:
             attempt(rt.cudaFreeHost(self.gates.host))
             self.gates = None
@@ -242,6 +244,7 @@ def open_device(
         lane.express = check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
         lane.express_cu = drv.CUstream(int(lane.express))
         lane.dma_cu = drv.CUstream(int(lane.dma))
+        lane.strict_cu = drv.CUstream(int(lane.strict))
     return dev
 
 

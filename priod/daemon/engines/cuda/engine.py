@@ -105,6 +105,7 @@ class CudaEngine(Engine):
         """Why bulk chunks are not gated (None: they are, see `Gates`)."""
         self._wait_value = drv.cuStreamWaitValue32
         self._gate_eq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+        self._write_value = drv.cuStreamWriteValue64
 
         count = device_count()
         wanted = list(range(count)) if devices is None else list(devices)
@@ -123,6 +124,9 @@ class CudaEngine(Engine):
                 self._gates_error = self._gates_error or open_gates(self._devices[index])
             if self._gates_error:
                 self._log.info("cuda bulk gates off", reason=self._gates_error)
+            # Landed words are stream memory operations too: where the gates' wait works, so
+            # does their store (the driver has both or neither).
+            self.stores_landed = self._gates_error is None and bool(self._devices)
             for dev in self._devices.values():
                 calibrate(
                     dev,
@@ -263,6 +267,8 @@ class CudaEngine(Engine):
                 check(rt.cudaMemcpyPeerAsync(dp, lane.peer, sp, lane.device, nbytes, stream))
             else:
                 check(rt.cudaMemcpyAsync(dp, sp, nbytes, info.kind, stream))
+            if job.landed is not None:
+                self._store_landed(job.landed, info.strict_cu if strict else info.dma_cu)
         else:
             if info.express_max == 0:
                 raise EngineError(
@@ -272,6 +278,8 @@ class CudaEngine(Engine):
             sp = (s_host.device_pointer if s_host is not None else src.pointer) + src_offset  # type: ignore[attr-defined]
             dp = (d_host.device_pointer if d_host is not None else dst.pointer) + dst_offset  # type: ignore[attr-defined]
             self._kernel.launch(dev, dp, sp, nbytes, info.express_cu)
+            if job.landed is not None:
+                self._store_landed(job.landed, info.express_cu)
         return self._record(dev, info, stream)
 
     def submit_table(self, job: ChunkJob) -> Completion:
@@ -332,6 +340,8 @@ class CudaEngine(Engine):
                 if gated and info.gate is not None:
                     self._wait_gate(info)
                 self._batched.copy(dp, sp, dst_offsets, src_offsets, sizes, info.kind, stream)
+                if job.landed is not None:
+                    self._store_landed(job.landed, info.strict_cu if strict else info.dma_cu)
         else:
             if info.express_max == 0:
                 raise EngineError(
@@ -343,6 +353,8 @@ class CudaEngine(Engine):
             self._kernel.launch_table(
                 dev, dp, sp, cells, info.express_cu, largest=largest
             )  # the rows as they came: no table built
+            if job.landed is not None:
+                self._store_landed(job.landed, info.express_cu)
         return self._record(dev, info, stream)
 
     def _push_batch(
@@ -540,6 +552,15 @@ class CudaEngine(Engine):
             "bulk_gates_error": self._gates_error,
             **self._regions.statistics(),
         }
+
+    def _store_landed(self, landed: tuple[HostMemory, int, int], stream: Any) -> None:
+        """Enqueue the store of a copy's landed word on ``stream``, behind its last chunk and
+        ahead of that chunk's event, so the event's completion means the store is done (the
+        ring's memory may then go). The store's default memory barrier makes the copy's bytes
+        visible before the word (as ``__threadfence_system``)."""
+        mem, offset, value = landed
+        if stream is not None:  # a peer lane's strict stream has no driver handle: the completion says
+            check(self._write_value(stream, mem.device_pointer + offset, value, 0))  # type: ignore[attr-defined]
 
     def _wait_gate(self, info: Lane) -> None:
         """Enqueue, on the lane's bulk stream, the wait on its gate word that a gated chunk
