@@ -492,6 +492,8 @@ def test_an_urgent_copys_reply_comes_from_its_landed_word_with_its_bytes_in() ->
         assert (arr(dev)[[0, 1, 2, 3, 100, 101, 102, 103]] == 7).all()
         c.copy(dev, host, 4096, priority="normal")
         assert c.landed_replies == 5
+        (line,) = c.status()["clients"]
+        assert line["ring_landed"] == 5
 
 
 async def test_an_asyncio_client_spinning_for_an_urgent_copy_answers_from_its_landed_word(

@@ -75,6 +75,8 @@ class CopyRing:
         self.landed = LandedStamps(self._buf, RING_ENTRIES) if engine.stores_landed else None
         """Where the figures of a copy whose landed word the engine stores go (None: this engine
         stores none, and the client waits for the completion)."""
+        self.landed_stored = 0
+        """Copies whose landed word this ring's client asked for and the engine took."""
         self.landed_in_flight = 0
         """Copies whose landed word is queued on a stream and that have not ended: the mapping
         stays until they have."""
@@ -183,6 +185,7 @@ class LandedWord:
         """The engine took the store: the ring's memory stays until the copy has ended."""
         self.placed = True
         self.ring.landed_in_flight += 1
+        self.ring.landed_stored += 1
 
     def ended(self) -> None:
         if self.placed:

@@ -652,6 +652,7 @@ class Session:
             "copies": self.copies,
             "events": len(self.events),
             "ring_completions": self.ring.completed if self.ring is not None else None,
+            "ring_landed": self.ring.landed_stored if self.ring is not None else None,
             "output_buffered": self.sock.output_buffered,
             "refused": self.refusals.total,
         }
