@@ -37,7 +37,10 @@ from priod.wire.ring import (
     SQ_HEAD,
     SQ_TAIL,
     TABLE_BYTES,
+    LandedReader,
+    LandedStamps,
     check_header,
+    ring_bytes,
     ring_supported,
 )
 from priod.wire.transport import BlockingFramedSocket
@@ -538,3 +541,33 @@ def test_a_client_gone_with_landed_copies_in_flight_leaves_the_daemon_serving() 
                 time.sleep(0.05)
             assert len(ok.status()["clients"]) == 1
         assert d.proc.poll() is None
+
+
+def test_a_landed_slot_taken_over_by_a_later_copy_is_never_read_as_the_earlier_ones() -> None:
+    """A landed slot serves descriptor i and i + entries: the client reads its copy landed only
+    when the word holds its own number, and its figures only when their tag is its own, so a
+    slot a later copy took over sends it to the completion instead of to another's figures."""
+    size = ring_bytes(RING_ENTRIES)
+    m = mmap.mmap(-1, size)
+    buf = memoryview(m)
+    stamps, reader = LandedStamps(buf, RING_ENTRIES), LandedReader(buf, RING_ENTRIES)
+    try:
+        words = buf.cast("Q")
+        offset, value = stamps.landed_word(5)
+        assert offset % 8 == 0 and offset >= size - RING_ENTRIES * 32 and value == 6
+        stamps.stamp(5, first_submit_ns=1_000_000, queued_ns=2_500, express=True)
+        assert not reader.landed(5)  # figures alone: the copy has not landed
+        words[offset // 8] = value  # the engine's store
+        assert reader.landed(5) and reader.figures(5) == (1_000_000, 2_500, True)
+        later = 5 + RING_ENTRIES
+        stamps.stamp(later, first_submit_ns=2_000_000, queued_ns=0, express=False)
+        assert reader.landed(5) and reader.figures(5) is None  # its figures were taken over
+        words[stamps.landed_word(later)[0] // 8] = stamps.landed_word(later)[1]
+        assert not reader.landed(5) and reader.landed(later)
+        assert reader.figures(later) == (2_000_000, 0, False)
+    finally:
+        stamps.release()
+        reader.release()
+        words.release()
+        buf.release()
+        m.close()
