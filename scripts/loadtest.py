@@ -411,6 +411,9 @@ class WorkerStats:
     bytes_false_success: int = 0
     client_reconnects: int = 0
     """Reconnects the client library made by itself (reconnect_s), over every connection."""
+    landed_replies: int = 0
+    """Copies the client answered from their landed word (the engine's store behind their
+    bytes) rather than from the daemon's completion: urgent copies of a spinning client."""
     alive: bool = True
     """Ran to the end and its connection answered a ping after the load (with --kill-every)."""
     alive_why: str = ""
@@ -885,6 +888,7 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
                 ):
                     break
                 stats.client_reconnects += session.client.reconnects
+                stats.landed_replies += session.client.landed_replies
                 await session.client.close()
                 session = None
         finally:
@@ -902,6 +906,7 @@ async def run_worker(spec: dict[str, Any]) -> WorkerStats:
         stats.fds_end = own_fds()
         if session is not None:
             stats.client_reconnects += session.client.reconnects
+            stats.landed_replies += session.client.landed_replies
         return stats
     finally:
         if session is not None:
@@ -1056,6 +1061,7 @@ def run_sync_worker(spec: dict[str, Any]) -> WorkerStats:
                 stats.alive, stats.alive_why = False, f"no ping after the load: {type(exc).__name__}: {exc}"
         stats.fds_end = own_fds()
         stats.client_reconnects = client.reconnects
+        stats.landed_replies = client.landed_replies
         return stats
     finally:
         client.close()
@@ -1903,6 +1909,7 @@ def run(args: argparse.Namespace) -> int:
         "bytes_unverified": sum(c["bytes_unverified"] for c in classes.values()),
         "aux_bytes": sum(c["aux_bytes"] for c in classes.values()),
         "errors": sum(sum(c["errors"].values()) for c in classes.values()),
+        "landed_replies": sum(r.get("landed_replies", 0) for r in res),
     }
     totals["gbps"] = round(totals["bytes"] / elapsed / 1e9, 4)
     problems: list[str] = []
@@ -2024,7 +2031,8 @@ def print_summary(report: dict[str, Any]) -> None:
     t = report["totals"]
     print(
         f"total: {t['requests']} copies, {t['bytes'] / 1e9:.2f} GB at {t['gbps']:.2f} GB/s; "
-        f"verified {t['bytes_verified'] / 1e9:.2f} GB, corrupted {t['bytes_corrupted']}, lost {t['bytes_lost']}"
+        f"verified {t['bytes_verified'] / 1e9:.2f} GB, corrupted {t['bytes_corrupted']}, lost {t['bytes_lost']}; "
+        f"{t['landed_replies']} answered from their landed word"
     )
     res = report["daemon"]["resources"]
     print(
