@@ -453,8 +453,8 @@ class Pump:
                 if chunk.strict and chunk.path is Path.DMA:
                     self._strict_dma_moved(req.lane)  # counted in flight: shut the gate before it goes
                 completion = self.engine.submit(job)
-                if job.landed is not None:
-                    landed.handed()  # type: ignore[union-attr]
+                if landed is not None and job.landed is not None:
+                    landed.handed()
             except PriodError as exc:
                 log.error("submit_failed", **error_fields(exc))
                 for f in self.scheduler.chunk_done(chunk, time.perf_counter(), exc):

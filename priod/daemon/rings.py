@@ -131,6 +131,19 @@ class CopyRing:
             self._wake_due = False
             self._wake()
 
+    def landed_store(
+        self, seq: int, first_submit: float, arrival: float, express: bool
+    ) -> tuple[HostMemory, int, int] | None:
+        """Stamp descriptor ``seq``'s figures and give the engine's store of its landed word
+        (`ChunkJob.landed`); None once the ring is closed (nobody waits) or where the engine
+        stores none."""
+        stamps, mem = self.landed, self._mem
+        if self.closed or stamps is None or mem is None:
+            return None
+        stamps.stamp(seq, int(first_submit * 1e9), int((first_submit - arrival) * 1e9), express)
+        offset, value = stamps.landed_word(seq)
+        return mem, offset, value
+
     def landed_ended(self) -> None:
         """A copy whose landed word was handed to the engine has ended (its last chunk's
         completion, which follows the store, was seen)."""
@@ -171,15 +184,8 @@ class LandedWord:
         self.placed = False
 
     def job(self, first_submit: float, arrival: float, express: bool) -> tuple[HostMemory, int, int] | None:
-        """Stamp the copy's figures and give the engine's store (`ChunkJob.landed`); None if
-        the ring is closed (nobody waits)."""
-        ring = self.ring
-        stamps, mem = ring.landed, ring._mem
-        if ring.closed or stamps is None or mem is None:
-            return None
-        stamps.stamp(self.seq, int(first_submit * 1e9), int((first_submit - arrival) * 1e9), express)
-        offset, value = stamps.landed_word(self.seq)
-        return mem, offset, value
+        """The engine's store for this copy (`CopyRing.landed_store`)."""
+        return self.ring.landed_store(self.seq, first_submit, arrival, express)
 
     def handed(self) -> None:
         """The engine took the store: the ring's memory stays until the copy has ended."""
