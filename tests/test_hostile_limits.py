@@ -946,3 +946,83 @@ def test_another_uids_hostile_copy_ring_harms_no_copy_of_root() -> None:
             raw.framed.close()
         assert d.proc.poll() is None
     assert beside < 10 * alone + 0.5, (alone, beside)
+
+
+def test_another_uids_landed_words_reach_its_own_ring_only() -> None:
+    """Another uid's ring asks for landed words with junk flag bits beside the flag, on a refused
+    descriptor too, then closes with its copies in flight. Its valid copies' words reach its own
+    ring and the refused one's never does; root's urgent copies, meanwhile, land byte-exact and are
+    answered from words in root's ring, which holds no one else's; the daemon lets the closed
+    ring go once its copies end and serves on."""
+    from priod.wire.ring import (
+        DESCRIPTOR,
+        HAS_DEADLINE,
+        HEADER_BYTES,
+        RING_ENTRIES,
+        SQ_TAIL,
+        WANT_LANDED,
+        LandedReader,
+        check_header,
+        ring_supported,
+    )
+
+    if not ring_supported():
+        pytest.skip("the copy ring is x86-64 only")
+    path = socket_path()
+    slow = {**OPEN, "PRIOD_SIM__H2D_GBPS": "0.2"}  # 1 MiB: about 5 ms
+    with daemon_process(slow, socket_path=path) as d:
+        raw = Raw(connect_as(NOBODY, path)[0])
+        raw.hello()
+        dev_id = raw.ok("alloc_device", nbytes=MiB)["region"]
+        src_id = raw.ok("alloc_host", nbytes=MiB)["region"]
+        raw.framed.send({"id": 90, "op": "ring"})
+        msg, fds = raw.framed.receive()
+        assert msg["ok"] and len(fds) == 3, msg
+        memfd, doorbell, wake = fds
+        ring = mmap.mmap(memfd, os.fstat(memfd).st_size)
+        os.close(memfd)
+        buf = memoryview(ring)
+        theirs = LandedReader(buf, check_header(buf))
+        words = buf.cast("Q")
+
+        def publish(first: int, n: int) -> None:
+            for i in range(first, first + n):
+                # Descriptor 0 names a negative deadline: refused by id, so no word is stored.
+                flags = WANT_LANDED | 0xF0 | (HAS_DEADLINE if i == 0 else 0)
+                DESCRIPTOR.pack_into(
+                    buf, HEADER_BYTES + i * DESCRIPTOR.size, i, 100 + i, dev_id, src_id, 0, 0, MiB, -1.0, 0, flags
+                )
+            words[SQ_TAIL // 8] = first + n
+            os.eventfd_write(doorbell, 1)
+
+        try:
+            publish(0, 16)
+            wait_until(lambda: all(theirs.landed(i) for i in range(1, 16)) or None, 10, "the other uid's landed words")
+            assert not theirs.landed(0)
+            with priod.SyncClient(path, copy_path="daemon") as root:
+                host, dev = root.alloc_host(64 << 10), root.alloc_device(64 << 10)
+                assert host.array is not None and dev.array is not None
+                publish(16, 16)
+                raw.framed.close()  # gone, its copies in flight with their stores queued
+                for i in range(20):
+                    host.array[:] = i
+                    root.copy(dev, host, priority="urgent")
+                    assert (dev.array == i).all()
+                assert root.landed_replies == 20
+                mine = root._ring
+                assert mine is not None
+                root_words = LandedReader(mine._buf, RING_ENTRIES)
+                try:
+                    assert all(root_words.landed(i) for i in range(20))
+                finally:
+                    root_words.release()
+                wait_until(lambda: root.status()["clients_total"] == 1 or None, 10, "the other uid's connection gone")
+        finally:
+            theirs.release()
+            words.release()
+            buf.release()
+            ring.close()
+            os.close(doorbell)
+            os.close(wake)
+            raw.framed.close()
+        assert d.proc.poll() is None
