@@ -873,6 +873,17 @@ def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:
         assert d.proc.poll() is None
 
 
+def open_ring(raw: Raw) -> tuple[mmap.mmap, int, int]:
+    """Ask for ``raw``'s copy ring by hand: its mapping, doorbell and wake-up eventfd."""
+    raw.framed.send({"id": 90, "op": "ring"})
+    msg, fds = raw.framed.receive()
+    assert msg["ok"] and len(fds) == 3, msg
+    memfd, doorbell, wake = fds
+    ring = mmap.mmap(memfd, os.fstat(memfd).st_size)
+    os.close(memfd)
+    return ring, doorbell, wake
+
+
 def test_another_uids_hostile_copy_ring_harms_no_copy_of_root() -> None:
     """A connection of another uid opens a copy ring and turns on it: its doorbell rung without
     pause, a thousand descriptors naming a region that is not its own (each refused by id on its
@@ -886,12 +897,7 @@ def test_another_uids_hostile_copy_ring_harms_no_copy_of_root() -> None:
     with daemon_process(OPEN, socket_path=path) as d:
         raw = Raw(connect_as(NOBODY, path)[0])
         raw.hello()
-        raw.framed.send({"id": 90, "op": "ring"})
-        msg, fds = raw.framed.receive()
-        assert msg["ok"] and len(fds) == 3, msg
-        memfd, doorbell, wake = fds
-        ring = mmap.mmap(memfd, os.fstat(memfd).st_size)
-        os.close(memfd)
+        ring, doorbell, wake = open_ring(raw)
         buf = memoryview(ring)
         assert check_header(buf) == RING_ENTRIES
         stop = threading.Event()
@@ -975,12 +981,7 @@ def test_another_uids_landed_words_reach_its_own_ring_only() -> None:
         raw.hello()
         dev_id = raw.ok("alloc_device", nbytes=MiB)["region"]
         src_id = raw.ok("alloc_host", nbytes=MiB)["region"]
-        raw.framed.send({"id": 90, "op": "ring"})
-        msg, fds = raw.framed.receive()
-        assert msg["ok"] and len(fds) == 3, msg
-        memfd, doorbell, wake = fds
-        ring = mmap.mmap(memfd, os.fstat(memfd).st_size)
-        os.close(memfd)
+        ring, doorbell, wake = open_ring(raw)
         buf = memoryview(ring)
         theirs = LandedReader(buf, check_header(buf))
         words = buf.cast("Q")
