@@ -474,15 +474,19 @@ async def test_cancel_mid_batch_reports_whole_segments(daemon: DaemonProcess) ->
 
 async def test_urgent_batch_overtakes_a_bulk_batch(daemon: DaemonProcess) -> None:
     """An urgent batch sent after a large bulk batch (same lane, same client) finishes first,
-    long before the bulk one, and both land intact."""
+    long before the bulk one, and both land intact.
+
+    The urgent batch waits for the bulk chunk running when it comes (`batch_block_us`, which
+    the sim's per-block Python stretches to ~10 ms) and, now and then, for the GIL behind the
+    engine's threads: 12-54 ms on the 2-vCPU VM, against 135-160 ms for 128 MiB of bulk."""
     async with priod.connect(daemon.socket_path, copy_path="daemon") as c:
-        size = 64 << 20
+        size = 128 << 20
         h, d = await c.alloc_host(size), await c.alloc_device(size)
         uh, ud = await c.alloc_host(1 << 20), await c.alloc_device(1 << 20)
         assert h.array is not None and d.array is not None and uh.array is not None and ud.array is not None
         h.array[:] = 3
         uh.array[:] = np.random.default_rng(8).integers(0, 256, 1 << 20, dtype=np.uint8)
-        bulk = c.start_copy_batch(d, h, scattered(1024, 64 << 10, 1024, seed=9), priority="bulk")
+        bulk = c.start_copy_batch(d, h, scattered(2048, 64 << 10, 2048, seed=9), priority="bulk")
         await asyncio.sleep(0.002)
         segs = scattered(64, BLOCK, 64, seed=10)
         t0 = time.perf_counter()
@@ -490,7 +494,7 @@ async def test_urgent_batch_overtakes_a_bulk_batch(daemon: DaemonProcess) -> Non
         urgent_s = time.perf_counter() - t0
         assert not bulk.done()
         b = await bulk
-        assert r.total_us < b.total_us / 4 and urgent_s < 0.1, (r.total_us, b.total_us, urgent_s)
+        assert r.total_us < b.total_us / 2 and urgent_s < 0.1, (r.total_us, b.total_us, urgent_s)
         for dd, ss, n in segs:
             assert np.array_equal(ud.array[dd : dd + n], uh.array[ss : ss + n])
         assert np.all(d.array == 3)
