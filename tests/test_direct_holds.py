@@ -38,10 +38,10 @@ from priod.daemon.engines.sim import SimEngine
 from priod.daemon.holds import Holds
 from priod.daemon.metrics import _LATENCY_BUCKETS
 from priod.daemon.pump import Pump
-from priod.daemon.sched.policy import Policy
+from priod.daemon.sched.policy import Policy, validate_policy
 from priod.daemon.sched.scheduler import Request, Scheduler
 from priod.daemon.server import Daemon
-from priod.errors import InvalidRequest
+from priod.errors import ConfigError, InvalidRequest
 from priod.testing import FakeCuda, ManualEngine, daemon_process, wait_until
 from priod.wire.hold_page import CLIENT_BYTES as HOLD_CLIENT_BYTES
 from priod.wire.hold_page import DAEMON_WORD as HOLD_DAEMON_WORD
@@ -540,6 +540,32 @@ def test_bulk_dma_chunks_are_gated_where_the_lane_has_a_gate() -> None:
         assert after and all(c.nbytes == p.chunk_bytes and c.gated is gated for c in after)
 
 
+def test_a_gated_lane_queues_urgent_queue_us_of_short_chunks_and_an_ungated_one_depth() -> None:
+    """Under the short bound a gated lane keeps ``urgent_queue_us`` of short chunks handed out,
+    one tenant's included, and no more; a lane without a gate keeps ``depth`` of them, whatever
+    ``urgent_queue_us`` says."""
+    bw = 55e9
+    policy = Policy(urgent_block_us=150.0, beat_block_us=0.0, urgent_queue_us=600.0)
+    for has_gate in (True, False):
+        sched = Scheduler(policy, [LaneInfo(H2D, bw, 0, 0, gate=has_gate)])
+        p = sched.lane_params(H2D)
+        sched.set_holds(frozenset(), frozenset({H2D}), 0.0)  # a direct copy began and ended: short bound
+        sched.enqueue(Request(1, "c", H2D, "bulk", 1 << 30, 0.001), 0.001)
+        chunks = sched.next_chunks(0.001)
+        assert chunks and all(c.nbytes == p.urgent_chunk_bytes and c.gated is has_gate for c in chunks)
+        queued_us = len(chunks) * p.urgent_chunk_bytes / bw * 1e6
+        if has_gate:
+            assert 600.0 <= queued_us < 600.0 + p.urgent_chunk_bytes / bw * 1e6
+        else:
+            assert len(chunks) == policy.depth
+        assert sched.next_chunks(0.001) == []  # full: nothing more until one ends
+        sched.chunk_done(chunks[0], 0.0011)
+        assert [c.nbytes for c in sched.next_chunks(0.0011)] == [p.urgent_chunk_bytes]
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"^\[tuning\] urgent_queue_us = .* is invalid; set a finite number >= 0"):
+            validate_policy(Policy(urgent_queue_us=bad))
+
+
 def test_direct_copies_on_a_beat_give_bulk_gated_long_chunks_between_them() -> None:
     """Clients' direct copies begun every 5 ms (as the daemon's scans see them) make a beat as
     urgent requests do (``beat_block_us``): between the bursts bulk runs beat-bound chunks, gated,
@@ -556,7 +582,8 @@ def test_direct_copies_on_a_beat_give_bulk_gated_long_chunks_between_them() -> N
     for c in chunks:
         sched.chunk_done(c, 0.0243)
     near = sched.next_chunks(0.0243)  # 0.75 ms before the next copy is due: the short bound
-    assert [c.nbytes for c in near] == [p.urgent_chunk_bytes] * 2 and all(c.gated for c in near)
+    short_queue = p.urgent_inflight_bytes // p.urgent_chunk_bytes
+    assert [c.nbytes for c in near] == [p.urgent_chunk_bytes] * short_queue and all(c.gated for c in near)
 
 
 def test_the_pump_closes_a_held_lanes_gate_and_opens_it_when_the_copy_ends() -> None:

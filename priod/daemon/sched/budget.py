@@ -14,7 +14,8 @@ client's flood of small copies would fill the engine's FIFO queue ahead of other
   ones). Nothing waits for tokens, so no timer is needed: a request past the budget is served
   as the highest-weight non-strict class instead, for good (dispatch.py).
 - The in-flight cap: a tenant has at most ``depth`` chunks in flight per lane of each kind
-  (`EXPRESS`, `STRICT`, `BULK`); its class groups wait off their rings while it is at the cap
+  (`EXPRESS`, `STRICT`, `BULK`; `BULK` as many as the lane's bound holds where
+  ``urgent_queue_us`` keeps more short chunks); its class groups wait off their rings while it is at the cap
   (``parked``; queues.py parks and unparks them). Non-strict chunks under `SMALL_CHUNK_BYTES`
   count `SMALL_PER_SLOT` to one (`Tenant.slots`).
 

@@ -98,7 +98,9 @@ class Dispatcher:
         # in-flight bound fills up, hence ``in_turn``. A class whose tenants are all at their
         # cap of chunks in flight is passed over and keeps its turn for when it comes round.
         rr = lane.rr
-        cap = self.policy.depth
+        # A tenant may fill the lane's queue: ``depth`` chunks, or the more short ones that
+        # ``[tuning] urgent_queue_us`` keeps on a gated lane.
+        cap = max(self.policy.depth, bound // chunk)
         batch_chunk, batch_bound = lane.bound(now, batch=True)
         skipped = 0
         while rr and skipped < len(rr):
