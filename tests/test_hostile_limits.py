@@ -873,15 +873,25 @@ def test_another_uids_hold_page_is_held_to_its_own_budget() -> None:
         assert d.proc.poll() is None
 
 
-def open_ring(raw: Raw) -> tuple[mmap.mmap, int, int]:
-    """Ask for ``raw``'s copy ring by hand: its mapping, doorbell and wake-up eventfd."""
+@contextlib.contextmanager
+def open_ring(raw: Raw) -> Iterator[tuple[memoryview, int]]:
+    """Ask for ``raw``'s copy ring by hand: a view of its mapping and its doorbell (its wake-up
+    eventfd is not watched); on the way out all are let go and ``raw``'s connection closed."""
     raw.framed.send({"id": 90, "op": "ring"})
     msg, fds = raw.framed.receive()
     assert msg["ok"] and len(fds) == 3, msg
     memfd, doorbell, wake = fds
     ring = mmap.mmap(memfd, os.fstat(memfd).st_size)
     os.close(memfd)
-    return ring, doorbell, wake
+    buf = memoryview(ring)
+    try:
+        yield buf, doorbell
+    finally:
+        buf.release()
+        ring.close()
+        os.close(doorbell)
+        os.close(wake)
+        raw.framed.close()
 
 
 def test_another_uids_hostile_copy_ring_harms_no_copy_of_root() -> None:
@@ -897,59 +907,53 @@ def test_another_uids_hostile_copy_ring_harms_no_copy_of_root() -> None:
     with daemon_process(OPEN, socket_path=path) as d:
         raw = Raw(connect_as(NOBODY, path)[0])
         raw.hello()
-        ring, doorbell, wake = open_ring(raw)
-        buf = memoryview(ring)
-        assert check_header(buf) == RING_ENTRIES
-        stop = threading.Event()
+        with open_ring(raw) as (buf, doorbell):
+            assert check_header(buf) == RING_ENTRIES
+            stop = threading.Event()
 
-        def flood() -> None:
-            while not stop.is_set():
-                os.eventfd_write(doorbell, 1)
+            def flood() -> None:
+                while not stop.is_set():
+                    os.eventfd_write(doorbell, 1)
 
-        flooder = threading.Thread(target=flood)
-        try:
-            with priod.SyncClient(path, copy_path="daemon") as root:
-                host, dev = root.alloc_host(MiB), root.alloc_device(MiB)
-                assert host.array is not None and dev.array is not None
-                host.array[:] = np.random.default_rng(3).integers(0, 256, MiB, dtype=np.uint8)
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    root.copy(dev, host, 64 << 10)
-                alone = time.perf_counter() - t0
-                flooder.start()
-                for i in range(1000):  # root's regions by id, from another uid: refused, never queued
-                    DESCRIPTOR.pack_into(
-                        buf, HEADER_BYTES + i * DESCRIPTOR.size, i, 100 + i, dev.id, host.id, 0, 0, 64, 0.0, 0, 0
-                    )
-                buf.cast("Q")[SQ_TAIL // 8] = 1000
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    root.copy(dev, host, 64 << 10)
-                beside = time.perf_counter() - t0
-                buf.cast("Q")[SQ_TAIL // 8] = 10 * RING_ENTRIES  # then a tail far ahead: closed
-                root.copy(dev, host)
-                assert np.array_equal(dev.array, host.array)
-                assert root.status()["clients_total"] >= 1
-            stop.set()
-            flooder.join()
-            replies = []
-            while True:  # its refusals, then the error that closed it
-                try:
-                    replies.append(raw.framed.receive()[0])
-                except priod.ConnectionClosed:
-                    break
-            assert all(r["ok"] is False for r in replies) and replies, replies[:3]
-            assert {r["error"]["code"] for r in replies[:-1]} <= {"not_found", "permission"}, replies[:3]
-            assert replies[-1]["id"] == 0 and "copy ring" in replies[-1]["error"]["message"], replies[-1]
-        finally:
-            stop.set()
-            if flooder.is_alive():
+            flooder = threading.Thread(target=flood)
+            try:
+                with priod.SyncClient(path, copy_path="daemon") as root:
+                    host, dev = root.alloc_host(MiB), root.alloc_device(MiB)
+                    assert host.array is not None and dev.array is not None
+                    host.array[:] = np.random.default_rng(3).integers(0, 256, MiB, dtype=np.uint8)
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        root.copy(dev, host, 64 << 10)
+                    alone = time.perf_counter() - t0
+                    flooder.start()
+                    for i in range(1000):  # root's regions by id, from another uid: refused, never queued
+                        DESCRIPTOR.pack_into(
+                            buf, HEADER_BYTES + i * DESCRIPTOR.size, i, 100 + i, dev.id, host.id, 0, 0, 64, 0.0, 0, 0
+                        )
+                    buf.cast("Q")[SQ_TAIL // 8] = 1000
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        root.copy(dev, host, 64 << 10)
+                    beside = time.perf_counter() - t0
+                    buf.cast("Q")[SQ_TAIL // 8] = 10 * RING_ENTRIES  # then a tail far ahead: closed
+                    root.copy(dev, host)
+                    assert np.array_equal(dev.array, host.array)
+                    assert root.status()["clients_total"] >= 1
+                stop.set()
                 flooder.join()
-            buf.release()
-            ring.close()
-            os.close(doorbell)
-            os.close(wake)
-            raw.framed.close()
+                replies = []
+                while True:  # its refusals, then the error that closed it
+                    try:
+                        replies.append(raw.framed.receive()[0])
+                    except priod.ConnectionClosed:
+                        break
+                assert all(r["ok"] is False for r in replies) and replies, replies[:3]
+                assert {r["error"]["code"] for r in replies[:-1]} <= {"not_found", "permission"}, replies[:3]
+                assert replies[-1]["id"] == 0 and "copy ring" in replies[-1]["error"]["message"], replies[-1]
+            finally:
+                stop.set()
+                if flooder.is_alive():
+                    flooder.join()
         assert d.proc.poll() is None
     assert beside < 10 * alone + 0.5, (alone, beside)
 
@@ -981,49 +985,47 @@ def test_another_uids_landed_words_reach_its_own_ring_only() -> None:
         raw.hello()
         dev_id = raw.ok("alloc_device", nbytes=MiB)["region"]
         src_id = raw.ok("alloc_host", nbytes=MiB)["region"]
-        ring, doorbell, wake = open_ring(raw)
-        buf = memoryview(ring)
-        theirs = LandedReader(buf, check_header(buf))
-        words = buf.cast("Q")
+        with open_ring(raw) as (buf, doorbell):
+            theirs = LandedReader(buf, check_header(buf))
+            words = buf.cast("Q")
 
-        def publish(first: int, n: int) -> None:
-            for i in range(first, first + n):
-                # Descriptor 0 names a negative deadline: refused by id, so no word is stored.
-                flags = WANT_LANDED | 0xF0 | (HAS_DEADLINE if i == 0 else 0)
-                DESCRIPTOR.pack_into(
-                    buf, HEADER_BYTES + i * DESCRIPTOR.size, i, 100 + i, dev_id, src_id, 0, 0, MiB, -1.0, 0, flags
+            def publish(first: int, n: int) -> None:
+                for i in range(first, first + n):
+                    # Descriptor 0 names a negative deadline: refused by id, so no word is stored.
+                    flags = WANT_LANDED | 0xF0 | (HAS_DEADLINE if i == 0 else 0)
+                    DESCRIPTOR.pack_into(
+                        buf, HEADER_BYTES + i * DESCRIPTOR.size, i, 100 + i, dev_id, src_id, 0, 0, MiB, -1.0, 0, flags
+                    )
+                words[SQ_TAIL // 8] = first + n
+                os.eventfd_write(doorbell, 1)
+
+            try:
+                publish(0, 16)
+                wait_until(
+                    lambda: all(theirs.landed(i) for i in range(1, 16)) or None, 10, "the other uid's landed words"
                 )
-            words[SQ_TAIL // 8] = first + n
-            os.eventfd_write(doorbell, 1)
-
-        try:
-            publish(0, 16)
-            wait_until(lambda: all(theirs.landed(i) for i in range(1, 16)) or None, 10, "the other uid's landed words")
-            assert not theirs.landed(0)
-            with priod.SyncClient(path, copy_path="daemon") as root:
-                host, dev = root.alloc_host(64 << 10), root.alloc_device(64 << 10)
-                assert host.array is not None and dev.array is not None
-                publish(16, 16)
-                raw.framed.close()  # gone, its copies in flight with their stores queued
-                for i in range(20):
-                    host.array[:] = i
-                    root.copy(dev, host, priority="urgent")
-                    assert (dev.array == i).all()
-                assert root.landed_replies == 20
-                mine = root._ring
-                assert mine is not None
-                root_words = LandedReader(mine._buf, RING_ENTRIES)
-                try:
-                    assert all(root_words.landed(i) for i in range(20))
-                finally:
-                    root_words.release()
-                wait_until(lambda: root.status()["clients_total"] == 1 or None, 10, "the other uid's connection gone")
-        finally:
-            theirs.release()
-            words.release()
-            buf.release()
-            ring.close()
-            os.close(doorbell)
-            os.close(wake)
-            raw.framed.close()
+                assert not theirs.landed(0)
+                with priod.SyncClient(path, copy_path="daemon") as root:
+                    host, dev = root.alloc_host(64 << 10), root.alloc_device(64 << 10)
+                    assert host.array is not None and dev.array is not None
+                    publish(16, 16)
+                    raw.framed.close()  # gone, its copies in flight with their stores queued
+                    for i in range(20):
+                        host.array[:] = i
+                        root.copy(dev, host, priority="urgent")
+                        assert (dev.array == i).all()
+                    assert root.landed_replies == 20
+                    mine = root._ring
+                    assert mine is not None
+                    root_words = LandedReader(mine._buf, RING_ENTRIES)
+                    try:
+                        assert all(root_words.landed(i) for i in range(20))
+                    finally:
+                        root_words.release()
+                    wait_until(
+                        lambda: root.status()["clients_total"] == 1 or None, 10, "the other uid's connection gone"
+                    )
+            finally:
+                theirs.release()
+                words.release()
         assert d.proc.poll() is None
