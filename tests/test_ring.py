@@ -25,7 +25,8 @@ import pytest
 from priod.client import Client, SyncClient
 from priod.errors import ConnectionClosed, CopyTimeout, InvalidRequest
 from priod.testing import DaemonProcess, daemon_process
-from priod.wire.messages import PROTOCOL_VERSION
+from priod.wire.batch import SEGMENT_BYTES, encode_segments
+from priod.wire.messages import PROTOCOL_VERSION, CopyBatch
 from priod.wire.ring import (
     COMPLETION,
     CQ_HEAD,
@@ -39,9 +40,12 @@ from priod.wire.ring import (
     TABLE_BYTES,
     LandedReader,
     LandedStamps,
+    SubmissionReader,
+    SubmissionWriter,
     check_header,
     ring_bytes,
     ring_supported,
+    write_header,
 )
 from priod.wire.transport import BlockingFramedSocket
 
@@ -568,6 +572,50 @@ def test_a_landed_slot_taken_over_by_a_later_copy_is_never_read_as_the_earlier_o
     finally:
         stamps.release()
         reader.release()
+        words.release()
+        buf.release()
+        m.close()
+
+
+class _HeadWatch:
+    """The reader's view of the ring's words that, the moment the reader publishes its head,
+    lets the client run: as a client process may, on another core, at that instant."""
+
+    def __init__(self, words: memoryview, on_head: Any) -> None:
+        self._words, self._on_head = words, on_head
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._words[i])
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self._words[i] = value
+        if i == SQ_HEAD // 8:
+            self._on_head()
+
+
+def test_the_daemon_copies_a_batchs_table_out_before_the_client_may_write_there_again() -> None:
+    """The head passing a batch's descriptor gives its table's space back to the client; a client
+    that writes its next table there at once must not change the batch the daemon took."""
+    m = mmap.mmap(-1, ring_bytes(RING_ENTRIES))
+    buf = memoryview(m)
+    write_header(buf)
+    writer, reader = SubmissionWriter(buf, RING_ENTRIES), SubmissionReader(buf, RING_ENTRIES)
+    n = TABLE_BYTES // SEGMENT_BYTES  # one table fills the area: the next needs this one's space
+    first = CopyBatch(1, 2, encode_segments([(i * 8, i * 8, 8) for i in range(n)]), "bulk")
+    second = CopyBatch(1, 2, encode_segments([(i * 16, i * 16, 16) for i in range(n)]), "bulk")
+    placed: list[int | None] = []
+    words = buf.cast("Q")
+    try:
+        assert writer.try_submit(1, first) == 0
+        assert writer.try_submit(2, second) is None  # no room until the daemon takes the first
+        reader._words.release()
+        reader._words = _HeadWatch(words, lambda: placed.append(writer.try_submit(2, second)))  # type: ignore[assignment]
+        taken = reader.take()
+        assert placed == [1]  # the client did write its next table over the first's space
+        assert taken is not None and taken[0] == 1
+        assert isinstance(taken[1], CopyBatch) and taken[1].segments == first.segments
+    finally:
+        writer.release()
         words.release()
         buf.release()
         m.close()

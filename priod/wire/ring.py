@@ -312,8 +312,14 @@ class SubmissionReader(_Side):
         )
         if seq != head:
             raise RingCorrupt(f"submission slot {head % self._entries} holds entry {seq}, not {head}: torn or forged")
+        table = None
+        if flags & IS_BATCH and 0 < src_off <= TABLE_BYTES and dst_off <= TABLE_BYTES - src_off:
+            # dst_off, src_off: the table's place and length. Copied out before the head moves:
+            # once it passes this descriptor, the client may write this part of the area again.
+            base = self._table + dst_off
+            table = bytes(self._buf[base : base + src_off])
         self._head = head + 1
-        self._words[SQ_HEAD // 8] = head + 1  # the slot is free for the client again
+        self._words[SQ_HEAD // 8] = head + 1  # the slot (and its table) is free for the client again
         if not 0 < req_id <= MAX_ID:
             raise RingCorrupt(f"a descriptor with request id {req_id} (ids are 1 .. 2**63-1)")
         if cls >= len(RING_CLASSES):
@@ -321,16 +327,12 @@ class SubmissionReader(_Side):
         deadline_ms = deadline if flags & HAS_DEADLINE else None
         landed = seq if flags & WANT_LANDED else None
         if flags & IS_BATCH:
-            # dst_off, src_off: the table's place and length. Copied out now, before any check:
-            # the client may write the area again once the head has passed this descriptor.
-            if not (0 < src_off <= TABLE_BYTES and dst_off <= TABLE_BYTES - src_off):
+            if table is None:
                 return (
                     req_id,
                     _refused(f"a segment table of {src_off} bytes at {dst_off} is outside the table area"),
                     None,
                 )
-            base = self._table + dst_off
-            table = bytes(self._buf[base : base + src_off])
             return req_id, CopyBatch(dst, src, table, RING_CLASSES[cls], deadline_ms), landed
         return req_id, Copy(dst, src, nbytes, dst_off, src_off, RING_CLASSES[cls], deadline_ms), landed
 
