@@ -218,7 +218,8 @@ class SyncBatchHandle(_SyncHandle[CopyBatchReply]):
 
 class SyncClient:
     """The same API, blocking, for code without an event loop. One request at a time, except
-    copies started with `start_copy` / `start_copy_batch`, which go on while others are made."""
+    copies started with `start_copy` / `start_copy_batch`, which go on while others are made.
+    Not thread-safe: its copy ring has one writer; give each thread its own, or a lock around it."""
 
     def __init__(
         self,
