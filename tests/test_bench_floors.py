@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from priod.client.copy_ring import ClientRing
 from priod.testing.scripts import import_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,3 +68,23 @@ def test_bench_gpu_wake_floor_times_a_real_wake_up_of_another_process() -> None:
     lat = script.wake_floor(20, interval_s=0.002, warm=2)
     assert len(lat) == 20
     assert all(0 < us < 1e6 for us in lat)
+
+
+def test_gpu_steps_add_up_to_the_whole_copy_and_each_comes_after_the_one_before() -> None:
+    """scripts/bench_gpu_steps.py on the sim engine: each urgent copy's five steps, timed from
+    the client's marks and the daemon's stamps, add up to the copy's whole time, none runs
+    backwards (the daemon took the copy after its doorbell, handed it on after taking it, and
+    its landed word was seen after that); the bare wake-up floor is a positive time."""
+    steps = import_script(ROOT / "scripts" / "bench_gpu_steps.py", "priod_bench_gpu_steps")
+    from priod.testing import daemon_process
+
+    with daemon_process(backend="sim") as dmn:
+        rows = steps.urgent_steps(dmn.socket_path, 20)
+    assert len(rows) >= 15  # a copy answered by its completion rather than its word has no stamps
+    for row in rows:
+        parts = [row[s] for s in steps.STEPS if s != "whole"]
+        assert all(p > -1.0 for p in parts), row  # the reply's figures are rounded to the ns
+        assert sum(parts) == pytest.approx(row["whole"], abs=1.0), row
+    assert ClientRing.ring.__name__ == "ring", "the client's ring is left as it was"
+    wakes = steps.wake_floor(10)
+    assert len(wakes) == 10 and all(0 < us < 1e6 for us in wakes)

@@ -78,16 +78,20 @@ def _strict_passes_then_the_gate_opens(engine: Any, gated: Completion, view: np.
     assert np.array_equal(view[REGION:], view[:REGION])
 
 
-@pytest.mark.parametrize("form", ["chunk", "batch"])
+@pytest.mark.parametrize("form", ["chunk", "batch", "one lane"])
 def test_a_closed_gate_holds_a_queued_chunk_until_it_opens(engine: Any, form: str) -> None:
+    """``one lane``: the gate closed by `set_gate`, the pump's per-chunk call, not `set_gates`."""
     assert engine.statistics()["bulk_gates"] is True, engine.statistics()["bulk_gates_error"]
     with _buffers(engine, 3) as (view, host, dev):
         head = REGION - TAIL
-        engine.set_gates(frozenset({H2D}))
+        if form == "one lane":
+            engine.set_gate(H2D, frozenset({H2D}))
+        else:
+            engine.set_gates(frozenset({H2D}))
         first = engine.submit(
             ChunkJob(H2D, Path.DMA, dev, host, dst_offset=0, src_offset=0, nbytes=head)
         )  # not gated: runs
-        if form == "chunk":
+        if form != "batch":
             gated = engine.submit(
                 ChunkJob(H2D, Path.DMA, dev, host, dst_offset=head, src_offset=head, nbytes=TAIL, gated=True)
             )

@@ -282,6 +282,44 @@ def test_without_beat_block_us_the_short_bound_holds_throughout_the_window() -> 
     assert s.statistics().lanes[0].beat_us is None
 
 
+def test_the_loop_watches_for_a_beats_next_burst_from_beat_spin_us_before_it_is_due() -> None:
+    """Bursts of urgent requests every 5 ms: once four gaps are known, the scheduler asks the
+    loop to be awake from 200 us (``beat_spin_us``) before the next burst is due until 200 us
+    and the gaps' spread after; a burst that comes moves the watch a beat on, and one that does
+    not come ends it (the loop sleeps again)."""
+    s = _beat_scheduler(600.0)
+    ids = itertools.count(100)
+    assert s.beat_watch_at(0.0) == float("inf")
+    for k in range(4):
+        _urgent_burst(s, ids, k * 5e-3)
+        assert s.beat_watch_at(k * 5e-3 + 1e-3) == float("inf"), "three gaps are no beat yet"
+    _urgent_burst(s, ids, 20e-3)
+    assert s.beat_watch_at(21e-3) == pytest.approx(25e-3 - 200e-6)
+    assert s.beat_watch_at(24.9e-3) <= 24.9e-3, "awake 100 us before the burst is due"
+    assert s.beat_watch_at(25.1e-3) <= 25.1e-3, "and a little after it"
+    assert s.beat_watch_at(25.3e-3) == float("inf"), "the burst did not come: asleep again"
+    _urgent_burst(s, ids, 25.25e-3)
+    assert s.beat_watch_at(26e-3) == pytest.approx(30.25e-3 - 200e-6, abs=1e-9)
+
+
+def test_only_urgent_requests_make_the_loop_watch_and_beat_spin_us_0_turns_it_off() -> None:
+    """Clients' direct copies on a beat give bulk its long chunks but never keep the loop awake
+    (they ring their doorbell, and a turning loop takes a core from them); with
+    ``beat_spin_us = 0`` a beat of requests does not either."""
+    s = _beat_scheduler(600.0)
+    for k in range(6):
+        s.set_holds(frozenset(), frozenset({LANE}), k * 5e-3)
+    assert s.statistics().lanes[0].beat_us == pytest.approx(5000.0)
+    assert all(s.beat_watch_at(25e-3 + dt) == float("inf") for dt in (-1e-3, -100e-6, 0.0, 100e-6))
+    info = LaneInfo(LANE, bandwidth=55e9, express_min=4096, express_max=0)
+    off = Scheduler(Policy(urgent_block_us=150.0, beat_block_us=600.0, beat_spin_us=0.0), [info])
+    ids = itertools.count(100)
+    for k in range(6):
+        _urgent_burst(off, ids, k * 5e-3)
+    assert off.statistics().lanes[0].beat_us == pytest.approx(5000.0)
+    assert off.beat_watch_at(30e-3 - 100e-6) == float("inf")
+
+
 # -- the daemon reacting to a co-tenant -----------------------------------------------------------
 async def _urgent_paths(daemon: Daemon, c: Any, dev: Any, host: Any, n: int) -> list[str]:
     paths = []

@@ -121,3 +121,40 @@ async def test_direct_copies_with_no_bulk_about_leave_the_loop_asleep() -> None:
             page.close()
     finally:
         await daemon.stop()
+
+
+async def test_the_loop_wakes_for_a_beats_next_burst_and_sleeps_once_it_has_passed() -> None:
+    """``[server] urgent_poll = "timer"`` (the default): urgent copies every 10 ms through an
+    idle daemon make a beat, and the loop turns awake around each next burst (``beat_spin_us``)
+    rather than sleeping until the copy's doorbell wakes it; every copy lands. Once the copies
+    stop, the watch for the burst that did not come passes and the loop sleeps; with
+    ``beat_spin_us = 0`` it never turns for a beat at all."""
+    turns = {}
+    for spin_us in (200.0, 0.0):
+        path = os.path.join(tempfile.mkdtemp(prefix="priod-"), "s.sock")
+        cfg = load_config(None, environ={}).replace(
+            server={"socket": path}, tuning={"beat_spin_us": spin_us}, log={"level": "warning"}
+        )
+        daemon = Daemon(cfg, SimEngine(cfg.sim))
+        await daemon.start()
+        pump = daemon.pump
+        try:
+            async with priod.connect(path, copy_path="daemon") as c:
+                h, d = await c.alloc_host(4096), await c.alloc_device(4096)
+                assert h.array is not None and d.array is not None
+                loop = asyncio.get_running_loop()
+                start = loop.time()
+                for i in range(40):
+                    await asyncio.sleep(max(0.0, start + i * 0.01 - loop.time()))
+                    h.array[:] = i + 1
+                    r = await c.copy(d, h, priority="urgent")
+                    assert r.nbytes == 4096 and np.array_equal(d.array, h.array)
+                turns[spin_us] = pump.beat_turns
+                await asyncio.sleep(0.05)  # the next burst's watch (10 ms on) comes and goes
+                after = pump.beat_turns
+                await asyncio.sleep(0.05)
+                assert pump.beat_turns == after, "the loop kept turning after the beat stopped"
+                assert pump._wake is not None and not pump._wake.done()  # asleep in `run`
+        finally:
+            await daemon.stop()
+    assert turns[200.0] > 0 and turns[0.0] == 0, turns

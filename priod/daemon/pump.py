@@ -180,6 +180,8 @@ class Pump:
         self.awake_turns = 0
         """Loop turns `run` spent awake, neither polling nor sleeping, because urgent copies were
         recent: what keeping the loop awake for the next one costs."""
+        self.beat_turns = 0
+        """Loop turns `run` spent awake for a lane's next burst on its beat (``beat_spin_us``)."""
 
     @property
     def inflight_chunks(self) -> int:
@@ -202,7 +204,9 @@ class Pump:
                 loop.call_soon_threadsafe(wake_from_thread)
 
         self.engine.set_wakeup(wake_from_engine_thread)
-        if self._bulk_poll == "timer" and self._paced_by_polls:
+        if self._bulk_poll == "timer":
+            # Sub-millisecond wake-ups: a polled engine's chunks when due, and on either engine
+            # the start of a beat's watch (`run`); the loop's own timers are ~1 ms coarse.
             self._timer = LoopTimer(loop, self._wakeup)
 
     def stop(self) -> None:
@@ -280,12 +284,13 @@ class Pump:
             self.engine.set_gates(closed)
 
     def _strict_dma_moved(self, lane: LaneKey) -> None:
-        """A strict DMA chunk on ``lane`` was handed out or ended: set the gates again only where
-        that lane's gate should change, an O(1) look instead of `_set_gates`' walk over every
-        lane for each urgent chunk (eight GPUs and their peer links: 80 lanes)."""
+        """A strict DMA chunk on ``lane`` was handed out or ended: set that lane's gate alone
+        where it should change (`Engine.set_gate`), an O(1) look instead of `_set_gates`' walk
+        over every lane for each urgent chunk (eight GPUs and their peer links: 80 lanes)."""
         shut = lane in self._held or self.scheduler.strict_dma_on(lane)
         if shut != (lane in self._gates_closed):
-            self._set_gates()
+            self._gates_closed = self._gates_closed | {lane} if shut else self._gates_closed - {lane}
+            self.engine.set_gate(lane, self._gates_closed)
 
     def hold_rung(self) -> None:
         """A client rang its hold doorbell (it announced a direct copy): read the pages now, so
@@ -640,6 +645,25 @@ class Pump:
                 else:
                     assert self._timer is not None
                     self._timer.wake_at(time.perf_counter() + max(wait, TIMER_MIN_S))
+            if self.urgent_poll == "timer" and not self._inflight:
+                # A lane's urgent requests keep a steady beat (an inference step's): be awake
+                # from `beat_spin_us` before its next burst is due until it comes, so the burst's
+                # first copy is read on a loop turn, not after a wake-up from epoll. Only with
+                # nothing in flight: with chunks in flight the loop wakes for their polls anyway,
+                # and polling them every turn cost the urgent copy's GPU step 20 us p50 under
+                # bulk (H100, `scripts/bench_gpu_steps.py`); on sim a loop turning would hold
+                # the GIL the engine's threads need.
+                now = time.perf_counter()
+                watch = self.scheduler.beat_watch_at(now)
+                if watch <= now:
+                    self.beat_turns += 1
+                    await asyncio.sleep(0)
+                    continue
+                if watch < math.inf:
+                    if self._timer is not None:
+                        self._timer.wake_at(watch)
+                    elif timeout is None or watch - now < timeout:
+                        timeout = watch - now
             if gate_wait is not None and (timeout is None or gate_wait < timeout):
                 if gate_wait < 0.002 and self._timer is not None:
                     self._timer.wake_at(time.perf_counter() + max(gate_wait, TIMER_MIN_S))

@@ -114,6 +114,7 @@ def status(d: Reported, viewer: Peer | None = None) -> dict[str, Any]:
         "urgent_paths": [dataclasses.asdict(e) for e in d.scheduler.path_estimates()],
         "inflight_chunks": d.pump.inflight_chunks,
         "polls": d.pump.polls,
+        "beat_turns": d.pump.beat_turns,
         "held_copies": len(d.pump.gates),
         "direct": d.pump.holds.figures(),
         "event_polls": d.pump.gates.polls,

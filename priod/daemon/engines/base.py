@@ -298,6 +298,12 @@ class Engine(ABC):
         holds it, so that copy waits for the chunk running, not for the one queued behind it.
         An engine without gates ignores this."""
 
+    def set_gate(self, lane: LaneKey, closed: frozenset[LaneKey]) -> None:
+        """`set_gates` where only ``lane``'s gate changed: the pump's call as one of its urgent
+        DMA chunks goes or ends, so that it costs one lane rather than every lane of every
+        GPU (80 on eight GPUs with their peer links). This default sets them all."""
+        self.set_gates(closed)
+
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:  # noqa: B027 - optional hook
         """Register a thread-safe callable the engine may call when some chunk completes.
 

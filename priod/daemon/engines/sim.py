@@ -295,6 +295,11 @@ class SimEngine(Engine):
             if path is Path.DMA:
                 worker.set_gate(lane in closed)
 
+    def set_gate(self, lane: LaneKey, closed: frozenset[LaneKey]) -> None:
+        worker = self._workers.get((lane, Path.DMA))
+        if worker is not None:
+            worker.set_gate(lane in closed)
+
     def open_event(self, handle: bytes, device: int, region: Callable[[int], Memory]) -> IpcEvent:
         """A byte of a device region of the client's on GPU ``device`` (priod.wire.ipc_event.SimEvent);
         ``region`` checks that the client may name it."""

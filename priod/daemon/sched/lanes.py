@@ -49,6 +49,10 @@ daemon sees, up to this early meet short chunks only. With 150 us a front-door c
 bulk read 424-2,325 us against 236-313 with 450 (H100, docs/design.md, Defaults)."""
 BEAT_MIN_S = 1e-3
 """The long chunks are used only where the beat leaves at least this long for them."""
+BEAT_WATCH_LATE_S = 500e-6
+"""A burst that comes later than the beat's shortest gap is watched for as long as the gaps
+spread, up to this: the daemon's loop stays awake no more than ``2 x beat_spin_us`` and this
+per burst (`Lane.beat_watch`)."""
 
 
 class Lane:
@@ -200,6 +204,21 @@ class Lane:
             until = -math.inf if beat is None else now + beat - self.beat_lead
             self.beat_until = until if until - (now + BURST_S) >= BEAT_MIN_S else -math.inf
         self.last_strict = now
+
+    def beat_watch(self, now: float, lead: float) -> float:
+        """When the daemon's loop should be awake for this lane's next burst of urgent copies,
+        so that it reads the burst's first copy (a ring descriptor, a hold announced) on a loop
+        turn rather than after a wake-up: from ``lead`` before the burst is due (the beat's
+        shortest gap after the last burst began) until ``lead`` and the gaps' spread (at most
+        `BEAT_WATCH_LATE_S`) after. Returns that start, at or before ``now`` while the watch is
+        on; inf where the lane keeps no steady beat or the watch has passed without a burst."""
+        beat = self.beat
+        if beat is None:
+            return math.inf
+        due = self.burst_start + beat
+        if now >= due + lead + min(max(self.beat_gaps) - beat, BEAT_WATCH_LATE_S):
+            return math.inf
+        return due - lead
 
     @property
     def beat(self) -> float | None:

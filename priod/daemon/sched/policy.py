@@ -96,6 +96,10 @@ class Tuning:
     due, and the short bound around the copies (lanes.py, `Lane.urgent_arrived`). 0: the short bound throughout the window.
     600 keeps 0.93-0.97 of the link for bulk where 0 keeps 0.89-0.94, at the same urgent
     latencies (H200, a direct urgent copy every 5 ms; see docs/design.md, Defaults)."""
+    beat_spin_us: float = 200.0
+    """Where a lane keeps a steady beat (``beat_block_us``), the daemon's loop turns awake from
+    this long before the lane's next burst is due, until it comes (or the watch passes,
+    `Lane.beat_watch`), instead of sleeping until the copy's doorbell wakes it. 0: sleep."""
     batch_block_us: float = 4000.0
     """The bound that replaces ``max_block_us`` for bulk chunks of batches of small blocks
     (``SMALL_BLOCK_MEAN``, batch.py) while no urgent copy is recent on the lane (0: keep ``max_block_us``). The driver takes about as long to enqueue a
@@ -203,6 +207,10 @@ def validate_policy(policy: Policy) -> None:
         f"[tuning] urgent_block_us = {policy.urgent_block_us} is invalid; set it >= 0 (0: keep max_block_us)",
     )
     need(policy.beat_block_us >= 0, f"[tuning] beat_block_us = {policy.beat_block_us} is invalid; set it >= 0 (0: off)")
+    need(
+        0 <= policy.beat_spin_us <= 5000,
+        f"[tuning] beat_spin_us = {policy.beat_spin_us} is invalid; set 0 <= beat_spin_us <= 5000 (0: off)",
+    )
     need(
         0 <= policy.urgent_queue_us < math.inf,
         f"[tuning] urgent_queue_us = {policy.urgent_queue_us} is invalid; set a finite number >= 0 (0: depth chunks)",

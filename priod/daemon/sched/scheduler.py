@@ -122,6 +122,11 @@ class Scheduler:
         self._requests_until = -math.inf
         """Like ``_urgent_until``, from urgent requests only (not clients' direct copies)."""
         self._held: frozenset[LaneKey] = frozenset()
+        self._beat_lanes: set[Lane] = set()
+        """Lanes whose urgent requests have given them a beat's gaps: the few `beat_watch_at`
+        looks at. Not for clients' direct copies alone: their holds ring a doorbell and need
+        nothing read, and a loop turning beside them takes a core from their clients."""
+        self._beat_spin_s = policy.beat_spin_us / 1e6
         self._dispatch = Dispatcher(policy, self._chooser, self._hand_out)
 
     # --- configuration -------------------------------------------------------------------
@@ -153,6 +158,8 @@ class Scheduler:
         self._chooser.explore_every = policy.explore_every
         for lane in self._lane_list:
             lane.configure(policy)
+        self._beat_lanes.clear()  # each lane learns its beat afresh
+        self._beat_spin_s = policy.beat_spin_us / 1e6
         self._queued = 0
         # Re-place in arrival order so FIFO order within each class survives the reload.
         for t in sorted(self._tracks.values(), key=lambda t: t.seq):
@@ -192,6 +199,8 @@ class Scheduler:
         spec = cq.spec
         if spec.strict:
             lane.urgent_arrived(now)
+            if lane.beat_gaps:
+                self._beat_lanes.add(lane)
             until = now + lane.window  # urgent_window_ms, in seconds
             if until > self._urgent_until:
                 self._urgent_until = until
@@ -378,6 +387,15 @@ class Scheduler:
     def urgent_recent(self, now: float) -> bool:
         """Some lane runs its short bound: its small chunks want polling every loop turn."""
         return now < self._urgent_until
+
+    def beat_watch_at(self, now: float) -> float:
+        """When the loop should next be awake for a lane's coming burst of urgent copies
+        (`Lane.beat_watch`, ``beat_spin_us`` ahead): at or before ``now`` while one is watched
+        for, inf where none will be until more copies come."""
+        lead = self._beat_spin_s
+        if not lead or not self._beat_lanes:
+            return math.inf
+        return min(lane.beat_watch(now, lead) for lane in self._beat_lanes)
 
     def urgent_requests_recent(self, now: float) -> bool:
         """An urgent request came within ``urgent_window_ms``: another may follow soon. A

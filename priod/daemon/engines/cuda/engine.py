@@ -34,7 +34,7 @@ from priod.common.cuda.express import ExpressKernel, read_ptx
 from priod.common.types import Direction, LaneInfo, LaneKey, Path
 from priod.daemon.engines.base import ChunkJob, Completion, DeviceMemory, Engine, HostMemory, IpcEvent, Memory
 from priod.daemon.engines.cuda.calibrate import Log, calibrate
-from priod.daemon.engines.cuda.device import Device, Lane, open_device, open_gates
+from priod.daemon.engines.cuda.device import Device, Gates, Lane, open_device, open_gates
 from priod.daemon.engines.cuda.events import CudaIpcEvent, Done, EventCompletion
 from priod.daemon.engines.cuda.memory import CudaDeviceMemory, CudaHostMemory, Regions
 from priod.daemon.engines.cuda.peer import open_peer_lanes
@@ -101,6 +101,8 @@ class CudaEngine(Engine):
         self._pusher = Pusher("priod-cuda-pusher")
         self._ipc_events: set[CudaIpcEvent] = set()
         """Client events opened and not yet closed: destroyed at `close` if a session did not."""
+        self._gate_of: dict[LaneKey, tuple[Gates, int]] = {}
+        """Each gated lane's gate words and its index there (`set_gate`)."""
         self._gates_error: str | None = None
         """Why bulk chunks are not gated (None: they are, see `Gates`)."""
         self._wait_value = drv.cuStreamWaitValue32
@@ -124,6 +126,12 @@ class CudaEngine(Engine):
                 self._gates_error = self._gates_error or open_gates(self._devices[index])
             if self._gates_error:
                 self._log.info("cuda bulk gates off", reason=self._gates_error)
+            self._gate_of = {
+                lane.key: (dev.gates, i)
+                for dev in self._devices.values()
+                if dev.gates is not None
+                for i, lane in enumerate(dev.local_lanes)
+            }
             # Landed words are stream memory operations too: where the gates' wait works, so
             # does their store (the driver has both or neither).
             self.stores_landed = self._gates_error is None and bool(self._devices)
@@ -574,6 +582,12 @@ class CudaEngine(Engine):
             if gates is not None:
                 for i, lane in enumerate(dev.local_lanes):
                     gates.set(i, lane.key in closed)
+
+    def set_gate(self, lane: LaneKey, closed: frozenset[LaneKey]) -> None:
+        """Write ``lane``'s gate word alone (`set_gates`' for one lane)."""
+        gate = self._gate_of.get(lane)
+        if gate is not None:
+            gate[0].set(gate[1], lane in closed)
 
     def close(self) -> None:
         """Wait for our streams, then destroy events and streams and free everything. Idempotent.
