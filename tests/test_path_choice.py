@@ -305,7 +305,7 @@ def test_the_loop_watches_for_a_beats_next_burst_from_beat_spin_us_before_it_is_
 def test_only_urgent_requests_make_the_loop_watch_and_beat_spin_us_0_turns_it_off() -> None:
     """Clients' direct copies on a beat give bulk its long chunks but never keep the loop awake
     (they ring their doorbell, and a turning loop takes a core from them); with
-    ``beat_spin_us = 0`` a beat of requests does not either."""
+    ``beat_spin_us = 0`` a beat of requests does not either, nor does a beat under 1 ms."""
     s = _beat_scheduler(600.0)
     for k in range(6):
         s.set_holds(frozenset(), frozenset({LANE}), k * 5e-3)
@@ -318,6 +318,11 @@ def test_only_urgent_requests_make_the_loop_watch_and_beat_spin_us_0_turns_it_of
         _urgent_burst(off, ids, k * 5e-3)
     assert off.statistics().lanes[0].beat_us == pytest.approx(5000.0)
     assert off.beat_watch_at(30e-3 - 100e-6) == float("inf")
+    fast = _beat_scheduler(600.0)  # a beat under 1 ms (BEAT_MIN_S) would keep the loop turning most of the time
+    for k in range(6):
+        _urgent_burst(fast, ids, k * 600e-6, copies=1)
+    assert fast.statistics().lanes[0].beat_us == pytest.approx(600.0)
+    assert fast.beat_watch_at(6 * 600e-6 - 100e-6) == float("inf")
 
 
 # -- the daemon reacting to a co-tenant -----------------------------------------------------------

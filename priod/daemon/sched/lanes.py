@@ -211,9 +211,10 @@ class Lane:
         turn rather than after a wake-up: from ``lead`` before the burst is due (the beat's
         shortest gap after the last burst began) until ``lead`` and the gaps' spread (at most
         `BEAT_WATCH_LATE_S`) after. Returns that start, at or before ``now`` while the watch is
-        on; inf where the lane keeps no steady beat or the watch has passed without a burst."""
+        on; inf where the lane keeps no steady beat (or one under `BEAT_MIN_S`: a loop awake
+        most of such a beat would be a core spent) or the watch has passed without a burst."""
         beat = self.beat
-        if beat is None:
+        if beat is None or beat < BEAT_MIN_S:
             return math.inf
         due = self.burst_start + beat
         if now >= due + lead + min(max(self.beat_gaps) - beat, BEAT_WATCH_LATE_S):
