@@ -393,6 +393,11 @@ def test_short_bound_settings_are_validated() -> None:
         load_config(None, environ={"PRIOD_TUNING__EXPLORE_MS": "0.0"})
     with pytest.raises(ConfigError, match=r"^\[tuning\] explore_every = 0 is invalid; set a whole number >= 1"):
         load_config(None, environ={"PRIOD_TUNING__EXPLORE_EVERY": "0"})
+    for bad in ("-1.0", "6000.0", "nan"):
+        with pytest.raises(
+            ConfigError, match=r"^\[tuning\] beat_spin_us = .* is invalid; set 0 <= beat_spin_us <= 5000"
+        ):
+            load_config(None, environ={"PRIOD_TUNING__BEAT_SPIN_US": bad})
     assert np.isfinite(load_config(None, environ={}).tuning.urgent_block_us)
 
 

@@ -207,7 +207,7 @@ class Lane:
 
     def beat_watch(self, now: float, lead: float) -> float:
         """When the daemon's loop should be awake for this lane's next burst of urgent copies,
-        so that it reads the burst's first copy (a ring descriptor, a hold announced) on a loop
+        so that it reads the burst's first copy (a descriptor on the copy ring, a frame) on a loop
         turn rather than after a wake-up: from ``lead`` before the burst is due (the beat's
         shortest gap after the last burst began) until ``lead`` and the gaps' spread (at most
         `BEAT_WATCH_LATE_S`) after. Returns that start, at or before ``now`` while the watch is
