@@ -18,7 +18,8 @@ stamps for the landed word (when the copy was taken, when its first chunk was su
                     the copy, the store of the word, the client's next look)
     reply           landed word seen -> copy() returns
 
-The floors, measured in the same run: a bare wake-up of a process blocked on an eventfd, 5 ms
+Beside the steps, the daemon's CPU over each row's copies (the bulk rows: with the bulk
+client's copies too). The floors, measured in the same run: a bare wake-up of a process blocked on an eventfd, 5 ms
 after its last one; and the same copy made in one process after 5 ms asleep, its landed word
 stored and spun for the same way (`cudaMemcpyAsync` and `cuStreamWriteValue64` on a stream).
 Each ``--set`` item (``--set tuning__beat_spin_us=0``) runs its own daemon; rows say which.
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import priod
 from priod.client.copy_ring import ClientRing
-from priod.testing import daemon_process, percentile, settings_env
+from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_seconds, settings_env
 
 KiB, GiB = 1 << 10, 1 << 30
 SIZE = 64 * KiB
@@ -152,6 +153,12 @@ def copy_floor(count: int, q: Any) -> None:
     q.put(rows)
 
 
+def daemon_cpu(pid: int) -> float:
+    """The daemon's CPU seconds so far, all threads (nanoseconds where the kernel has them)."""
+    precise = schedstat_seconds(pid)
+    return precise[0] if precise is not None else cpu_seconds(pid)
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):7.1f} / {percentile(values, 99):7.1f}"
 
@@ -198,13 +205,17 @@ def main() -> int:
                     bulk = spawn.Process(target=bulk_loop, args=(dmn.socket_path, stop))
                     bulk.start()
                     time.sleep(3.0)  # the bulk copies under way, their pinned memory warm
+                cpu0, t0 = daemon_cpu(dmn.proc.pid), time.perf_counter()
                 steps = urgent_steps(dmn.socket_path, args.count)
+                cpu_s_per_s = (daemon_cpu(dmn.proc.pid) - cpu0) / (time.perf_counter() - t0)
                 if bulk is not None:
                     stop.set()
                     bulk.join(120)
                 row = f"priod {load}{', ' + setting if setting else ''}"
                 for step in STEPS:
                     put(row, step, [s[step] for s in steps])
+                results["rows"][row]["daemon_cpu_s_per_s"] = cpu_s_per_s
+                lines.append(f"{row:44} {'daemon CPU':13} {cpu_s_per_s:9.3f} s/s")
     with open(os.path.join(args.out, "results.json"), "w") as fp:
         json.dump(results, fp)
     table = "\n".join(lines)
