@@ -69,7 +69,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import priod
-from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_seconds, settings_env
+from priod.testing import daemon_process, percentile, process_cpu_seconds, settings_env
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = (64 * KiB, 1 * MiB, 16 * MiB)
@@ -524,12 +524,6 @@ def run_async(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def daemon_cpu(pid: int) -> float:
-    """The daemon's CPU seconds so far, all threads (schedstat's nanoseconds where the kernel has them, else clock ticks)."""
-    precise = schedstat_seconds(pid)
-    return precise[0] if precise is not None else cpu_seconds(pid)
-
-
 def urgent_client(
     path: str,
     directions: tuple[str, ...],
@@ -604,7 +598,7 @@ def urgent_client(
                     one(direction, n)
                     pause(interval_s)
                 b0 = c.status()["lane_bytes"]
-                c0, w0 = daemon_cpu(cpu_pid), time.perf_counter()
+                c0, w0 = process_cpu_seconds(cpu_pid), time.perf_counter()
                 for _ in range(count):
                     t0 = time.perf_counter()
                     r = one(direction, n)
@@ -616,7 +610,7 @@ def urgent_client(
                         if r.path != "direct":  # the daemon made it: its own timings
                             daemon.setdefault(key, []).append((r.queued_us, r.transfer_us, r.total_us))
                     pause(interval_s)
-                cpu[key] = (daemon_cpu(cpu_pid) - c0, time.perf_counter() - w0)
+                cpu[key] = (process_cpu_seconds(cpu_pid) - c0, time.perf_counter() - w0)
                 lane_bytes[key] = (b0, c.status()["lane_bytes"], cpu[key][1])
                 out[key] = lat
     out["_paths"] = {k: sorted(v) for k, v in paths.items()}
@@ -698,19 +692,19 @@ def priod_row(
             time.sleep(load.warm_s)
             # bulk alone for a second, then under urgent load: bytes per lane from the daemon,
             # counted per chunk, so the figure does not depend on where 2 GiB copies end
-            t1, b1, c1 = time.perf_counter(), sc.status()["lane_bytes"], daemon_cpu(pid)
+            t1, b1, c1 = time.perf_counter(), sc.status()["lane_bytes"], process_cpu_seconds(pid)
             loaded = urgent(dmn.socket_path, load.directions, load.count, pid)
-            t2, st, c2 = time.perf_counter(), sc.status(), daemon_cpu(pid)
+            t2, st, c2 = time.perf_counter(), sc.status(), process_cpu_seconds(pid)
             b2 = st["lane_bytes"]
             # then bulk alone, measured after the loaded phase (so both see a warmed pipeline),
             # once the last urgent copy's short-bound window (urgent_window_ms, 100 by default)
             # is over: inside it the loop turns every turn, which is the urgent load's cost
             time.sleep(URGENT_WINDOW_S)
             s3 = sc.status()
-            t3, b3, c3 = time.perf_counter(), s3["lane_bytes"], daemon_cpu(pid)
+            t3, b3, c3 = time.perf_counter(), s3["lane_bytes"], process_cpu_seconds(pid)
             time.sleep(1.0)
             s4 = sc.status()
-            t4, b4, c4 = time.perf_counter(), s4["lane_bytes"], daemon_cpu(pid)
+            t4, b4, c4 = time.perf_counter(), s4["lane_bytes"], process_cpu_seconds(pid)
             log("urgent under load done")
             stop.set()
             for _ in procs:

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import priod
 from priod.client.copy_ring import ClientRing
-from priod.testing import cpu_seconds, daemon_process, percentile, schedstat_seconds, settings_env
+from priod.testing import daemon_process, percentile, process_cpu_seconds, settings_env
 
 KiB, GiB = 1 << 10, 1 << 30
 SIZE = 64 * KiB
@@ -153,12 +153,6 @@ def copy_floor(count: int, q: Any) -> None:
     q.put(rows)
 
 
-def daemon_cpu(pid: int) -> float:
-    """The daemon's CPU seconds so far, all threads (nanoseconds where the kernel has them)."""
-    precise = schedstat_seconds(pid)
-    return precise[0] if precise is not None else cpu_seconds(pid)
-
-
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):7.1f} / {percentile(values, 99):7.1f}"
 
@@ -205,9 +199,9 @@ def main() -> int:
                     bulk = spawn.Process(target=bulk_loop, args=(dmn.socket_path, stop))
                     bulk.start()
                     time.sleep(3.0)  # the bulk copies under way, their pinned memory warm
-                cpu0, t0 = daemon_cpu(dmn.proc.pid), time.perf_counter()
+                cpu0, t0 = process_cpu_seconds(dmn.proc.pid), time.perf_counter()
                 steps = urgent_steps(dmn.socket_path, args.count)
-                cpu_s_per_s = (daemon_cpu(dmn.proc.pid) - cpu0) / (time.perf_counter() - t0)
+                cpu_s_per_s = (process_cpu_seconds(dmn.proc.pid) - cpu0) / (time.perf_counter() - t0)
                 if bulk is not None:
                     stop.set()
                     bulk.join(120)

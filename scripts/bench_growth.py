@@ -87,9 +87,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PY
 import priod
 from priod.testing import (
     DaemonProcess,
-    cpu_seconds,
     machine,
-    schedstat_seconds,
+    process_cpu_seconds,
     settings_env,
     summarize,
     wait_for_socket,
@@ -142,12 +141,6 @@ def split(n: int) -> tuple[int, int]:
     if n == 1:
         return 1, 1
     return n - n // 2, n // 2
-
-
-def daemon_cpu(pid: int) -> float:
-    """The daemon's CPU seconds so far, all threads (schedstat's nanoseconds where the kernel has them, else clock ticks)."""
-    precise = schedstat_seconds(pid)
-    return precise[0] if precise is not None else cpu_seconds(pid)
 
 
 def run_async(coro: Any) -> Any:
@@ -440,7 +433,7 @@ def h2d_lane(lane_bytes: dict[str, int]) -> str:
 
 def sample(sc: priod.SyncClient, pid: int) -> dict[str, Any]:
     """When (monotonic), the daemon's CPU seconds then, and its status counters just after."""
-    t, cpu = time.monotonic(), daemon_cpu(pid)
+    t, cpu = time.monotonic(), process_cpu_seconds(pid)
     st = sc.status()
     return {
         "t": t,

@@ -46,6 +46,7 @@ from priod.testing.procfs import (
     machine,
     memory_and_fds,
     open_fds,
+    process_cpu_seconds,
     schedstat_seconds,
     thread_cpu_seconds,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "memory_and_fds",
     "open_fds",
     "percentile",
+    "process_cpu_seconds",
     "schedstat_seconds",
     "settings_env",
     "summarize",

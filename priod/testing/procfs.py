@@ -77,6 +77,13 @@ def schedstat_seconds(pid: int) -> tuple[float, float] | None:
         return None
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds ``pid`` has used, all threads: nanosecond resolution where the kernel has
+    schedstat (`schedstat_seconds`), else clock ticks (`cpu_seconds`)."""
+    precise = schedstat_seconds(pid)
+    return precise[0] if precise is not None else cpu_seconds(pid)
+
+
 def open_fds(pid: int) -> int:
     """How many file descriptors ``pid`` holds open."""
     return len(os.listdir(f"/proc/{pid}/fd"))

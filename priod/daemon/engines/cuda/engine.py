@@ -102,7 +102,8 @@ class CudaEngine(Engine):
         self._ipc_events: set[CudaIpcEvent] = set()
         """Client events opened and not yet closed: destroyed at `close` if a session did not."""
         self._gate_of: dict[LaneKey, tuple[Gates, int]] = {}
-        """Each gated lane's gate words and its index there (`set_gate`)."""
+        """Each gated lane's gate words and its index there (`set_gates`, `set_gate`); empty
+        once closed."""
         self._gates_error: str | None = None
         """Why bulk chunks are not gated (None: they are, see `Gates`)."""
         self._wait_value = drv.cuStreamWaitValue32
@@ -577,11 +578,8 @@ class CudaEngine(Engine):
 
     def set_gates(self, closed: frozenset[LaneKey]) -> None:
         """Write every local lane's gate word: 1 for a lane in ``closed``, else 0 (`Gates`)."""
-        for dev in self._devices.values():
-            gates = dev.gates
-            if gates is not None:
-                for i, lane in enumerate(dev.local_lanes):
-                    gates.set(i, lane.key in closed)
+        for lane, (gates, i) in self._gate_of.items():
+            gates.set(i, lane in closed)
 
     def set_gate(self, lane: LaneKey, closed: frozenset[LaneKey]) -> None:
         """Write ``lane``'s gate word alone (`set_gates`' for one lane)."""
@@ -597,6 +595,7 @@ class CudaEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        self._gate_of = {}  # the gate words are freed with their devices below: no more writes
         self._pusher.close()  # what it has queued goes on its streams, and is waited for below
         errors: list[BaseException] = []
 
