@@ -23,11 +23,26 @@ client's copies too). The floors, measured in the same run: a bare wake-up of a 
 after its last one; and the same copy made in one process after 5 ms asleep, its landed word
 stored and spun for the same way (`cudaMemcpyAsync` and `cuStreamWriteValue64` on a stream).
 Each ``--set`` item (``--set tuning__beat_spin_us=0``) runs its own daemon; rows say which.
+
+``--by-function`` adds a row that splits the idle daemon's part finer, from the stamps of a
+daemon this script starts with its hot-path functions wrapped (each stamp costs about a
+microsecond, so the row's whole is a little longer than the others'):
+
+    doorbell -> read          the loop reads the doorbell (`CopyRing._rung`)
+    read -> checks            to the copy's checks (`take_copy`): the turn's accounting, the
+                              descriptor decoded
+    checks -> queued          regions, bounds and limits checked, the request queued
+    queued -> to the pump     the turn ends, the scheduler hands the chunk out (`Pump._submit`)
+    to the pump -> engine     the chunk's job and landed word made, the lane's gate shut
+    engine -> copy issued     the engine's checks and its copy call (`cudaMemcpyAsync`)
+    copy issued -> word queued  the landed word's store (`cuStreamWriteValue64`)
+    word queued -> seen       the GPU's copy and store, the client's next look
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import multiprocessing as mp
@@ -35,6 +50,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -43,7 +60,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import priod
 from priod.client.copy_ring import ClientRing
-from priod.testing import daemon_process, percentile, process_cpu_seconds, settings_env
+from priod.testing import daemon_process, percentile, process_cpu_seconds, settings_env, wait_for_socket
 
 KiB, GiB = 1 << 10, 1 << 30
 SIZE = 64 * KiB
@@ -51,8 +68,10 @@ GAP_S = 0.005
 STEPS = ("client", "wake-up", "scheduler", "GPU and word", "reply", "whole")
 
 
-def urgent_steps(path: str, count: int) -> list[dict[str, float]]:
-    """``count`` urgent copies, each timed step by step (the module's docstring)."""
+@contextmanager
+def client_marks() -> Iterator[dict[str, float]]:
+    """Marks the client's ring leaves while the block runs: ``bell`` when it rings the doorbell,
+    ``seen`` when it makes a reply from a landed word (cleared by the caller per copy)."""
     marks: dict[str, float] = {}
     ring_bell, landed_reply = ClientRing.ring, ClientRing.landed_reply
 
@@ -66,9 +85,15 @@ def urgent_steps(path: str, count: int) -> list[dict[str, float]]:
 
     ClientRing.ring, ClientRing.landed_reply = bell, reply  # type: ignore[method-assign]
     try:
-        return _timed_copies(path, count, marks)
+        yield marks
     finally:
         ClientRing.ring, ClientRing.landed_reply = ring_bell, landed_reply  # type: ignore[method-assign]
+
+
+def urgent_steps(path: str, count: int) -> list[dict[str, float]]:
+    """``count`` urgent copies, each timed step by step (the module's docstring)."""
+    with client_marks() as marks:
+        return _timed_copies(path, count, marks)
 
 
 def _timed_copies(path: str, count: int, marks: dict[str, float]) -> list[dict[str, float]]:
@@ -96,6 +121,93 @@ def _timed_copies(path: str, count: int, marks: dict[str, float]) -> list[dict[s
                 }
             )
     return [{k: v * 1e6 for k, v in row.items()} for row in out]
+
+
+HOOKED = (
+    ("priod.daemon.rings", "CopyRing", "_rung", "read", None),
+    ("priod.daemon.session", None, "take_copy", "checks", "queued"),
+    ("priod.daemon.pump", "Pump", "_submit", "to the pump", None),
+    ("priod.daemon.engines.cuda.engine", "CudaEngine", "submit_range", "engine", None),
+    ("priod.daemon.engines.cuda.engine", "CudaEngine", "_store_landed", "copy issued", "word queued"),
+    ("priod.daemon.engines.sim", "SimEngine", "submit_range", "engine", None),
+)
+"""(module, class or None, function, the stamp at its entry, the stamp at its return or None)."""
+FINE = ("doorbell", "read", "checks", "queued", "to the pump", "engine", "copy issued", "word queued", "seen")
+
+
+def hooked_daemon(stamps_path: str, argv: list[str]) -> int:
+    """Run ``priod`` (``argv``) with `HOOKED` stamping CLOCK_MONOTONIC into a list, written to
+    ``stamps_path`` as JSON when the daemon exits."""
+    import atexit
+    import importlib
+
+    stamps: list[tuple[str, float]] = []
+    clock = time.perf_counter
+
+    def wrap(owner: Any, name: str, enter: str, leave: str | None) -> None:
+        inner = getattr(owner, name)
+
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            stamps.append((enter, clock()))
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if leave is not None:
+                    stamps.append((leave, clock()))
+
+        setattr(owner, name, stamped)
+
+    for module, cls, name, enter, leave in HOOKED:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue  # no CUDA here: the sim's functions only
+        wrap(getattr(mod, cls) if cls else mod, name, enter, leave)
+
+    def dump() -> None:
+        with open(stamps_path, "w") as fp:
+            json.dump(stamps, fp)
+
+    atexit.register(dump)
+    from priod.cli import main as priod_main
+
+    return priod_main(argv)
+
+
+def by_function(path_dir: str, backend: str, count: int) -> dict[str, list[float]]:
+    """The idle row again, through a daemon started by `hooked_daemon`: us per `FINE` stage."""
+    import signal
+    import subprocess
+
+    sock, stamps_path = os.path.join(path_dir, "hooked.sock"), os.path.join(path_dir, "stamps.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--hooked-daemon", stamps_path]
+    proc = subprocess.Popen([*cmd, "serve", "--socket", sock, "--backend", backend], stdout=subprocess.DEVNULL)
+    copies: list[tuple[float, float]] = []
+    try:
+        wait_for_socket(sock, 120, proc)
+        with client_marks() as marks, priod.SyncClient(sock, copy_path="daemon", name="steps") as c:
+            h, d = c.alloc_host(SIZE), c.alloc_device(SIZE)
+            for i in range(count + 10):
+                time.sleep(GAP_S)
+                marks.clear()
+                c.copy(d, h, SIZE, priority="urgent")
+                if i >= 10 and "seen" in marks:
+                    copies.append((marks["bell"], marks["seen"]))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    with open(stamps_path) as fp:
+        stamps = sorted((t, n) for n, t in json.load(fp))
+    out: dict[str, list[float]] = {}
+    for doorbell, seen in copies:
+        at = {"doorbell": doorbell, "seen": seen}
+        for t, n in stamps:
+            if doorbell <= t <= seen:
+                at.setdefault(n, t)  # the first of each: the copy's own
+        got = [stage for stage in FINE if stage in at]
+        for a, b in itertools.pairwise(got):
+            out.setdefault(f"{a} -> {b}", []).append((at[b] - at[a]) * 1e6)
+    return out
 
 
 def bulk_loop(path: str, stop: Any) -> None:
@@ -169,15 +281,18 @@ def main() -> int:
         metavar="SECTION__KEY=VALUE",
         help="a daemon setting; each one given runs a daemon of its own beside the defaults' (e.g. tuning__beat_spin_us=0)",
     )
+    ap.add_argument("--by-function", action="store_true", help="add the idle daemon's part split by function")
+    if len(sys.argv) > 2 and sys.argv[1] == "--hooked-daemon":
+        return hooked_daemon(sys.argv[2], sys.argv[3:])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     spawn = mp.get_context("spawn")
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "rows": {}}
-    lines = [f"{'row':44} {'step':13} {'p50 / p99 us':>17}"]
+    lines = [f"{'row':44} {'step':24} {'p50 / p99 us':>17}"]
 
     def put(row: str, step: str, values: list[float]) -> None:
         results["rows"].setdefault(row, {})[step] = values
-        lines.append(f"{row:44} {step:13} {summary(values)}")
+        lines.append(f"{row:44} {step:24} {summary(values)}")
 
     put("floor: bare wake-up", "wake-up", wake_floor(args.count))
     if args.backend == "cuda":
@@ -209,7 +324,11 @@ def main() -> int:
                 for step in STEPS:
                     put(row, step, [s[step] for s in steps])
                 results["rows"][row]["daemon_cpu_s_per_s"] = cpu_s_per_s
-                lines.append(f"{row:44} {'daemon CPU':13} {cpu_s_per_s:9.3f} s/s")
+                lines.append(f"{row:44} {'daemon CPU':24} {cpu_s_per_s:9.3f} s/s")
+    if args.by_function:
+        for stage, values in by_function(args.out, args.backend, args.count).items():
+            if len(values) >= args.count // 2:  # stages every copy went through
+                put("priod idle, by function", stage, values)
     with open(os.path.join(args.out, "results.json"), "w") as fp:
         json.dump(results, fp)
     table = "\n".join(lines)

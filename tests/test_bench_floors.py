@@ -88,3 +88,16 @@ def test_gpu_steps_add_up_to_the_whole_copy_and_each_comes_after_the_one_before(
     assert ClientRing.ring.__name__ == "ring", "the client's ring is left as it was"
     wakes = steps.wake_floor(10)
     assert len(wakes) == 10 and all(0 < us < 1e6 for us in wakes)
+
+
+def test_gpu_steps_by_function_splits_the_daemons_part_in_pipeline_order(tmp_path: Path) -> None:
+    """``bench_gpu_steps.py --by-function`` on the sim: a daemon started with its hot-path
+    functions stamped gives, for most copies, every stage from the doorbell to the engine, in
+    the pipeline's order (no stage runs backwards), and the wrapped daemon still moves them."""
+    steps = import_script(ROOT / "scripts" / "bench_gpu_steps.py", "priod_bench_gpu_steps_fine")
+    stages = steps.by_function(str(tmp_path), "sim", 20)
+    want = ["doorbell -> read", "read -> checks", "checks -> queued", "queued -> to the pump", "to the pump -> engine"]
+    for stage in want:
+        assert len(stages.get(stage, [])) >= 15, (stage, {k: len(v) for k, v in stages.items()})
+        assert all(us >= 0 for us in stages[stage]), stage
+    assert ClientRing.ring.__name__ == "ring", "the client's ring is left as it was"

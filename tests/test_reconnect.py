@@ -23,7 +23,7 @@ import pytest
 
 import priod
 from priod.client.base import RegionsLostWarning
-from priod.testing import DaemonProcess, daemon_process
+from priod.testing import DaemonProcess, daemon_process, wait_until
 from priod.wire.messages import PROTOCOL_VERSION, RegisterDevice
 from priod.wire.transport import BlockingFramedSocket
 
@@ -194,6 +194,31 @@ def test_sync_client_finds_the_loss_at_its_next_copy() -> None:
         h.array[:] = pattern(21, MiB)
         c.copy(d, h)  # sent on the dead connection or not: either way it lands or says why
         assert np.array_equal(d.array, h.array) and c.reconnects == 1
+
+
+def test_sync_copy_on_the_ring_goes_again_only_if_the_dead_daemon_never_took_it() -> None:
+    """A blocking client publishes a copy on its ring without a system call, so a daemon that has
+    died does not refuse it as a socket would refuse a frame. After the reconnect, a descriptor
+    the dead daemon never read (its head never passed it) goes again by itself, as a frame that
+    failed to send does, and lands; one it had read fails as lost (no ``retry_copies``), never
+    sent again behind the caller's back."""
+    with restartable() as (path, stack, first), priod.SyncClient(path, copy_path="daemon") as c:
+        h, d = c.alloc_host(MiB), c.alloc_device(MiB)
+        big_h, big_d = c.alloc_host(BIG), c.alloc_device(BIG)
+        assert h.array is not None and d.array is not None
+        taken = c.start_copy(big_d, big_h)  # ~200 ms at the sim's 0.25 GB/s
+        with priod.SyncClient(path) as other:
+            wait_until(lambda: any(x["pending"] for x in other.status()["clients"]), what="the big copy taken")
+        first.proc.send_signal(signal.SIGSTOP)  # alive, but reads nothing more
+        h.array[:] = pattern(41, MiB)
+        untaken = c.start_copy(d, h)
+        first.stop(signal.SIGKILL)
+        stack.enter_context(daemon_process(ENV, socket_path=path))
+        result = untaken.wait(30)
+        assert result.nbytes == MiB and np.array_equal(d.array, h.array)
+        with pytest.raises(priod.ConnectionClosed, match=RECONNECTED):
+            taken.wait(30)
+        assert c.reconnects == 1
 
 
 async def test_retry_copies_sends_the_pending_copy_again() -> None:

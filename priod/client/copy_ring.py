@@ -60,6 +60,11 @@ class ClientRing:
         word (`landed`, `landed_reply`)."""
         return None if self.closed else self._writer.try_submit(req_id, req, landed)
 
+    def taken(self, seq: int) -> bool:
+        """Whether the daemon has taken the descriptor published as ``seq`` (its head passed
+        it); readable after the daemon is gone, from this process's own mapping."""
+        return not self.closed and self._writer.taken(seq)
+
     def landed(self, seq: int) -> bool:
         """Whether the copy published as ``seq`` (with ``landed``) has landed, as the GPU said."""
         return not self.closed and self._landed.landed(seq)

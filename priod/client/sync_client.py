@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import TracebackType
 from typing import Any, Generic, Unpack
 
@@ -272,6 +272,9 @@ class SyncClient:
         """What those copies were, to send them again after a reconnect (``retry_copies``)."""
         self._recorded: set[int] = set()
         """Started copies whose signal_event the daemon reported recorded (a progress frame)."""
+        self._published: dict[int, tuple[ClientRing, int]] = {}
+        """Started copies published on the ring: (ring, sequence number), to tell after a lost
+        connection whether the daemon took them (`_recover`)."""
         self._landed: dict[int, tuple[ClientRing, int, Copy | CopyBatch]] = {}
         """Started urgent copies on the ring that asked for their landed word: (ring, sequence
         number, the descriptor's copy), to spin on (`ClientRing.landed`)."""
@@ -351,11 +354,21 @@ class SyncClient:
         if self._recovering:
             return False
         orphans = [rid for rid, reply in self._started.items() if reply is None]
+        # Descriptors the daemon never took (its head did not pass them) never left, as a frame
+        # that failed to send: they go again on the new connection, with or without
+        # ``retry_copies``. Read now: reconnecting closes the ring.
+        untaken = {rid for rid in orphans if (p := self._published.get(rid)) is not None and not p[0].taken(p[1])}
         if self._dead is not None or self.reconnect_s <= 0 or not self._greeted:
             self._sock.close()
             if self._dead is None:
                 self._dead = ConnectionClosed(self._lost_why(exc))
-            self._settle(orphans, "The client does not reconnect by itself (reconnect_s = 0, or closed).", False)
+            self._settle(
+                orphans,
+                "The client does not reconnect by itself (reconnect_s = 0, or closed).",
+                False,
+                untaken,
+                self._dead,
+            )
             return False
         self._recovering = True
         start = time.monotonic()
@@ -377,7 +390,7 @@ class SyncClient:
                             f"connection to priod at {self.path} lost, and reconnecting failed for "
                             f"{time.monotonic() - start:.1f} s (reconnect_s = {self.reconnect_s}): {err}"
                         )
-                        self._settle(orphans, f"The client did not reconnect: {err}.", False)
+                        self._settle(orphans, f"The client did not reconnect: {err}.", False, untaken, self._dead)
                         return False
                     time.sleep(min(reconnect_sleep(attempt), max(0.0, deadline - time.monotonic())))
         finally:
@@ -387,6 +400,7 @@ class SyncClient:
             orphans,
             f"The client has reconnected (in {time.monotonic() - start:.2f} s) and registered its regions again.",
             self.retry_copies,
+            untaken,
         )
         if self.lost_regions:
             warnings.warn(regions_lost(self.path, self.lost_regions), RegionsLostWarning, stacklevel=3)
@@ -419,16 +433,33 @@ class SyncClient:
             self._regions.remove(region)
         self.lost_regions = lost
 
-    def _settle(self, orphans: list[int], outcome: str, retry: bool) -> None:
+    def _settle(
+        self,
+        orphans: list[int],
+        outcome: str,
+        retry: bool,
+        untaken: Collection[int] = (),
+        dead: ConnectionClosed | None = None,
+    ) -> None:
         """The started copies the lost connection left unanswered: sent again (``retry``), else
-        their reply becomes the `ConnectionClosed` that says what became of them."""
+        their reply becomes the `ConnectionClosed` that says what became of them. ``untaken``:
+        ring descriptors the daemon never took, which never left: sent again once reconnected
+        (``dead`` None); without a new connection they fail with ``dead``, the error a frame
+        that could not be sent raises."""
         for rid in orphans:
+            self._published.pop(rid, None)
             entry = self._started_copies.get(rid)
-            if retry and entry is not None:
+            never_left = rid in untaken
+            if never_left and dead is not None:
+                self._lost_copies[rid] = dead
+                self._started[rid] = ErrorReply(dead.code, str(dead)).encode(rid)
+                continue
+            if (retry or never_left) and entry is not None:
                 req, dst, src = entry
                 if req.wait_event is None and req.signal_event is None and dst.lost is None and src.lost is None:
                     try:
-                        self._sock.send({**req.encode(rid), "dst": dst.id, "src": src.id})
+                        if not self._ring_submit(rid, req, dst, src):  # on the new ring if it has one
+                            self._sock.send({**req.encode(rid), "dst": dst.id, "src": src.id})
                         continue
                     except (PriodError, OSError):
                         pass
@@ -546,16 +577,15 @@ class SyncClient:
             req = Copy(dst.id, src.id, msg.nbytes, msg.dst_offset, msg.src_offset, msg.priority, msg.deadline_ms)
         if not ring.eligible(req):
             return False
-        if self._sock.peer_closed():
-            # A frame sent to a dead daemon fails at once and is sent again after the reconnect
-            # ("it never left"); a descriptor would not fail: look first, so the two agree.
-            raise ConnectionClosed(f"connection to priod at {self.path} lost: the daemon closed the connection")
         # An urgent copy is spun for (`urgent_spin_us`): the GPU's store of its landed word
         # ends the spin as soon as its bytes are in, before the daemon has seen it done.
         landed = msg.priority == "urgent" and self.urgent_spin_us > 0
         seq = ring.submit(req_id, req, landed)
         if seq is None:
             return False
+        # A descriptor published to a daemon that has died does not fail here, as a frame would:
+        # the loss is found while waiting, and a descriptor the daemon never took goes again.
+        self._published[req_id] = (ring, seq)
         if landed:
             self._landed[req_id] = (ring, seq, req)
         ring.ring()
@@ -631,6 +661,7 @@ class SyncClient:
             self._keep(*got)
         self._recorded.discard(req_id)
         self._started_copies.pop(req_id, None)
+        self._published.pop(req_id, None)
         self._landed.pop(req_id, None)
         return self._started.pop(req_id)
 

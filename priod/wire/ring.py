@@ -240,6 +240,10 @@ class SubmissionWriter(_Side):
         oldest = self._tables[0][1] if self._tables else start
         return start if start + nbytes - oldest <= TABLE_BYTES else None
 
+    def taken(self, seq: int) -> bool:
+        """Whether the daemon's head has passed descriptor ``seq``: it read the descriptor."""
+        return bool(self._words[SQ_HEAD // 8] > seq)
+
     def try_submit(self, req_id: int, req: Copy | CopyBatch, landed: bool = False) -> int | None:
         """Publish one descriptor (and a batch's table); its sequence number, or None if the
         queue or the table area is full (send it on the socket). ``landed``: ask for its landed
