@@ -221,6 +221,32 @@ def test_sync_copy_on_the_ring_goes_again_only_if_the_dead_daemon_never_took_it(
         assert c.reconnects == 1
 
 
+async def test_async_copy_on_the_ring_goes_again_only_if_the_dead_daemon_never_took_it() -> None:
+    """The asyncio client as the blocking one above: after the reconnect, a ring descriptor the
+    dead daemon never read goes again by itself and lands; one it had read fails as lost."""
+    with restartable() as (path, stack, first):
+        async with priod.connect(path, copy_path="daemon") as c:
+            h, d = await c.alloc_host(MiB), await c.alloc_device(MiB)
+            big_h, big_d = await c.alloc_host(BIG), await c.alloc_device(BIG)
+            assert h.array is not None and d.array is not None
+            taken = c.start_copy(big_d, big_h)  # ~200 ms at the sim's 0.25 GB/s
+            async with priod.connect(path) as other:
+                deadline = time.monotonic() + 30
+                while not any(x["pending"] for x in (await other.status())["clients"]):
+                    assert time.monotonic() < deadline, "the big copy was never taken"
+                    await asyncio.sleep(0.01)
+            first.proc.send_signal(signal.SIGSTOP)  # alive, but reads nothing more
+            h.array[:] = pattern(42, MiB)
+            untaken = c.start_copy(d, h)
+            await stop(first, "SIGKILL")
+            stack.enter_context(daemon_process(ENV, socket_path=path))
+            result = await asyncio.wait_for(untaken, 30)
+            assert result.nbytes == MiB and np.array_equal(d.array, h.array)
+            with pytest.raises(priod.ConnectionClosed, match=RECONNECTED):
+                await asyncio.wait_for(taken, 30)
+            assert c.reconnects == 1
+
+
 async def test_retry_copies_sends_the_pending_copy_again() -> None:
     with restartable() as (path, stack, first):
         async with priod.connect(path, name="retrier", retry_copies=True) as c:

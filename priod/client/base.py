@@ -369,6 +369,14 @@ def copy_lost(req_id: int, path: str, reconnected: str) -> ConnectionClosed:
     )
 
 
+def copy_unsent(req_id: int, path: str, outcome: str) -> ConnectionClosed:
+    """The error of a copy published on the ring that the daemon never read before the
+    connection was lost (its head never passed it), when the client does not send it again."""
+    return ConnectionClosed(
+        f"connection to priod at {path} lost: copy {req_id} never reached the daemon, and no byte of it moved. {outcome}"
+    )
+
+
 def no_permission(path: str) -> PermissionDenied:
     return PermissionDenied(
         f"cannot connect to {path}: permission denied by the socket's mode; "

@@ -47,6 +47,7 @@ from priod.client.base import (
     close_fds,
     copy_lost,
     copy_request,
+    copy_unsent,
     cuda_register_request,
     discover,
     hold_page,
@@ -220,6 +221,12 @@ class Client:
         self._ring: ClientRing | None = None
         self.landed_replies = 0
         """See `SyncClient.landed_replies`."""
+        self._published: dict[int, int] = {}
+        """Copies published on the ring and not yet answered: their sequence numbers, to tell
+        after a lost connection whether the daemon took them (`_lost`)."""
+        self._untaken: set[int] = set()
+        """Of the copies a lost connection left unanswered, those the daemon never took: they
+        never left, and go again once reconnected (`_settle_orphans`)."""
         self._landed: dict[int, tuple[ClientRing, int, Copy | CopyBatch]] = {}
         """Urgent ring copies that asked for their landed word and are not yet spun for:
         (ring, sequence number, the descriptor's copy) (`_spin_for`)."""
@@ -381,6 +388,7 @@ class Client:
     def _take_completions(self, ring: ClientRing) -> None:
         for req_id, msg in ring.completions():
             self._copies.pop(req_id, None)
+            self._published.pop(req_id, None)
             self._landed.pop(req_id, None)
             fut = self._pending.pop(req_id, None)
             if fut is not None and not fut.done():
@@ -392,6 +400,11 @@ class Client:
         self._landed.clear()
         if ring is not None:
             self._take_completions(ring)
+            # What the daemon never read never left (its head, which only it moves, did not
+            # pass the descriptor): read before the ring goes.
+            self._untaken |= {rid for rid, seq in self._published.items() if not ring.taken(seq)}
+        self._published.clear()
+        if ring is not None:
             if not ring.closed:
                 asyncio.get_running_loop().remove_reader(ring.wake_fd)
             ring.close()
@@ -418,6 +431,7 @@ class Client:
                 if reply is not None:
                     # Answered: the completion that follows finds no one waiting.
                     self._copies.pop(req_id, None)
+                    self._published.pop(req_id, None)
                     self._pending.pop(req_id, None)
                     fut.set_result((reply, []))
                     self.landed_replies += 1
@@ -437,6 +451,7 @@ class Client:
             landed = self.spin_us > 0 and req.priority == "urgent"
             seq = ring.submit(req_id, req, landed)
             if seq is not None:
+                self._published[req_id] = seq
                 if landed:
                     self._landed[req_id] = (ring, seq, req)
                 loop = asyncio.get_running_loop()
@@ -547,13 +562,19 @@ class Client:
         self.lost_regions = lost
 
     def _settle_orphans(self, outcome: str, retry: bool) -> None:
-        """Fail (or, with ``retry``, send again) the copies the lost connection left unanswered."""
+        """Fail (or, with ``retry``, send again) the copies the lost connection left unanswered.
+        Those the daemon never took never left: sent again once reconnected (``retry`` or not),
+        else failed with the connection's error, as a request that could not be sent."""
         orphans, self._orphans = self._orphans, {}
+        untaken, self._untaken = self._untaken, set()
         for req_id, fut in orphans.items():
             entry = self._copies.pop(req_id, None)
             if fut.done():
                 continue
-            if retry and entry is not None:
+            if req_id in untaken and self._closed_exc is not None:  # not reconnected
+                fut.set_exception(copy_unsent(req_id, self.path, outcome))
+                continue
+            if (retry or req_id in untaken) and entry is not None:
                 req, dst, src = entry
                 if req.wait_event is None and req.signal_event is None and dst.lost is None and src.lost is None:
                     try:
@@ -586,6 +607,7 @@ class Client:
                     self._recorded.pop(msg.get("id", 0), None)
                 if self._copies:
                     self._copies.pop(msg.get("id", 0), None)
+                    self._published.pop(msg.get("id", 0), None)
                 fut = self._pending.pop(msg.get("id", 0), None) if msg.get("id") else None
                 if fut is None or fut.done():
                     close_fds(fds)
@@ -626,9 +648,9 @@ class Client:
         for req_id, fut in self._pending.items():
             if not fut.done():
                 if req_id in self._copies:
-                    exc = copy_lost(
-                        req_id, self.path, "The client does not reconnect by itself (reconnect_s = 0, or closed)."
-                    )
+                    why = "The client does not reconnect by itself (reconnect_s = 0, or closed)."
+                    lost = copy_unsent if req_id in self._untaken else copy_lost
+                    exc = lost(req_id, self.path, why)
                     exc.__cause__ = cause
                     fut.set_exception(exc)
                 else:
@@ -636,6 +658,7 @@ class Client:
         self._pending.clear()
         if not again:
             self._copies.clear()
+            self._untaken.clear()
         self._recorded.clear()  # their handles see the copy's future fail
         if again and (self._reconnecting is None or self._reconnecting.done()):
             self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())

@@ -37,6 +37,7 @@ from priod.client.base import (
     close_fds,
     copy_lost,
     copy_request,
+    copy_unsent,
     cuda_register_request,
     hold_page,
     no_daemon,
@@ -367,7 +368,7 @@ class SyncClient:
                 "The client does not reconnect by itself (reconnect_s = 0, or closed).",
                 False,
                 untaken,
-                self._dead,
+                False,
             )
             return False
         self._recovering = True
@@ -390,7 +391,7 @@ class SyncClient:
                             f"connection to priod at {self.path} lost, and reconnecting failed for "
                             f"{time.monotonic() - start:.1f} s (reconnect_s = {self.reconnect_s}): {err}"
                         )
-                        self._settle(orphans, f"The client did not reconnect: {err}.", False, untaken, self._dead)
+                        self._settle(orphans, f"The client did not reconnect: {err}.", False, untaken, False)
                         return False
                     time.sleep(min(reconnect_sleep(attempt), max(0.0, deadline - time.monotonic())))
         finally:
@@ -439,20 +440,19 @@ class SyncClient:
         outcome: str,
         retry: bool,
         untaken: Collection[int] = (),
-        dead: ConnectionClosed | None = None,
+        reconnected: bool = True,
     ) -> None:
         """The started copies the lost connection left unanswered: sent again (``retry``), else
         their reply becomes the `ConnectionClosed` that says what became of them. ``untaken``:
-        ring descriptors the daemon never took, which never left: sent again once reconnected
-        (``dead`` None); without a new connection they fail with ``dead``, the error a frame
-        that could not be sent raises."""
+        ring descriptors the daemon never took, which never left: sent again if the client has
+        ``reconnected``, else failed saying that no byte of them moved."""
         for rid in orphans:
             self._published.pop(rid, None)
             entry = self._started_copies.get(rid)
             never_left = rid in untaken
-            if never_left and dead is not None:
-                self._lost_copies[rid] = dead
-                self._started[rid] = ErrorReply(dead.code, str(dead)).encode(rid)
+            if never_left and not reconnected:
+                exc = self._lost_copies[rid] = copy_unsent(rid, self.path, outcome)
+                self._started[rid] = ErrorReply(exc.code, str(exc)).encode(rid)
                 continue
             if (retry or never_left) and entry is not None:
                 req, dst, src = entry
