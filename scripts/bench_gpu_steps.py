@@ -90,18 +90,18 @@ def client_marks() -> Iterator[dict[str, float]]:
         ClientRing.ring, ClientRing.landed_reply = ring_bell, landed_reply  # type: ignore[method-assign]
 
 
-def urgent_steps(path: str, count: int) -> list[dict[str, float]]:
+def urgent_steps(path: str, count: int, gap_s: float = GAP_S) -> list[dict[str, float]]:
     """``count`` urgent copies, each timed step by step (the module's docstring)."""
     with client_marks() as marks:
-        return _timed_copies(path, count, marks)
+        return _timed_copies(path, count, marks, gap_s)
 
 
-def _timed_copies(path: str, count: int, marks: dict[str, float]) -> list[dict[str, float]]:
+def _timed_copies(path: str, count: int, marks: dict[str, float], gap_s: float) -> list[dict[str, float]]:
     out: list[dict[str, float]] = []
     with priod.SyncClient(path, copy_path="daemon", name="steps") as c:
         h, d = c.alloc_host(SIZE), c.alloc_device(SIZE)
         for i in range(count + 10):  # the first ten warm the path up
-            time.sleep(GAP_S)
+            time.sleep(gap_s)
             marks.clear()
             t0 = time.perf_counter()
             r = c.copy(d, h, SIZE, priority="urgent")
@@ -174,7 +174,7 @@ def hooked_daemon(stamps_path: str, argv: list[str]) -> int:
     return priod_main(argv)
 
 
-def by_function(path_dir: str, backend: str, count: int) -> dict[str, list[float]]:
+def by_function(path_dir: str, backend: str, count: int, gap_s: float = GAP_S) -> dict[str, list[float]]:
     """The idle row again, through a daemon started by `hooked_daemon`: us per `FINE` stage."""
     import signal
     import subprocess
@@ -188,7 +188,7 @@ def by_function(path_dir: str, backend: str, count: int) -> dict[str, list[float
         with client_marks() as marks, priod.SyncClient(sock, copy_path="daemon", name="steps") as c:
             h, d = c.alloc_host(SIZE), c.alloc_device(SIZE)
             for i in range(count + 10):
-                time.sleep(GAP_S)
+                time.sleep(gap_s)
                 marks.clear()
                 c.copy(d, h, SIZE, priority="urgent")
                 if i >= 10 and "seen" in marks:
@@ -217,7 +217,7 @@ def bulk_loop(path: str, stop: Any) -> None:
             c.copy(d, h, priority="bulk")
 
 
-def wake_floor(count: int) -> list[float]:
+def wake_floor(count: int, gap_s: float = GAP_S) -> list[float]:
     """A process blocked on an eventfd, written 5 ms after its last wake-up: us to wake."""
     bell = os.eventfd(0)
     shared = mmap.mmap(-1, 8 * (count + 1))
@@ -229,7 +229,7 @@ def wake_floor(count: int) -> list[float]:
             stamps[i] = time.perf_counter() - stamps[i]
         os._exit(0)
     for i in range(count):
-        time.sleep(GAP_S)
+        time.sleep(gap_s)
         stamps[i] = time.perf_counter()
         os.eventfd_write(bell, 1)
         while stamps[i] > 1.0:  # the child writes the difference back
@@ -238,7 +238,7 @@ def wake_floor(count: int) -> list[float]:
     return [float(x) * 1e6 for x in stamps[:count]]
 
 
-def copy_floor(count: int, q: Any) -> None:
+def copy_floor(count: int, q: Any, gap_s: float = GAP_S) -> None:
     """The same copy in one process after 5 ms asleep: issue, and issue to its landed word seen."""
     import cupy as cp
     from cuda.bindings import driver
@@ -250,7 +250,7 @@ def copy_floor(count: int, q: Any) -> None:
     stream = cp.cuda.Stream(non_blocking=True, priority=-5)
     rows = []
     for i in range(1, count + 11):
-        time.sleep(GAP_S)
+        time.sleep(gap_s)
         t0 = time.perf_counter()
         cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.ptr, SIZE, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
         (err,) = driver.cuStreamWriteValue64(stream.ptr, word.ptr, i, 0)
@@ -282,6 +282,9 @@ def main() -> int:
         help="a daemon setting; each one given runs a daemon of its own beside the defaults' (e.g. tuning__beat_spin_us=0)",
     )
     ap.add_argument("--by-function", action="store_true", help="add the idle daemon's part split by function")
+    ap.add_argument(
+        "--gap-us", type=float, default=GAP_S * 1e6, help="us between urgent copies, the client asleep (5000)"
+    )
     if len(sys.argv) > 2 and sys.argv[1] == "--hooked-daemon":
         return hooked_daemon(sys.argv[2], sys.argv[3:])
     args = ap.parse_args()
@@ -294,16 +297,17 @@ def main() -> int:
         results["rows"].setdefault(row, {})[step] = values
         lines.append(f"{row:44} {step:24} {summary(values)}")
 
-    put("floor: bare wake-up", "wake-up", wake_floor(args.count))
+    gap_s = args.gap_us / 1e6
+    every = "" if args.gap_us == GAP_S * 1e6 else f", every {args.gap_us:g} us"
+    put(f"floor: bare wake-up{every}", "wake-up", wake_floor(args.count, gap_s))
     if args.backend == "cuda":
         q = spawn.Queue()
-        p = spawn.Process(target=copy_floor, args=(args.count, q))
+        p = spawn.Process(target=copy_floor, args=(args.count, q, gap_s))
         p.start()
         rows = q.get(timeout=120)
         p.join()
-        put("floor: in-process copy and word", "issue", [r[0] for r in rows])
-        put("floor: in-process copy and word", "GPU and word", [r[1] for r in rows])
-        put("floor: in-process copy and word", "whole", [r[2] for r in rows])
+        for i, step in enumerate(("issue", "GPU and word", "whole")):
+            put(f"floor: in-process copy and word{every}", step, [r[i] for r in rows])
     for setting in ["", *args.set]:
         env = settings_env([setting]) if setting else {}
         with daemon_process(env, backend=args.backend, start_timeout=120) as dmn:
@@ -315,20 +319,20 @@ def main() -> int:
                     bulk.start()
                     time.sleep(3.0)  # the bulk copies under way, their pinned memory warm
                 cpu0, t0 = process_cpu_seconds(dmn.proc.pid), time.perf_counter()
-                steps = urgent_steps(dmn.socket_path, args.count)
+                steps = urgent_steps(dmn.socket_path, args.count, gap_s)
                 cpu_s_per_s = (process_cpu_seconds(dmn.proc.pid) - cpu0) / (time.perf_counter() - t0)
                 if bulk is not None:
                     stop.set()
                     bulk.join(120)
-                row = f"priod {load}{', ' + setting if setting else ''}"
+                row = f"priod {load}{', ' + setting if setting else ''}{every}"
                 for step in STEPS:
                     put(row, step, [s[step] for s in steps])
                 results["rows"][row]["daemon_cpu_s_per_s"] = cpu_s_per_s
                 lines.append(f"{row:44} {'daemon CPU':24} {cpu_s_per_s:9.3f} s/s")
     if args.by_function:
-        for stage, values in by_function(args.out, args.backend, args.count).items():
+        for stage, values in by_function(args.out, args.backend, args.count, gap_s).items():
             if len(values) >= args.count // 2:  # stages every copy went through
-                put("priod idle, by function", stage, values)
+                put(f"priod idle, by function{every}", stage, values)
     with open(os.path.join(args.out, "results.json"), "w") as fp:
         json.dump(results, fp)
     table = "\n".join(lines)
