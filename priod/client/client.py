@@ -394,20 +394,21 @@ class Client:
             if fut is not None and not fut.done():
                 fut.set_result((msg, []))
 
-    def _drop_ring(self) -> None:
-        """Stop using the ring (the connection is gone): completions already there count first."""
+    def _drop_ring(self) -> set[int]:
+        """Stop using the ring (the connection is gone): completions already there count first.
+        Returns the copies published on it that the daemon never read (its head, which only it
+        moves, did not pass them): they never left."""
         ring, self._ring = self._ring, None
         self._landed.clear()
+        untaken: set[int] = set()
         if ring is not None:
             self._take_completions(ring)
-            # What the daemon never read never left (its head, which only it moves, did not
-            # pass the descriptor): read before the ring goes.
-            self._untaken |= {rid for rid, seq in self._published.items() if not ring.taken(seq)}
-        self._published.clear()
-        if ring is not None:
+            untaken = {rid for rid, seq in self._published.items() if not ring.taken(seq)}
             if not ring.closed:
                 asyncio.get_running_loop().remove_reader(ring.wake_fd)
             ring.close()
+        self._published.clear()
+        return untaken
 
     def _ring_doorbell(self) -> None:
         if self._ring_due == RING_DUE and self._ring is not None:
@@ -632,7 +633,7 @@ class Client:
         if self._sock is not None:
             self._sock.set_listener(None)
             self._sock.close()
-        self._drop_ring()
+        self._untaken |= self._drop_ring()
         again = self._will_reconnect(cause)
         if again:
             # Copies wait for the reconnect's outcome, which their error then states.
