@@ -609,21 +609,6 @@ class BlockingFramedSocket:
             self._take_in(*self._recvmsg())
         return self._messages.popleft()
 
-    def peer_closed(self) -> bool:
-        """Whether the peer has closed the connection (end of stream seen, nothing left to read
-        before it), without blocking or taking any bytes."""
-        if self._messages:
-            return False
-        try:
-            # select first: on a socket with a timeout, Python waits for readiness up to it even
-            # with MSG_DONTWAIT.
-            readable, _, _ = select.select([self.sock.fileno()], [], [], 0)
-            return bool(readable) and self.sock.recv(1, socket.MSG_PEEK) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-
     def receive_or_wake(
         self, timeout: float, wake_fd: int, woken: Callable[[], bool], spin_s: float | None = None
     ) -> tuple[Message, list[int]] | None:
