@@ -41,7 +41,7 @@ RULE_TESTS = ROOT / "tests" / "promtool" / "priod-rules.test.yaml"
 
 
 async def poll(check: Callable[[], T | None], timeout: float = 30.0, what: str = "metrics") -> T:
-    """Scrape until ``check`` returns something truthy (gauges refresh about once a second)."""
+    """Scrape until ``check`` returns something truthy (copies take their time to land)."""
     deadline = time.monotonic() + timeout
     while True:
         value = await asyncio.to_thread(check)
@@ -231,6 +231,25 @@ async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[Daem
     assert get(s, "priod_inflight_bytes", path="dma", **h2d) == 0
     # A counter of seconds: it grew by no more than the time that passed.
     assert 0 < get(s, "priod_engine_busy_seconds_total", **h2d) - busy_before <= time.monotonic() - started + 1.0
+
+
+async def test_a_scrape_reads_the_gauges_at_that_moment(metered: tuple[DaemonProcess, Scraper]) -> None:
+    """Gauges are read from the daemon's state at each scrape, not on a timer: the first scrape
+    once bulk copies are taken (65 ms each on the slow link) shows them queued and in flight, and
+    the first once they are cancelled shows the queue empty, with nothing to wait for between."""
+    d, scrape = metered
+    h2d = {**gpu0(d), "direction": "h2d"}
+    async with priod.connect(d.socket_path, copy_path="daemon") as c:
+        host, dev = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
+        queued = [c.start_copy(dev, host, priority="bulk") for _ in range(50)]
+        await c.status()  # answered once the copies sent before it are taken
+        s = await asyncio.to_thread(scrape)
+        assert get(s, "priod_queued_requests", priority="bulk", **h2d) >= 1
+        assert get(s, "priod_inflight_bytes", path="dma", **h2d) > 0
+        await asyncio.wait_for(asyncio.gather(*(h.cancel() for h in queued)), 60)
+        s = await asyncio.to_thread(scrape)
+        assert get(s, "priod_queued_requests", priority="bulk", **h2d) == 0
+        assert get(s, "priod_queued_bytes", priority="bulk", **h2d) == 0
 
 
 U0 = "GPU-0b5e5f4a-1c2d-4e3f-8a9b-0c1d2e3f4a5b"

@@ -22,7 +22,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from typing import Generic, TypeVar
@@ -424,15 +424,28 @@ class Metrics:
             counter.labels(*labels).inc(total - seen)
             self._seen[key] = total
 
-    def serve(self, address: str, port: int, loop: asyncio.AbstractEventLoop | None = None) -> int:
+    def serve(
+        self,
+        address: str,
+        port: int,
+        loop: asyncio.AbstractEventLoop | None = None,
+        refresh: Callable[[], None] | None = None,
+    ) -> int:
         """Serve /metrics, and /healthz for a liveness probe, from a thread; returns the bound
         port (``port=0`` is not passed here). /healthz answers 200 once ``loop`` has run a
         callback within `HEALTH_TIMEOUT_S`, 503 when it has not (a stuck event loop): a probe
-        that checks what matters, with no process started and no log line per probe."""
+        that checks what matters, with no process started and no log line per probe.
+
+        Each scrape first has ``loop`` run ``refresh`` (the gauges read from the daemon's state,
+        on the loop's thread, which owns it), so the figures are those of the scrape and a daemon
+        nobody scrapes spends nothing on them; a loop that does not answer within
+        `HEALTH_TIMEOUT_S` leaves the last figures."""
         scrape = make_wsgi_app(self.registry)
 
         def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
             if environ.get("PATH_INFO") != "/healthz":
+                if loop is not None and refresh is not None:
+                    _run_on_loop(loop, refresh, HEALTH_TIMEOUT_S)
                 body: Iterable[bytes] = scrape(environ, start_response)
                 return body
             alive = loop is None or _loop_answers(loop, HEALTH_TIMEOUT_S)
@@ -452,9 +465,22 @@ millisecond, so 2 s of silence is a stuck loop, not a busy one."""
 
 
 def _loop_answers(loop: asyncio.AbstractEventLoop, timeout: float) -> bool:
+    return _run_on_loop(loop, lambda: None, timeout)
+
+
+def _run_on_loop(loop: asyncio.AbstractEventLoop, call: Callable[[], None], timeout: float) -> bool:
+    """Run ``call`` on ``loop`` from another thread and wait for it; False if the loop did not
+    run it within ``timeout`` seconds (or is closed)."""
     ran = threading.Event()
+
+    def run() -> None:
+        try:
+            call()
+        finally:
+            ran.set()
+
     try:
-        loop.call_soon_threadsafe(ran.set)
+        loop.call_soon_threadsafe(run)
     except RuntimeError:  # the loop is closed
         return False
     return ran.wait(timeout)

@@ -12,7 +12,6 @@ The daemon (server.py) imports this module: what it reads of it is named here (`
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping
@@ -30,7 +29,7 @@ from priod.daemon.sched.scheduler import Scheduler
 from priod.daemon.session import Session
 from priod.wire.transport import Peer
 
-__all__ = ["refresh_metrics", "refresh_metrics_loop", "status"]
+__all__ = ["refresh_metrics", "status"]
 
 
 class Reported(Protocol):
@@ -139,12 +138,6 @@ def loop_share_figures(figures: dict[str, Any], mine: int | None) -> dict[str, A
     if mine is None:
         return figures
     return {**figures, "uids": {u: f for u, f in figures["uids"].items() if u == str(mine)}}
-
-
-async def refresh_metrics_loop(d: Reported) -> None:
-    while True:
-        refresh_metrics(d)
-        await asyncio.sleep(1.0)
 
 
 def refresh_metrics(d: Reported) -> None:

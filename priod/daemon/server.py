@@ -31,7 +31,7 @@ from priod.daemon.metrics import Metrics
 from priod.daemon.pump import Pump
 from priod.daemon.rate import LoopShare
 from priod.daemon.regions import RegionTable
-from priod.daemon.report import refresh_metrics, refresh_metrics_loop, status
+from priod.daemon.report import refresh_metrics, status
 from priod.daemon.rings import RING_FDS
 from priod.daemon.sched.scheduler import Scheduler
 from priod.daemon.session import Session, Shared
@@ -264,12 +264,11 @@ class Daemon:
         self.pump.start()
         if self.cfg.metrics.port:
             self.metrics_port = self.metrics.serve(
-                self.cfg.metrics.address, self.cfg.metrics.port, asyncio.get_running_loop()
+                self.cfg.metrics.address, self.cfg.metrics.port, asyncio.get_running_loop(), self.refresh_metrics
             )
         self._spawn(self._accept_loop())
         self._spawn(self.admission.expire_loop())
         self._spawn(self.pump.run())
-        self._spawn(refresh_metrics_loop(self))
         lanes = self.scheduler.statistics().lanes
         log.info(
             "daemon_started",
