@@ -565,17 +565,15 @@ class Client:
     def _settle_orphans(self, outcome: str, retry: bool) -> None:
         """Fail (or, with ``retry``, send again) the copies the lost connection left unanswered.
         Those the daemon never took never left: sent again once reconnected (``retry`` or not),
-        else failed with the connection's error, as a request that could not be sent."""
+        else failed saying that no byte of them moved (`copy_unsent`)."""
         orphans, self._orphans = self._orphans, {}
         untaken, self._untaken = self._untaken, set()
         for req_id, fut in orphans.items():
             entry = self._copies.pop(req_id, None)
             if fut.done():
                 continue
-            if req_id in untaken and self._closed_exc is not None:  # not reconnected
-                fut.set_exception(copy_unsent(req_id, self.path, outcome))
-                continue
-            if (retry or req_id in untaken) and entry is not None:
+            # Not reconnected (`_closed_exc` set): nothing goes again; the error says what became of it.
+            if (retry or req_id in untaken) and self._closed_exc is None and entry is not None:
                 req, dst, src = entry
                 if req.wait_event is None and req.signal_event is None and dst.lost is None and src.lost is None:
                     try:
@@ -586,7 +584,7 @@ class Client:
                         continue
                     except PriodError:
                         pass
-            exc = copy_lost(req_id, self.path, outcome)
+            exc = (copy_unsent if req_id in untaken else copy_lost)(req_id, self.path, outcome)
             exc.__cause__ = self._closed_exc
             fut.set_exception(exc)
 

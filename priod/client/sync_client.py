@@ -450,11 +450,7 @@ class SyncClient:
             self._published.pop(rid, None)
             entry = self._started_copies.get(rid)
             never_left = rid in untaken
-            if never_left and not reconnected:
-                exc = self._lost_copies[rid] = copy_unsent(rid, self.path, outcome)
-                self._started[rid] = ErrorReply(exc.code, str(exc)).encode(rid)
-                continue
-            if (retry or never_left) and entry is not None:
+            if (retry or (never_left and reconnected)) and entry is not None:
                 req, dst, src = entry
                 if req.wait_event is None and req.signal_event is None and dst.lost is None and src.lost is None:
                     try:
@@ -463,7 +459,7 @@ class SyncClient:
                         continue
                     except (PriodError, OSError):
                         pass
-            exc = self._lost_copies[rid] = copy_lost(rid, self.path, outcome)
+            exc = self._lost_copies[rid] = (copy_unsent if never_left else copy_lost)(rid, self.path, outcome)
             self._started[rid] = ErrorReply(exc.code, str(exc)).encode(rid)
 
     def _lost_error(self, exc: BaseException, copy: bool, req_id: int) -> ConnectionClosed:
