@@ -59,6 +59,15 @@ def restartable(env: dict[str, str] | None = None) -> Iterator[tuple[str, ExitSt
         yield path, stack, first
 
 
+async def copies_taken(path: str) -> None:
+    """Return once some connection of the daemon at ``path`` has a copy taken and pending."""
+    async with priod.connect(path) as other:
+        deadline = time.monotonic() + 30
+        while not any(x["pending"] for x in (await other.status())["clients"]):
+            assert time.monotonic() < deadline, "no copy was taken"
+            await asyncio.sleep(0.01)
+
+
 def snapshot(*regions: priod.Region) -> list[bytes]:
     out = []
     for r in regions:
@@ -230,11 +239,7 @@ async def test_async_copy_on_the_ring_goes_again_only_if_the_dead_daemon_never_t
             big_h, big_d = await c.alloc_host(BIG), await c.alloc_device(BIG)
             assert h.array is not None and d.array is not None
             taken = c.start_copy(big_d, big_h)  # ~200 ms at the sim's 0.25 GB/s
-            async with priod.connect(path) as other:
-                deadline = time.monotonic() + 30
-                while not any(x["pending"] for x in (await other.status())["clients"]):
-                    assert time.monotonic() < deadline, "the big copy was never taken"
-                    await asyncio.sleep(0.01)
+            await copies_taken(path)
             first.proc.send_signal(signal.SIGSTOP)  # alive, but reads nothing more
             h.array[:] = pattern(42, MiB)
             untaken = c.start_copy(d, h)
@@ -245,6 +250,27 @@ async def test_async_copy_on_the_ring_goes_again_only_if_the_dead_daemon_never_t
             with pytest.raises(priod.ConnectionClosed, match=RECONNECTED):
                 await asyncio.wait_for(taken, 30)
             assert c.reconnects == 1
+
+
+async def test_without_a_reconnect_a_copy_the_daemon_never_read_says_no_byte_moved() -> None:
+    """``reconnect_s=0``: the ring copy the dead daemon never read fails saying it never reached
+    the daemon and moved nothing; the one it had read fails as possibly moved."""
+    with restartable() as (path, _, first):
+        async with priod.connect(path, copy_path="daemon", reconnect_s=0) as c:
+            h, d = await c.alloc_host(MiB), await c.alloc_device(MiB)
+            big_h, big_d = await c.alloc_host(BIG), await c.alloc_device(BIG)
+            taken = c.start_copy(big_d, big_h)
+            await copies_taken(path)
+            first.proc.send_signal(signal.SIGSTOP)
+            untaken = c.start_copy(d, h)
+            await stop(first, "SIGKILL")
+            unsent = (
+                rf"^connection to priod at {path} lost: copy \d+ never reached the daemon, and no byte of it moved\. "
+            )
+            with pytest.raises(priod.ConnectionClosed, match=unsent):
+                await asyncio.wait_for(untaken, 30)
+            with pytest.raises(priod.ConnectionClosed, match=LOST_COPY):
+                await asyncio.wait_for(taken, 30)
 
 
 async def test_retry_copies_sends_the_pending_copy_again() -> None:
