@@ -59,13 +59,27 @@ def restartable(env: dict[str, str] | None = None) -> Iterator[tuple[str, ExitSt
         yield path, stack, first
 
 
-async def copies_taken(path: str) -> None:
-    """Return once some connection of the daemon at ``path`` has a copy taken and pending."""
+async def one_read_one_not(
+    c: priod.Client, path: str, first: DaemonProcess
+) -> tuple[priod.CopyHandle, priod.CopyHandle, priod.Region, priod.Region]:
+    """Start a copy the daemon at ``path`` takes (`BIG`, ~200 ms at the sim's 0.25 GB/s), stop
+    the daemon (SIGSTOP: alive, but reading nothing more), publish a 1 MiB copy it never reads,
+    and kill it: (the copy it took, the one it never read, that one's destination and source,
+    its source filled)."""
+    h, d = await c.alloc_host(MiB), await c.alloc_device(MiB)
+    big_h, big_d = await c.alloc_host(BIG), await c.alloc_device(BIG)
+    assert h.array is not None and d.array is not None
+    taken = c.start_copy(big_d, big_h)
     async with priod.connect(path) as other:
         deadline = time.monotonic() + 30
         while not any(x["pending"] for x in (await other.status())["clients"]):
-            assert time.monotonic() < deadline, "no copy was taken"
+            assert time.monotonic() < deadline, "the big copy was never taken"
             await asyncio.sleep(0.01)
+    first.proc.send_signal(signal.SIGSTOP)
+    h.array[:] = pattern(42, MiB)
+    untaken = c.start_copy(d, h)
+    await stop(first, "SIGKILL")
+    return taken, untaken, d, h
 
 
 def snapshot(*regions: priod.Region) -> list[bytes]:
@@ -235,15 +249,7 @@ async def test_async_copy_on_the_ring_goes_again_only_if_the_dead_daemon_never_t
     dead daemon never read goes again by itself and lands; one it had read fails as lost."""
     with restartable() as (path, stack, first):
         async with priod.connect(path, copy_path="daemon") as c:
-            h, d = await c.alloc_host(MiB), await c.alloc_device(MiB)
-            big_h, big_d = await c.alloc_host(BIG), await c.alloc_device(BIG)
-            assert h.array is not None and d.array is not None
-            taken = c.start_copy(big_d, big_h)  # ~200 ms at the sim's 0.25 GB/s
-            await copies_taken(path)
-            first.proc.send_signal(signal.SIGSTOP)  # alive, but reads nothing more
-            h.array[:] = pattern(42, MiB)
-            untaken = c.start_copy(d, h)
-            await stop(first, "SIGKILL")
+            taken, untaken, d, h = await one_read_one_not(c, path, first)
             stack.enter_context(daemon_process(ENV, socket_path=path))
             result = await asyncio.wait_for(untaken, 30)
             assert result.nbytes == MiB and np.array_equal(d.array, h.array)
@@ -257,13 +263,7 @@ async def test_without_a_reconnect_a_copy_the_daemon_never_read_says_no_byte_mov
     the daemon and moved nothing; the one it had read fails as possibly moved."""
     with restartable() as (path, _, first):
         async with priod.connect(path, copy_path="daemon", reconnect_s=0) as c:
-            h, d = await c.alloc_host(MiB), await c.alloc_device(MiB)
-            big_h, big_d = await c.alloc_host(BIG), await c.alloc_device(BIG)
-            taken = c.start_copy(big_d, big_h)
-            await copies_taken(path)
-            first.proc.send_signal(signal.SIGSTOP)
-            untaken = c.start_copy(d, h)
-            await stop(first, "SIGKILL")
+            taken, untaken, _, _ = await one_read_one_not(c, path, first)
             unsent = (
                 rf"^connection to priod at {path} lost: copy \d+ never reached the daemon, and no byte of it moved\. "
             )
