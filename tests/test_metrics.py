@@ -27,7 +27,14 @@ from prometheus_client.parser import text_string_to_metric_families
 import priod
 from priod.client.client import Client
 from priod.common.types import Direction, LaneKey
-from priod.daemon.metrics import LANE_LABELS, LATENCY_BUCKETS, gpu_labels, lane_labels, nvidia_device_nodes
+from priod.daemon.metrics import (
+    LANE_LABELS,
+    LATENCY_BUCKETS,
+    REFRESH_MIN_S,
+    gpu_labels,
+    lane_labels,
+    nvidia_device_nodes,
+)
 from priod.testing import DaemonProcess, daemon_process
 from priod.testing.scrape import Samples, Scraper, free_port, get, total
 
@@ -234,21 +241,27 @@ async def test_gauges_show_queues_in_flight_busy_and_clients(metered: tuple[Daem
 
 
 async def test_a_scrape_reads_the_gauges_at_that_moment(metered: tuple[DaemonProcess, Scraper]) -> None:
-    """Gauges are read from the daemon's state at each scrape, not on a timer: the first scrape
-    once bulk copies are taken (65 ms each on the slow link) shows them queued and in flight, and
-    the first once they are cancelled shows the queue empty, with nothing to wait for between."""
+    """Gauges are read from the daemon's state when it is scraped, not on a timer: the first
+    scrape once bulk copies are taken (65 ms each on the slow link) shows them queued and in
+    flight, and once they are cancelled a scrape within a refresh interval shows the queue empty."""
     d, scrape = metered
     h2d = {**gpu0(d), "direction": "h2d"}
     async with priod.connect(d.socket_path, copy_path="daemon") as c:
         host, dev = await c.alloc_host(4 * MiB), await c.alloc_device(4 * MiB)
         queued = [c.start_copy(dev, host, priority="bulk") for _ in range(50)]
         await c.status()  # answered once the copies sent before it are taken
+        # An interval, not a condition: past REFRESH_MIN_S since the daemon's last refresh (an
+        # earlier test's scrape), so this scrape refreshes.
+        await asyncio.sleep(REFRESH_MIN_S)
         s = await asyncio.to_thread(scrape)
         assert get(s, "priod_queued_requests", priority="bulk", **h2d) >= 1
         assert get(s, "priod_inflight_bytes", path="dma", **h2d) > 0
         await asyncio.wait_for(asyncio.gather(*(h.cancel() for h in queued)), 60)
-        s = await asyncio.to_thread(scrape)
-        assert get(s, "priod_queued_requests", priority="bulk", **h2d) == 0
+        s = await poll(  # the next refresh within REFRESH_MIN_S of the last one
+            lambda: (lambda s: s if get(s, "priod_queued_requests", priority="bulk", **h2d) == 0 else None)(scrape()),
+            timeout=5.0,
+            what="the cancelled copies out of the queue",
+        )
         assert get(s, "priod_queued_bytes", priority="bulk", **h2d) == 0
 
 
@@ -625,6 +638,36 @@ def test_the_dcgm_joins_the_docs_show_are_the_ones_promtool_runs() -> None:
     assert len(joins) == 2 and all(re.search(r"\bon \((UUID|node, gpu)\)", q) for q in joins), joins
     tested = [t["expr"] for g in yaml.safe_load(RULE_TESTS.read_text())["tests"] for t in g.get("promql_expr_test", [])]
     assert set(joins) <= set(tested)
+
+
+def test_a_flood_of_scrapes_refreshes_the_gauges_at_most_once_per_refresh_min_s() -> None:
+    """Scrapes as fast as one client can make them for a second: every one is answered, and the
+    event loop runs the gauges' refresh at most once per `REFRESH_MIN_S`, so a scraper cannot
+    take the loop from the daemon's clients."""
+    import urllib.request
+
+    from priod.daemon.metrics import Metrics
+
+    async def main() -> tuple[int, float, list[float]]:
+        loop = asyncio.get_running_loop()
+        calls: list[float] = []
+        port = Metrics().serve("127.0.0.1", 0, loop, lambda: calls.append(time.monotonic()))
+
+        def flood() -> tuple[int, float]:
+            start, n = time.monotonic(), 0
+            while time.monotonic() - start < 1.0:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                    assert r.status == 200
+                n += 1
+            return n, time.monotonic() - start
+
+        n, took = await asyncio.to_thread(flood)
+        return n, took, calls
+
+    n, took, calls = asyncio.run(main())
+    assert 1 <= len(calls) <= took / REFRESH_MIN_S + 1, (n, len(calls))
+    assert all(b - a >= REFRESH_MIN_S for a, b in itertools.pairwise(calls)), calls
+    assert n > 2 * len(calls), f"{n} scrapes in {took:.2f} s, {len(calls)} refreshes"
 
 
 def test_healthz_answers_while_the_event_loop_turns_and_503_once_it_is_stuck() -> None:
