@@ -252,6 +252,7 @@ async def test_async_copy_on_the_ring_goes_again_only_if_the_dead_daemon_never_t
             taken, untaken, d, h = await one_read_one_not(c, path, first)
             stack.enter_context(daemon_process(ENV, socket_path=path))
             result = await asyncio.wait_for(untaken, 30)
+            assert d.array is not None and h.array is not None
             assert result.nbytes == MiB and np.array_equal(d.array, h.array)
             with pytest.raises(priod.ConnectionClosed, match=RECONNECTED):
                 await asyncio.wait_for(taken, 30)
