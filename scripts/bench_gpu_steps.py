@@ -162,6 +162,9 @@ def hooked_daemon(stamps_path: str, argv: list[str]) -> int:
             mod = importlib.import_module(module)
         except ImportError:
             continue  # no CUDA here: the sim's functions only
+        if not (mod.__file__ or "").endswith(".py"):
+            # Compiled code calls its functions directly: a wrapper set here would never run.
+            raise SystemExit(f"--by-function stamps the pure-Python build; {module} is compiled (PRIOD_COMPILE=1)")
         wrap(getattr(mod, cls) if cls else mod, name, enter, leave)
 
     def dump() -> None:

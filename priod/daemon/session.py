@@ -535,8 +535,8 @@ class Session:
         (the connection then ends, as for a bad frame)."""
         try:
             taken = ring.submissions.take()
-        except RingCorrupt as exc:
-            self._end(ProtocolError(f"copy ring: {exc}"))
+        except RingCorrupt as corrupt:  # each clause its own name: compiled (setup.py), a name keeps its first type
+            self._end(ProtocolError(f"copy ring: {corrupt}"))
             return False
         if taken is None:
             return True
@@ -556,9 +556,9 @@ class Session:
                 take_copy(self, req_id, req, by_ring=True, landed=landed)
         except RequestError as exc:
             self._refuse(req_id, exc, op)
-        except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
+        except Exception as bug:  # a bug of ours: answer, log, keep serving everyone else
             log.exception("request_failed", op=op)
-            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), op)
+            self._refuse(req_id, PriodError(f"internal error ({type(bug).__name__}: {bug}); the daemon logged it"), op)
         return True
 
     def _rate_resume(self) -> None:
@@ -683,10 +683,10 @@ class Session:
             self._refuse(req_id, exc, msg.get("op"))
         except ConnectionClosed:
             raise
-        except Exception as exc:  # a bug of ours: answer, log, keep serving everyone else
+        except Exception as bug:  # a bug of ours: answer, log, keep serving everyone else
             log.exception("request_failed", op=msg.get("op"))
             self._refuse(
-                req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), msg.get("op")
+                req_id, PriodError(f"internal error ({type(bug).__name__}: {bug}); the daemon logged it"), msg.get("op")
             )
         finally:
             if fds:  # the usual request brings none: no call
@@ -703,9 +703,9 @@ class Session:
             self._refuse(req_id, exc, op)
         except (ConnectionClosed, asyncio.CancelledError):
             raise
-        except Exception as exc:
+        except Exception as bug:
             log.exception("request_failed", op=op)
-            self._refuse(req_id, PriodError(f"internal error ({type(exc).__name__}: {exc}); the daemon logged it"), op)
+            self._refuse(req_id, PriodError(f"internal error ({type(bug).__name__}: {bug}); the daemon logged it"), op)
         finally:
             close_received(fds)
 
