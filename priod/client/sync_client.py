@@ -363,13 +363,7 @@ class SyncClient:
             self._sock.close()
             if self._dead is None:
                 self._dead = ConnectionClosed(self._lost_why(exc))
-            self._settle(
-                orphans,
-                "The client does not reconnect by itself (reconnect_s = 0, or closed).",
-                False,
-                untaken,
-                False,
-            )
+            self._settle(orphans, "The client does not reconnect by itself (reconnect_s = 0, or closed).", untaken)
             return False
         self._recovering = True
         start = time.monotonic()
@@ -391,7 +385,7 @@ class SyncClient:
                             f"connection to priod at {self.path} lost, and reconnecting failed for "
                             f"{time.monotonic() - start:.1f} s (reconnect_s = {self.reconnect_s}): {err}"
                         )
-                        self._settle(orphans, f"The client did not reconnect: {err}.", False, untaken, False)
+                        self._settle(orphans, f"The client did not reconnect: {err}.", untaken)
                         return False
                     time.sleep(min(reconnect_sleep(attempt), max(0.0, deadline - time.monotonic())))
         finally:
@@ -400,7 +394,6 @@ class SyncClient:
         self._settle(
             orphans,
             f"The client has reconnected (in {time.monotonic() - start:.2f} s) and registered its regions again.",
-            self.retry_copies,
             untaken,
         )
         if self.lost_regions:
@@ -434,23 +427,18 @@ class SyncClient:
             self._regions.remove(region)
         self.lost_regions = lost
 
-    def _settle(
-        self,
-        orphans: list[int],
-        outcome: str,
-        retry: bool,
-        untaken: Collection[int] = (),
-        reconnected: bool = True,
-    ) -> None:
-        """The started copies the lost connection left unanswered: sent again (``retry``), else
-        their reply becomes the `ConnectionClosed` that says what became of them. ``untaken``:
-        ring descriptors the daemon never took, which never left: sent again if the client has
-        ``reconnected``, else failed saying that no byte of them moved."""
+    def _settle(self, orphans: list[int], outcome: str, untaken: Collection[int]) -> None:
+        """The started copies the lost connection left unanswered: sent again once reconnected
+        (``retry_copies``), else their reply becomes the `ConnectionClosed` that says what became
+        of them. ``untaken``: ring descriptors the daemon never took, which never left: sent
+        again once reconnected whatever ``retry_copies`` says, else failed saying that no byte
+        of them moved."""
+        reconnected = self._dead is None  # set before settling wherever the client gave up
         for rid in orphans:
             self._published.pop(rid, None)
             entry = self._started_copies.get(rid)
             never_left = rid in untaken
-            if (retry or (never_left and reconnected)) and entry is not None:
+            if reconnected and (self.retry_copies or never_left) and entry is not None:
                 req, dst, src = entry
                 if req.wait_event is None and req.signal_event is None and dst.lost is None and src.lost is None:
                     try:
