@@ -589,7 +589,8 @@ def _image_installs_what_serve_imports(run: str) -> None:
     """The extras the image's pip line installs (its ARG defaults filled in) pull every module
     `priod serve` needs beyond the client's (cli.DAEMON_MODULES), by pyproject.toml's own lists:
     an image without them would crash-loop every DaemonSet pod."""
-    found = re.search(r'pip install --no-cache-dir "/src\[([^\]]*)\]"', run)
+    # The final venv's pip line: the wheel the build stage made, with the extras.
+    found = re.search(r'/opt/priod/bin/pip install --no-cache-dir "[^"\[]*\[([^\]]*)\]"', run)
     assert found, run
     defaults = dict(re.findall(r"^ARG (\w+)=(\S*)$", CONTAINERFILE.read_text(), re.M))
     extras = [re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], e).strip() for e in found.group(1).split(",")]

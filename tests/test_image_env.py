@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 import time
@@ -195,6 +196,9 @@ class ImageEnv:
     """The final stage's ENV, rerooted, over this process's environment (less PRIOD_*)."""
     command: list[str]
     """ENTRYPOINT + CMD, rerooted."""
+    compiled: bool
+    """Built with the Containerfile's ``COMPILE`` default, 1: this machine has the C compiler and
+    Python headers that the build stage's apt-get line installs in the image."""
 
     def python(self, code: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -205,6 +209,13 @@ class ImageEnv:
             env=self.env,
             cwd=self.root,
         )
+
+
+def can_compile() -> bool:
+    """A C compiler and this interpreter's headers: what mypyc needs (the build stage's apt-get
+    line gives the image gcc and python3-dev)."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) is not None and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
 
 
 @pytest.fixture(scope="module")
@@ -219,13 +230,17 @@ def image_env() -> Iterator[ImageEnv]:
         base_env = {k: v for k, v in os.environ.items() if not k.startswith(("PRIOD_", "PYTHON", "VIRTUAL_ENV"))}
         base_env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
         ran = []
+        args = dict(cf.args)
+        compiled = args.get("COMPILE") == "1" and can_compile()
+        if not compiled:
+            args["COMPILE"] = "0"  # the apt-get line is not run here: pure Python, said by the test
         for ins, arg in build:
             if ins == "COPY":
                 copy_from_context(arg, root)
             elif ins == "RUN" and not arg.startswith("apt-get"):  # the base's system packages
                 cmd = reroot(arg, root).replace("--no-cache-dir ", "")
                 cmd = re.sub(r"(^|&&\s*)python3 ", rf"\g<1>{shlex.quote(sys.executable)} ", cmd)
-                env = base_env | cf.args
+                env = base_env | args
                 r = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=240, env=env)
                 assert r.returncode == 0, f"RUN {arg}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
                 ran.append(arg)
@@ -245,7 +260,7 @@ def image_env() -> Iterator[ImageEnv]:
         command = json.loads(last["ENTRYPOINT"]) + [reroot(a, root) for a in json.loads(last["CMD"])]
         venv = under(root, "/opt/priod")
         assert (venv / "bin" / "python").exists(), "the pip line's venv is /opt/priod (the final stage copies it)"
-        yield ImageEnv(root, venv, env, command)
+        yield ImageEnv(root, venv, env, command, compiled)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -253,7 +268,8 @@ def image_env() -> Iterator[ImageEnv]:
 @pytest.mark.slow
 def test_image_environment_serves_and_ships_what_it_should(image_env: ImageEnv) -> None:
     """In the environment the Containerfile builds: priod is the one installed from /src (not
-    this checkout), with the daemon's modules, the cuda-bindings major the base's CUDA is for,
+    this checkout), with the daemon's modules (its per-copy path compiled, where this machine
+    can compile as the build stage can), the cuda-bindings major the base's CUDA is for,
     the LICENSE, the README as its description and the shipped units; the image's command
     (plus ``--backend sim``) serves on its socket, with the config the image puts in
     PRIOD_CONFIG; the environment's SyncClient copies through it and ``priod status`` reports
@@ -266,8 +282,10 @@ def test_image_environment_serves_and_ships_what_it_should(image_env: ImageEnv) 
         from priod.cli import DAEMON_MODULES
         files = {str(f): f for f in m.files("priod") or []}
         lic = [n for n in files if n.endswith("licenses/LICENSE")]
+        import priod.daemon.pump as pump
         print(json.dumps({
             "file": priod.__file__,
+            "pump": pump.__file__,
             "version": m.version("priod"),
             "cuda_bindings": m.version("cuda-bindings"),
             "missing": [n for n in DAEMON_MODULES if importlib.util.find_spec(n) is None],
@@ -281,6 +299,8 @@ def test_image_environment_serves_and_ships_what_it_should(image_env: ImageEnv) 
     assert got["file"].startswith(str(e.venv)), got["file"]
     assert got["version"] == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert got["missing"] == []
+    if e.compiled:  # the per-copy path is the mypyc build's (setup.py), not the .py files
+        assert got["pump"].endswith(".so"), got["pump"]
     assert int(got["cuda_bindings"].split(".")[0]) == cuda_major_of_base(Containerfile.read().base), got
     assert got["license"] == (ROOT / "LICENSE").read_text(), "the installed priod carries the LICENSE"
     assert got["readme"].strip() == (ROOT / "README.md").read_text().strip(), "its description is the README"
