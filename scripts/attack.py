@@ -23,8 +23,8 @@ figure with no attacker, then starts the attacker in a process of its own and me
    refused: counted), beside four 64 MiB bulk copies with the tightest legal deadline (0 ms)
    always outstanding. Honest: another process's bulk throughput. Target: >= 0.25 of unloaded.
 5. ``bombs``: 4 connections send ~1 MiB msgpack frames of up to a million tiny objects, over
-   and over. Honest: ping p50/p99 (target as 1); beside it the daemon's RSS growth (reported:
-   the issue sets no target; tests/test_hostile_wire.py bounds 8 bombs at 100 MiB); every bomb
+   and over. Honest: ping p50/p99 (target as 1); beside it the daemon's RSS growth (reported,
+   with no target of its own; tests/test_hostile_wire.py bounds 8 bombs at 100 MiB); every bomb
    must be refused with ``bad_frame``.
 6. ``idle``: 256 connections of one uid that never say hello. Honest: a root client connects
    (target: yes); the connections admitted are closed once ``[server] hello_timeout_s`` (5 s)
@@ -153,7 +153,7 @@ MUTE_MAX_OUTPUT = MiB
 MUTE_FILL_S = 20.0
 """How long the mute attack waits for its connections' replies to fill half of that each."""
 RSS_GROWTH_MAX_MIB = 100.0
-"""tests/test_hostile_wire.py's bound on RSS growth after 8 bombs (the issue sets no target)."""
+"""tests/test_hostile_wire.py's bound on RSS growth after 8 bombs (a report: the attack sets no target of its own)."""
 SIGTERM_MAX_S = 10.0
 REPLY_TIMEOUT_S = 10.0
 """How long the honest client waits for a batch of replies before calling the daemon stalled."""
